@@ -1,0 +1,29 @@
+# One task runner. Every target sets up what is missing first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint typecheck bench soak clean
+
+setup:
+	@scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/proctor demo
+
+test: setup lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) bench/ledger.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

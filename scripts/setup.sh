@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs what Proctor needs and is missing: Debian packages, a virtualenv, the package.
+# Idempotent and quick when everything is there already.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_pkgs=()
+command -v runsc >/dev/null 2>&1 || need_pkgs+=(runsc)
+command -v bwrap >/dev/null 2>&1 || need_pkgs+=(bubblewrap)
+command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
+[ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /lib/x86_64-linux-gnu/libseccomp.so.2 ] \
+  || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_pkgs+=(libseccomp2)
+command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
+
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing Debian packages: ${need_pkgs[*]} (run as root, or install them)" >&2
+    exit 1
+  fi
+  echo "setup: installing Debian packages: ${need_pkgs[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+
+stamp=.venv/.proctor-installed
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi

@@ -1,0 +1,7 @@
+"""Proctor: a compliant runtime for code no person fully reviewed."""
+
+from proctor.errors import ProctorError
+
+__all__ = ["ProctorError", "__version__"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,4 @@
+"""The ``proctor`` command."""
+
+def main() -> None:
+    raise SystemExit(0)
