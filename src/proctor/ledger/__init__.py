@@ -1,0 +1,57 @@
+"""The tamper-evident audit ledger.
+
+One append-only RFC 6962 Merkle log per tenant (and one ``system`` log for the
+runtime), stored as C2SP tlog-tiles, with C2SP signed checkpoints, RFC 9162
+inclusion and consistency proofs, group-committed durable appends, and offline
+verification from an export and the verifier key alone.
+"""
+
+from proctor.ledger._canonical import canonical_json
+from proctor.ledger._event import Actor, Decision, EventDraft, utc_now
+from proctor.ledger._ledger import (
+    SYSTEM_LOG,
+    Appended,
+    ConsistencyProof,
+    InclusionProof,
+    Ledger,
+    LogHead,
+    verify_export,
+)
+from proctor.ledger._merkle import (
+    leaf_hash,
+    node_hash,
+    root_from_inclusion,
+    verify_consistency,
+    verify_inclusion,
+)
+from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint, parse_checkpoint
+from proctor.ledger._tiles import tile_path
+from proctor.ledger._verify import VerifyReport, verify_log
+
+__all__ = [
+    "SYSTEM_LOG",
+    "Actor",
+    "Appended",
+    "Checkpoint",
+    "ConsistencyProof",
+    "Decision",
+    "EventDraft",
+    "InclusionProof",
+    "Ledger",
+    "LogHead",
+    "Signer",
+    "Verifier",
+    "VerifyReport",
+    "canonical_json",
+    "leaf_hash",
+    "node_hash",
+    "open_checkpoint",
+    "parse_checkpoint",
+    "root_from_inclusion",
+    "tile_path",
+    "utc_now",
+    "verify_consistency",
+    "verify_export",
+    "verify_inclusion",
+    "verify_log",
+]

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from proctor.errors import UsageError
+
+EVENT_VERSION = 1
+Decision = Literal["allow", "deny"]
+
+_ACTOR_TYPES = frozenset({"operator", "user", "service", "workload", "runtime"})
+_ACTION_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+
+
+def utc_now() -> str:
+    """RFC 3339 UTC with microseconds; fixed width, so strings sort by time."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who acted: a person, a service account, a run's workload, or the runtime."""
+
+    type: str
+    id: str
+
+    def __post_init__(self) -> None:
+        if self.type not in _ACTOR_TYPES:
+            raise UsageError(f"unknown actor type {self.type!r}")
+        if not self.id:
+            raise UsageError("an actor needs an id")
+
+    def as_json(self) -> dict[str, str]:
+        return {"type": self.type, "id": self.id}
+
+
+@dataclass(frozen=True)
+class EventDraft:
+    """An event before the ledger gives it its place (``seq``) and ``time``."""
+
+    actor: Actor
+    action: str
+    resource: str
+    decision: Decision = "allow"
+    policies: tuple[str, ...] = ()
+    reason: str = ""
+    deployment: str | None = None
+    run: str | None = None
+    artifact: str | None = None
+    approvals: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _ACTION_RE.match(self.action):
+            raise UsageError(f"invalid action name {self.action!r} (expected e.g. 'sql.select')")
+        if self.decision not in ("allow", "deny"):
+            raise UsageError(f"decision must be 'allow' or 'deny', not {self.decision!r}")
+
+    def to_event(self, seq: int, time: str, tenant: str) -> dict[str, Any]:
+        return {
+            "v": EVENT_VERSION,
+            "seq": seq,
+            "time": time,
+            "tenant": tenant,
+            "actor": self.actor.as_json(),
+            "action": self.action,
+            "resource": self.resource,
+            "decision": self.decision,
+            "policies": list(self.policies),
+            "reason": self.reason,
+            "deployment": self.deployment,
+            "run": self.run,
+            "artifact": self.artifact,
+            "approvals": list(self.approvals),
+            "details": self.details,
+        }

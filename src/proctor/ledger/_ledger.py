@@ -1,0 +1,601 @@
+from __future__ import annotations
+
+import base64
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proctor.errors import (
+    AlreadyExists,
+    LedgerError,
+    NotFound,
+    ProctorError,
+    UsageError,
+    VerificationFailed,
+)
+from proctor.ledger._canonical import canonical_json
+from proctor.ledger._event import EventDraft, utc_now
+from proctor.ledger._merkle import (
+    EMPTY_ROOT,
+    CompactRange,
+    consistency_path,
+    inclusion_path,
+    leaf_hash,
+    root_from,
+)
+from proctor.ledger._note import Checkpoint, Signer, Verifier
+from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
+from proctor.ledger._verify import VerifyReport, verify_log
+from proctor.store import Conn, Store
+
+SYSTEM_LOG = "system"
+_TILE_BYTES = TILE_WIDTH * 32
+_UPSERT_TILE = (
+    "INSERT INTO ledger_tiles (log, level, idx, hashes) VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (log, level, idx) DO UPDATE SET hashes = excluded.hashes"
+)
+
+TxHook = Callable[[Conn], None]
+
+
+@dataclass(frozen=True)
+class Appended:
+    """An event durably in the log: its place, its leaf hash, the checkpoint over it."""
+
+    log: str
+    seq: int
+    leaf_hash: bytes
+    size: int
+    checkpoint: str
+    event: bytes
+
+
+@dataclass(frozen=True)
+class InclusionProof:
+    index: int
+    size: int
+    leaf_hash: bytes
+    hashes: tuple[bytes, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "size": self.size,
+            "leaf_hash": base64.b64encode(self.leaf_hash).decode(),
+            "hashes": [base64.b64encode(h).decode() for h in self.hashes],
+        }
+
+
+@dataclass(frozen=True)
+class ConsistencyProof:
+    old: int
+    new: int
+    hashes: tuple[bytes, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "old": self.old,
+            "new": self.new,
+            "hashes": [base64.b64encode(h).decode() for h in self.hashes],
+        }
+
+
+@dataclass(frozen=True)
+class LogHead:
+    log: str
+    origin: str
+    size: int
+    root: bytes
+    checkpoint: str
+
+
+class _Pending:
+    __slots__ = ("create", "done", "draft", "error", "hook", "log", "result")
+
+    def __init__(self, log: str, draft: EventDraft, hook: TxHook | None, create: bool) -> None:
+        self.log = log
+        self.draft = draft
+        self.hook = hook
+        self.create = create
+        self.done = threading.Event()
+        self.result: Appended | None = None
+        self.error: BaseException | None = None
+
+
+class _LogState:
+    """The writer's view of one log's right edge: peaks and the partial tiles."""
+
+    def __init__(self, log: str, origin: str, last_time: str, tree: CompactRange) -> None:
+        self.log = log
+        self.origin = origin
+        self.last_time = last_time
+        self.tree = tree
+        self.tiles: dict[int, tuple[int, bytearray]] = {}
+        self.dirty: dict[tuple[int, int], bytearray] = {}
+
+    @classmethod
+    def load(cls, conn: Conn, log: str, cache: FullTileCache) -> _LogState | None:
+        row = conn.query_one(
+            "SELECT origin, size, last_time FROM ledger_logs WHERE log = ?", (log,)
+        )
+        if row is None:
+            return None
+        origin, size, last_time = str(row[0]), int(row[1]), str(row[2])
+        nodes = TileNodes(conn, log, cache)
+        state = cls(log, origin, last_time, CompactRange.from_tree(nodes, size))
+        level = 0
+        while size >> (8 * level):
+            index, width = divmod(size >> (8 * level), TILE_WIDTH)
+            buf = bytearray(nodes.tile(level, index)[: width * 32]) if width else bytearray()
+            if len(buf) != width * 32:
+                raise LedgerError(f"log {log}: tile level {level} is damaged in the store")
+            state.tiles[level] = (index, buf)
+            level += 1
+        return state
+
+    def _add(self, level: int, h: bytes) -> None:
+        index, buf = self.tiles.get(level, (0, bytearray()))
+        buf += h
+        self.dirty[(level, index)] = buf
+        if len(buf) == _TILE_BYTES:
+            self.tiles[level] = (index + 1, bytearray())
+        else:
+            self.tiles[level] = (index, buf)
+
+    def _on_node(self, height: int, h: bytes) -> None:
+        if height % 8 == 0:
+            self._add(height // 8, h)
+
+    def push(self, leaf: bytes) -> None:
+        self._add(0, leaf)
+        self.tree.push(leaf, self._on_node)
+
+
+class Ledger:
+    """Append-only Merkle logs, one per tenant plus the runtime's ``system`` log.
+
+    One writer thread takes appends from a queue and commits them in batches:
+    one transaction, one fsync and one signed checkpoint per log per batch
+    (group commit). :meth:`append` returns only once its event is durable; if
+    it cannot be made durable, :meth:`append` raises :class:`LedgerError` and
+    the caller must refuse whatever the event was recording.
+    """
+
+    def __init__(
+        self, store: Store, signer: Signer, trust_domain: str, *, max_batch: int = 2048
+    ) -> None:
+        self._store = store
+        self._signer = signer
+        self._trust_domain = trust_domain
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._states: dict[str, _LogState] = {}
+        self._cache = FullTileCache()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+
+    # -- identity -----------------------------------------------------------
+
+    @property
+    def signer_name(self) -> str:
+        return self._signer.name
+
+    def origin(self, log: str) -> str:
+        if log == SYSTEM_LOG:
+            return f"{self._trust_domain}/system"
+        return f"{self._trust_domain}/tenant/{log}"
+
+    def vkey(self) -> str:
+        return self._signer.verifier.vkey()
+
+    # -- writing ------------------------------------------------------------
+
+    def create_log(self, log: str, first: EventDraft, hook: TxHook | None = None) -> Appended:
+        """Create ``log`` with ``first`` as its event 0, atomically with ``hook``'s writes."""
+        return self._submit(_Pending(log, first, hook, create=True))
+
+    def append(self, log: str, draft: EventDraft, hook: TxHook | None = None) -> Appended:
+        """Append one event; returns once it is durable. ``hook`` commits with it."""
+        return self._submit(_Pending(log, draft, hook, create=False))
+
+    def _submit(self, item: _Pending) -> Appended:
+        if self._closed:
+            raise LedgerError("the ledger is closed; the event was not recorded")
+        self._ensure_writer()
+        self._queue.put(item)
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    def _ensure_writer(self) -> None:
+        if self._thread is not None:
+            return
+        with self._start_lock:
+            if self._thread is None:
+                t = threading.Thread(target=self._run, name="proctor-ledger-writer", daemon=True)
+                t.start()
+                self._thread = t
+
+    def close(self) -> None:
+        """Finish pending appends and stop the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < self._max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            try:
+                self._commit(batch)
+            except BaseException as exc:
+                self._fail(batch, exc)
+                continue
+            for item in batch:
+                item.done.set()
+
+    def _fail(self, batch: list[_Pending], exc: BaseException) -> None:
+        if isinstance(exc, LedgerError):
+            error = exc
+        else:
+            why = exc.message if isinstance(exc, ProctorError) else str(exc) or type(exc).__name__
+            error = LedgerError(f"the ledger could not record the event durably: {why}")
+        for item in batch:
+            # The in-memory right edge may be ahead of what was committed.
+            self._states.pop(item.log, None)
+            item.result = None
+            if item.error is None:
+                item.error = error
+            item.done.set()
+
+    def _commit(self, batch: list[_Pending]) -> None:
+        logs = sorted({item.log for item in batch})
+        results: list[tuple[_Pending, int, str, bytes, bytes]] = []
+        touched: dict[str, _LogState] = {}
+        with self._store.write(*(f"ledger:{log}" for log in logs)) as conn:
+            now = utc_now()
+            for item in batch:
+                state = self._prepare(conn, item, touched)
+                if state is None:
+                    continue
+                seq = state.tree.size
+                time = max(now, state.last_time)
+                try:
+                    data = canonical_json(item.draft.to_event(seq, time, item.log))
+                except ProctorError as exc:
+                    item.error = exc
+                    continue
+                if item.hook is not None:
+                    conn.execute("SAVEPOINT item")
+                    try:
+                        item.hook(conn)
+                    except ProctorError as exc:
+                        conn.execute("ROLLBACK TO SAVEPOINT item")
+                        conn.execute("RELEASE SAVEPOINT item")
+                        item.error = exc
+                        continue
+                    conn.execute("RELEASE SAVEPOINT item")
+                leaf = leaf_hash(data)
+                state.push(leaf)
+                state.last_time = time
+                results.append((item, seq, time, leaf, data))
+            conn.executemany(
+                "INSERT INTO ledger_entries (log, seq, time, data) VALUES (?, ?, ?, ?)",
+                [(item.log, seq, time, data) for item, seq, time, _, data in results],
+            )
+            notes: dict[str, str] = {}
+            for log, state in touched.items():
+                size = state.tree.size
+                root = state.tree.root()
+                note = self._signer.sign_note(Checkpoint(state.origin, size, root).body())
+                notes[log] = note
+                conn.executemany(
+                    _UPSERT_TILE,
+                    [(log, lvl, idx, bytes(buf)) for (lvl, idx), buf in state.dirty.items()],
+                )
+                state.dirty.clear()
+                conn.execute(
+                    "UPDATE ledger_logs SET size = ?, root = ?, last_time = ?, checkpoint = ?"
+                    " WHERE log = ?",
+                    (size, root, state.last_time, note, log),
+                )
+                conn.execute(
+                    "INSERT INTO ledger_checkpoints (log, size, time, note) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (log, size) DO NOTHING",
+                    (log, size, state.last_time, note),
+                )
+        # Durable from here on: the transaction committed.
+        self._states.update(touched)
+        for item, seq, _, leaf, data in results:
+            state = touched[item.log]
+            item.result = Appended(item.log, seq, leaf, state.tree.size, notes[item.log], data)
+
+    def _prepare(
+        self, conn: Conn, item: _Pending, touched: dict[str, _LogState]
+    ) -> _LogState | None:
+        """The log's state inside this transaction, creating the log if asked."""
+        state = touched.get(item.log)
+        if item.create:
+            if state is not None or conn.query_one(
+                "SELECT 1 FROM ledger_logs WHERE log = ?", (item.log,)
+            ):
+                item.error = AlreadyExists(f"log {item.log!r} exists already")
+                return None
+            origin = self.origin(item.log)
+            note = self._signer.sign_note(Checkpoint(origin, 0, EMPTY_ROOT).body())
+            conn.execute(
+                "INSERT INTO ledger_logs (log, origin, size, root, last_time, checkpoint)"
+                " VALUES (?, ?, 0, ?, '', ?)",
+                (item.log, origin, EMPTY_ROOT, note),
+            )
+            state = _LogState(item.log, origin, "", CompactRange())
+            touched[item.log] = state
+            return state
+        if state is not None:
+            return state
+        row = conn.query_one("SELECT size FROM ledger_logs WHERE log = ?", (item.log,))
+        if row is None:
+            item.error = NotFound(f"no log {item.log!r}: unknown tenant")
+            return None
+        cached = self._states.get(item.log)
+        # Another process (or node) may have appended since we last wrote.
+        if cached is None or cached.tree.size != int(row[0]):
+            cached = _LogState.load(conn, item.log, self._cache)
+            assert cached is not None
+        touched[item.log] = cached
+        return cached
+
+    # -- reading ------------------------------------------------------------
+
+    def logs(self) -> list[str]:
+        with self._store.read() as conn:
+            return [str(r[0]) for r in conn.query("SELECT log FROM ledger_logs ORDER BY log")]
+
+    def head(self, log: str) -> LogHead:
+        with self._store.read() as conn:
+            return self._head(conn, log)
+
+    def _head(self, conn: Conn, log: str) -> LogHead:
+        row = conn.query_one(
+            "SELECT origin, size, root, checkpoint FROM ledger_logs WHERE log = ?", (log,)
+        )
+        if row is None:
+            raise NotFound(f"no log {log!r}: unknown tenant")
+        return LogHead(log, str(row[0]), int(row[1]), bytes(row[2]), str(row[3]))
+
+    def checkpoints(self, log: str) -> list[tuple[int, str, str]]:
+        """Every stored checkpoint of ``log`` as (size, time, signed note), oldest first."""
+        with self._store.read() as conn:
+            self._head(conn, log)
+            rows = conn.query(
+                "SELECT size, time, note FROM ledger_checkpoints WHERE log = ? ORDER BY size",
+                (log,),
+            )
+        return [(int(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    def entries(self, log: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """The event bytes of ``log`` from ``start`` (inclusive) to ``end`` (exclusive)."""
+        with self._store.read() as conn:
+            self._head(conn, log)
+            if end is None:
+                rows = conn.iterate(
+                    "SELECT data FROM ledger_entries WHERE log = ? AND seq >= ? ORDER BY seq",
+                    (log, start),
+                )
+            else:
+                rows = conn.iterate(
+                    "SELECT data FROM ledger_entries WHERE log = ? AND seq >= ? AND seq < ?"
+                    " ORDER BY seq",
+                    (log, start, end),
+                )
+            for row in rows:
+                yield bytes(row[0])
+
+    def events_between(
+        self, log: str, since: str | None = None, until: str | None = None
+    ) -> Iterator[bytes]:
+        """Event bytes whose ``time`` lies in [since, until), by the time index."""
+        clauses, params = ["log = ?"], [log]
+        if since is not None:
+            clauses.append("time >= ?")
+            params.append(since)
+        if until is not None:
+            clauses.append("time < ?")
+            params.append(until)
+        sql = f"SELECT data FROM ledger_entries WHERE {' AND '.join(clauses)} ORDER BY seq"  # noqa: S608 - fixed clauses
+        with self._store.read() as conn:
+            self._head(conn, log)
+            for row in conn.iterate(sql, params):
+                yield bytes(row[0])
+
+    def _sizes(self, conn: Conn, log: str, size: int | None) -> tuple[LogHead, int]:
+        head = self._head(conn, log)
+        if size is None:
+            size = head.size
+        if not 0 < size <= head.size:
+            raise UsageError(f"size {size} is out of range: log {log!r} has {head.size} events")
+        return head, size
+
+    def inclusion_proof(self, log: str, index: int, size: int | None = None) -> InclusionProof:
+        with self._store.read() as conn:
+            _, size = self._sizes(conn, log, size)
+            if not 0 <= index < size:
+                raise UsageError(
+                    f"index {index} is out of range: the tree of log {log!r} at size "
+                    f"{size} holds indexes 0 to {size - 1}"
+                )
+            nodes = TileNodes(conn, log, self._cache)
+            path = inclusion_path(nodes, index, size)
+            return InclusionProof(index, size, nodes(index, 0), tuple(path))
+
+    def consistency_proof(self, log: str, old: int, new: int | None = None) -> ConsistencyProof:
+        with self._store.read() as conn:
+            _, new = self._sizes(conn, log, new)
+            if not 0 < old <= new:
+                raise UsageError(f"old size {old} must be between 1 and {new}")
+            path = consistency_path(TileNodes(conn, log, self._cache), old, new)
+            return ConsistencyProof(old, new, tuple(path))
+
+    def root_at(self, log: str, size: int) -> bytes:
+        with self._store.read() as conn:
+            _, size = self._sizes(conn, log, size)
+            return root_from(TileNodes(conn, log, self._cache), size)
+
+    def tile(self, log: str, level: int, index: int) -> bytes:
+        with self._store.read() as conn:
+            self._head(conn, log)
+            return TileNodes(conn, log, self._cache).tile(level, index)
+
+    # -- verification and export -------------------------------------------
+
+    def verify(self, log: str, trusted: Sequence[str] = ()) -> VerifyReport:
+        """Recompute ``log`` from its stored events; see :func:`verify_log`.
+
+        ``trusted`` are signed checkpoints held outside the store (an auditor's
+        copy): the log must be consistent with them too.
+        """
+        with self._store.read() as conn:
+            head = self._head(conn, log)
+            notes = [
+                str(r[0])
+                for r in conn.query(
+                    "SELECT note FROM ledger_checkpoints WHERE log = ? ORDER BY size", (log,)
+                )
+            ]
+            notes.append(head.checkpoint)
+            notes.extend(trusted)
+            raw = TileNodes(conn, log, FullTileCache(capacity=16))
+            entries = (
+                bytes(r[0])
+                for r in conn.iterate(
+                    "SELECT data FROM ledger_entries WHERE log = ? ORDER BY seq", (log,)
+                )
+            )
+            return verify_log(
+                origin=head.origin,
+                tenant=log,
+                entries=entries,
+                checkpoints=notes,
+                verifier=self._signer.verifier,
+                head=(head.size, head.root),
+                tiles=raw.tile,
+            )
+
+    def export(self, log: str, out: Path) -> LogHead:
+        """Write ``log`` so that :func:`verify_export` needs nothing else.
+
+        Layout: ``events.jsonl`` (the hashed bytes, one per line),
+        ``checkpoints.jsonl``, ``checkpoint`` (the latest signed note, as
+        signed), ``verifier.key``, ``log.json``, and the tree as C2SP
+        tlog-tiles under ``tile/`` so standard tlog clients can read it.
+        """
+        out.mkdir(parents=True, exist_ok=True)
+        if any(out.iterdir()):
+            raise UsageError(f"export directory {out} is not empty")
+        with self._store.read() as conn:
+            head = self._head(conn, log)
+            with (out / "events.jsonl").open("wb") as f:
+                for row in conn.iterate(
+                    "SELECT data FROM ledger_entries WHERE log = ? AND seq < ? ORDER BY seq",
+                    (log, head.size),
+                ):
+                    f.write(bytes(row[0]) + b"\n")
+            with (out / "checkpoints.jsonl").open("wb") as f:
+                for size, time, note in conn.query(
+                    "SELECT size, time, note FROM ledger_checkpoints"
+                    " WHERE log = ? AND size <= ? ORDER BY size",
+                    (log, head.size),
+                ):
+                    f.write(canonical_json({"size": size, "time": time, "note": note}) + b"\n")
+            nodes = TileNodes(conn, log, self._cache)
+            level = 0
+            while head.size >> (8 * level):
+                count = head.size >> (8 * level)
+                for index in range((count + TILE_WIDTH - 1) // TILE_WIDTH):
+                    width = min(TILE_WIDTH, count - index * TILE_WIDTH)
+                    path = out / tile_path(level, index, width)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(nodes.tile(level, index)[: width * 32])
+                level += 1
+        (out / "checkpoint").write_text(head.checkpoint, encoding="utf-8")
+        (out / "verifier.key").write_text(self.vkey() + "\n", encoding="utf-8")
+        meta = {
+            "format": EXPORT_FORMAT,
+            "log": log,
+            "origin": head.origin,
+            "size": head.size,
+            "root": base64.b64encode(head.root).decode(),
+        }
+        (out / "log.json").write_bytes(canonical_json(meta) + b"\n")
+        return head
+
+
+EXPORT_FORMAT = "proctor-ledger-export/1"
+
+
+def verify_export(
+    directory: Path, verifier: Verifier | None = None, trusted: Sequence[str] = ()
+) -> VerifyReport:
+    """Verify an exported log offline. Without ``verifier`` the export's own key is used."""
+    try:
+        meta = json.loads((directory / "log.json").read_bytes())
+        if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+            raise VerificationFailed(f"{directory} is not a Proctor ledger export")
+        if verifier is None:
+            verifier = Verifier.parse((directory / "verifier.key").read_text(encoding="utf-8"))
+        latest = (directory / "checkpoint").read_text(encoding="utf-8")
+        notes = [latest, *trusted]
+        with (directory / "checkpoints.jsonl").open("rb") as f:
+            for line in f:
+                notes.append(str(json.loads(line)["note"]))
+        origin, log = str(meta["origin"]), str(meta["log"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise VerificationFailed(f"cannot read the export {directory}: {exc}") from exc
+
+    def tiles(level: int, index: int) -> bytes:
+        full = directory / tile_path(level, index)
+        if full.is_file():
+            return full.read_bytes()
+        partials = full.parent / f"{full.name}.p"
+        widths = sorted(int(p.name) for p in partials.glob("*") if p.name.isdigit())
+        return (partials / str(widths[-1])).read_bytes() if widths else b""
+
+    def entries() -> Iterator[bytes]:
+        try:
+            with (directory / "events.jsonl").open("rb") as f:
+                for line in f:
+                    yield line.rstrip(b"\n")
+        except OSError as exc:
+            raise VerificationFailed(f"cannot read the export's events: {exc}") from exc
+
+    has_tiles = (directory / "tile").is_dir()
+    return verify_log(
+        origin=origin,
+        tenant=log,
+        entries=entries(),
+        checkpoints=notes,
+        verifier=verifier,
+        tiles=tiles if has_tiles else None,
+    )

@@ -1,0 +1,194 @@
+"""C2SP signed notes and tlog-checkpoints, with Ed25519.
+
+Formats, exactly as https://c2sp.org/signed-note and /tlog-checkpoint give them:
+
+* key id: the first 4 bytes of SHA-256(name || 0x0A || 0x01 || public key);
+* verifier key: ``<name>+<hex key id>+<base64(0x01 || public key)>``;
+* signature line: ``— <name> <base64(key id || signature)>``;
+* checkpoint body: ``<origin>\\n<size>\\n<base64 root>\\n``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from proctor.errors import UsageError, VerificationFailed
+
+_ALG_ED25519 = b"\x01"
+_EM_DASH = "\u2014"
+# Key names are non-empty, without whitespace or '+' (signed-note).
+_NAME_RE = re.compile(r"^[^\s+]+$")
+
+
+def _key_id(name: str, public: bytes) -> bytes:
+    return hashlib.sha256(name.encode() + b"\n" + _ALG_ED25519 + public).digest()[:4]
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise UsageError(f"invalid key name {name!r}: no spaces or '+' allowed")
+
+
+class Verifier:
+    """Checks signatures of one named Ed25519 key."""
+
+    def __init__(self, name: str, public: bytes) -> None:
+        _check_name(name)
+        if len(public) != 32:
+            raise UsageError("an Ed25519 public key is 32 bytes")
+        self.name = name
+        self.public = public
+        self.key_id = _key_id(name, public)
+        self._key = Ed25519PublicKey.from_public_bytes(public)
+
+    @classmethod
+    def parse(cls, vkey: str) -> Verifier:
+        """Parse a verifier key string ``name+hexid+base64key``."""
+        parts = vkey.strip().split("+")
+        if len(parts) != 3:
+            raise UsageError(f"malformed verifier key {vkey.strip()!r}")
+        name, hex_id, b64 = parts
+        try:
+            raw = base64.b64decode(b64, validate=True)
+            key_id = bytes.fromhex(hex_id)
+        except (binascii.Error, ValueError) as exc:
+            raise UsageError(f"malformed verifier key {vkey.strip()!r}: {exc}") from exc
+        if len(raw) != 33 or raw[:1] != _ALG_ED25519:
+            raise UsageError("verifier key is not an Ed25519 key (algorithm byte 0x01)")
+        verifier = cls(name, raw[1:])
+        if verifier.key_id != key_id:
+            raise UsageError("verifier key id does not match its name and key")
+        return verifier
+
+    def vkey(self) -> str:
+        b64 = base64.b64encode(_ALG_ED25519 + self.public).decode()
+        return f"{self.name}+{self.key_id.hex()}+{b64}"
+
+    def verify(self, message: bytes, signature: bytes) -> bool:
+        try:
+            self._key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+
+class Signer:
+    """An Ed25519 note signer; the private key never leaves this object."""
+
+    def __init__(self, name: str, key: Ed25519PrivateKey) -> None:
+        public = key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.verifier = Verifier(name, public)
+        self._key = key
+
+    @property
+    def name(self) -> str:
+        return self.verifier.name
+
+    @classmethod
+    def generate(cls, name: str) -> Signer:
+        return cls(name, Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, name: str, path: Path) -> Signer:
+        try:
+            data = path.read_bytes()
+            key = serialization.load_pem_private_key(data, password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise UsageError(f"cannot load the signing key {path}: {exc}") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise UsageError(f"the signing key {path} is not an Ed25519 key")
+        return cls(name, key)
+
+    def save(self, path: Path) -> None:
+        """Write the private key, readable by its owner only, never overwriting."""
+        pem = self._key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def sign_note(self, text: str) -> str:
+        if not text.endswith("\n") or "\n\n" in text:
+            raise ValueError("note text must end in a newline and have no blank line")
+        sig = self._key.sign(text.encode())
+        b64 = base64.b64encode(self.verifier.key_id + sig).decode()
+        return f"{text}\n{_EM_DASH} {self.name} {b64}\n"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    origin: str
+    size: int
+    root: bytes
+
+    def body(self) -> str:
+        return f"{self.origin}\n{self.size}\n{base64.b64encode(self.root).decode()}\n"
+
+
+def open_note(note: str, verifier: Verifier) -> str:
+    """Return the text of a signed note after checking ``verifier``'s signature."""
+    text, sep, sigs = note.rpartition("\n\n")
+    if not sep or not sigs.endswith("\n"):
+        raise VerificationFailed("malformed signed note: no signature block")
+    text += "\n"
+    for line in sigs[:-1].split("\n"):
+        parts = line.split(" ")
+        if len(parts) != 3 or parts[0] != _EM_DASH:
+            raise VerificationFailed(f"malformed signature line {line!r}")
+        _, name, b64 = parts
+        if name != verifier.name:
+            continue
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except binascii.Error as exc:
+            raise VerificationFailed(f"malformed signature line {line!r}") from exc
+        if raw[:4] != verifier.key_id:
+            continue
+        if verifier.verify(text.encode(), raw[4:]):
+            return text
+        raise VerificationFailed(f"the signature of {name} on the note is not valid")
+    raise VerificationFailed(f"the note carries no signature by {verifier.vkey()}")
+
+
+def parse_checkpoint(text: str) -> Checkpoint:
+    lines = text.split("\n")
+    if len(lines) < 4 or lines[-1] != "":
+        raise VerificationFailed("malformed checkpoint body")
+    origin, size_s, root_b64 = lines[0], lines[1], lines[2]
+    if not origin or not size_s.isdigit() or (size_s != "0" and size_s.startswith("0")):
+        raise VerificationFailed("malformed checkpoint: bad origin or size line")
+    try:
+        root = base64.b64decode(root_b64, validate=True)
+    except binascii.Error as exc:
+        raise VerificationFailed("malformed checkpoint: bad root hash") from exc
+    if len(root) != 32:
+        raise VerificationFailed("malformed checkpoint: root hash is not 32 bytes")
+    return Checkpoint(origin, int(size_s), root)
+
+
+def open_checkpoint(note: str, verifier: Verifier, origin: str | None = None) -> Checkpoint:
+    """Verify a signed checkpoint and return it; optionally require its origin."""
+    cp = parse_checkpoint(open_note(note, verifier))
+    if origin is not None and cp.origin != origin:
+        raise VerificationFailed(f"checkpoint is for log {cp.origin!r}, expected {origin!r}")
+    return cp

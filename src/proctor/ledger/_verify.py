@@ -1,0 +1,137 @@
+"""Full verification of a log from its events and signed checkpoints alone.
+
+Used both on the live store and on an export directory, so an auditor runs
+exactly the code the operator runs, with nothing but the verifier key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from proctor.errors import VerificationFailed
+from proctor.ledger._canonical import canonical_json
+from proctor.ledger._merkle import EMPTY_ROOT, HASH_SIZE, CompactRange, leaf_hash
+from proctor.ledger._note import Checkpoint, Verifier, open_checkpoint
+from proctor.ledger._tiles import TILE_WIDTH, tile_path
+
+TileFn = Callable[[int, int], bytes]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    origin: str
+    size: int
+    root: bytes
+    checkpoints: int
+
+
+class _TileCheck:
+    """Compares recomputed hashes with a stored or exported copy of the tree."""
+
+    def __init__(self, tiles: TileFn) -> None:
+        self._tiles = tiles
+        self._current: dict[int, tuple[int, bytes]] = {}
+
+    def check(self, level: int, index: int, h: bytes, seq: int) -> None:
+        tile_index, offset = divmod(index, TILE_WIDTH)
+        cur = self._current.get(level)
+        if cur is None or cur[0] != tile_index:
+            cur = (tile_index, self._tiles(level, tile_index))
+            self._current[level] = cur
+        stored = cur[1][offset * HASH_SIZE : (offset + 1) * HASH_SIZE]
+        if stored != h:
+            what = "is missing from" if not stored else "does not match"
+            raise VerificationFailed(
+                f"event seq {seq}: its hash {what} the stored tree "
+                f"({tile_path(level, tile_index)}); the event or the tree was altered"
+            )
+
+
+def verify_log(
+    *,
+    origin: str,
+    tenant: str,
+    entries: Iterable[bytes],
+    checkpoints: Sequence[str],
+    verifier: Verifier,
+    head: tuple[int, bytes] | None = None,
+    tiles: TileFn | None = None,
+) -> VerifyReport:
+    """Recompute every leaf and root; check every signed checkpoint against them.
+
+    Raises :class:`VerificationFailed` naming the first bad sequence number.
+    ``checkpoints`` are signed notes; any the caller holds from elsewhere (an
+    auditor's copy) can be added, which is what catches a truncated log whose
+    later checkpoints were deleted too.
+    """
+    by_size: dict[int, Checkpoint] = {}
+    for note in checkpoints:
+        cp = open_checkpoint(note, verifier, origin)
+        seen = by_size.get(cp.size)
+        if seen is not None and seen.root != cp.root:
+            raise VerificationFailed(
+                f"two signed checkpoints of size {cp.size} with different roots: the log was forked"
+            )
+        by_size[cp.size] = cp
+    if 0 in by_size and by_size[0].root != EMPTY_ROOT:
+        raise VerificationFailed("the signed checkpoint of size 0 has a non-empty root")
+    pending = sorted(s for s in by_size if s > 0)
+    check = _TileCheck(tiles) if tiles is not None else None
+    tree = CompactRange()
+    verified = 0
+    pi = 0
+    seq = -1
+
+    def on_node(height: int, h: bytes) -> None:
+        if check is not None and height % 8 == 0:
+            start = seq + 1 - (1 << height)
+            check.check(height // 8, start >> height, h, seq)
+
+    for seq, data in enumerate(entries):
+        try:
+            event = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise VerificationFailed(f"event seq {seq}: not valid JSON ({exc})") from exc
+        got = event.get("seq") if isinstance(event, dict) else None
+        if type(got) is not int or got != seq:
+            raise VerificationFailed(
+                f"event seq {seq}: found an event with seq {got!r} in its place; events "
+                "were removed, inserted or reordered"
+            )
+        if event.get("tenant") != tenant:
+            raise VerificationFailed(
+                f"event seq {seq}: belongs to tenant {event.get('tenant')!r}, not {tenant!r}"
+            )
+        if canonical_json(event) != data:
+            raise VerificationFailed(f"event seq {seq}: bytes are not canonical JSON")
+        leaf = leaf_hash(data)
+        if check is not None:
+            check.check(0, seq, leaf, seq)
+        tree.push(leaf, on_node)
+        while pi < len(pending) and pending[pi] == tree.size:
+            if tree.root() != by_size[tree.size].root:
+                raise VerificationFailed(
+                    f"event seq {verified} to {tree.size - 1}: these events do not hash to "
+                    f"the signed checkpoint of size {tree.size}; one of them was altered"
+                )
+            verified = tree.size
+            pi += 1
+    if pi < len(pending):
+        raise VerificationFailed(
+            f"event seq {tree.size}: missing; the log holds {tree.size} events but a "
+            f"signed checkpoint commits to {pending[pi]}"
+        )
+    root = tree.root()
+    if head is not None and (head[0] != tree.size or head[1] != root):
+        raise VerificationFailed(
+            f"the log's head (size {head[0]}) does not match its {tree.size} events"
+        )
+    if pending and pending[-1] != tree.size:
+        raise VerificationFailed(
+            f"event seq {pending[-1]}: the events from here on are covered by no signed checkpoint"
+        )
+    if not pending and tree.size:
+        raise VerificationFailed("event seq 0: no signed checkpoint covers the log")
+    return VerifyReport(origin, tree.size, root, len(by_size))

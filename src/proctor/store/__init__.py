@@ -1,0 +1,14 @@
+"""Persistence behind one small interface.
+
+Callers talk to a :class:`Store` and its :class:`Conn` with portable SQL
+(``?`` placeholders, ``INSERT ... ON CONFLICT``), inside ``read()`` or
+``write()`` transactions. Each engine owns its connections, its migrations and
+its way of serialising writers: SQLite has one writer per process and a file
+lock between processes; a PostgreSQL engine takes the advisory lock named by
+``write(lock=...)``. Callers never see which engine they have.
+"""
+
+from proctor.store._base import Conn, Row, Store
+from proctor.store._open import open_store
+
+__all__ = ["Conn", "Row", "Store", "open_store"]

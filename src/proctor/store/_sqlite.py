@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from proctor.errors import NotInitialized, StoreError
+from proctor.store._base import Row
+from proctor.store._migrations import SQLITE_MIGRATIONS
+
+# Wait this long for another process's write lock before giving up. Long enough to
+# ride out a large batch commit, short enough that a wedged peer shows up as an error.
+_BUSY_TIMEOUT_MS = 30_000
+
+
+class _SQLiteConn:
+    __slots__ = ("_db",)
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self._db.execute(sql, params).rowcount
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._db.executemany(sql, rows)
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return self._db.execute(sql, params).fetchall()
+
+    def query_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        row: Row | None = self._db.execute(sql, params).fetchone()
+        return row
+
+    def iterate(self, sql: str, params: Sequence[Any] = (), chunk: int = 4096) -> Iterator[Row]:
+        cur = self._db.execute(sql, params)
+        while rows := cur.fetchmany(chunk):
+            yield from rows
+
+
+class SQLiteStore:
+    """The embedded engine: one file, WAL, ``synchronous=FULL``, one writer.
+
+    Writers are serialised twice: a thread lock inside this process, and
+    SQLite's own ``BEGIN IMMEDIATE`` file lock between processes (a CLI command
+    and ``proctor serve`` may share a home). Readers get one connection per
+    thread and never block the writer (WAL).
+    """
+
+    def __init__(self, path: Path, *, create: bool = False) -> None:
+        self._path = path
+        if not path.exists() and not create:
+            raise NotInitialized(f"no Proctor store at {path}", hint="run `proctor init` first")
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        self._closed = False
+        self._writer = self._connect()
+        self._migrate()
+
+    @property
+    def engine(self) -> str:
+        return "sqlite"
+
+    @property
+    def url(self) -> str:
+        return f"sqlite:///{self._path}"
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(
+                self._path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=_BUSY_TIMEOUT_MS / 1000,
+            )
+            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            # Reading the schema forces SQLite to read the header: a file that
+            # is not a database fails here, before anything is written.
+            db.execute("PRAGMA schema_version").fetchone()
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()
+            if mode is None or str(mode[0]).lower() != "wal":
+                raise StoreError(f"cannot put {self._path} in WAL mode")
+            # FULL: the WAL is fsync'd at every commit, so a returned commit
+            # survives power loss, not only a process crash.
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"the store {self._path} cannot be opened: {exc}",
+                hint="the file is not a Proctor database or it is corrupted",
+            ) from exc
+        with self._all_lock:
+            self._all.append(db)
+        return db
+
+    def _reader(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = self._connect()
+            self._local.db = db
+        return db
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    @contextmanager
+    def read(self) -> Iterator[_SQLiteConn]:
+        self._check_open()
+        db = self._reader()
+        try:
+            db.execute("BEGIN")
+            try:
+                yield _SQLiteConn(db)
+            finally:
+                db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot read the store {self._path}: {exc}") from exc
+
+    @contextmanager
+    def write(self, *locks: str) -> Iterator[_SQLiteConn]:
+        # ``locks`` need nothing more here: the write lock below already makes
+        # this the only writer of the whole database.
+        del locks
+        self._check_open()
+        with self._write_lock:
+            db = self._writer
+            try:
+                db.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
+            try:
+                yield _SQLiteConn(db)
+                db.execute("COMMIT")
+            except BaseException as exc:
+                # If the commit itself failed, SQLite has already rolled back.
+                with suppress(sqlite3.DatabaseError):
+                    db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.DatabaseError):
+                    raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
+                raise
+
+    def schema_version(self) -> int:
+        with self.read() as conn:
+            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _migrate(self) -> None:
+        with self.write() as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations ("
+                " version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
+            )
+            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
+            current = int(row[0]) if row and row[0] is not None else 0
+            latest = len(SQLITE_MIGRATIONS)
+            if current > latest:
+                raise StoreError(
+                    f"the store {self._path} has schema version {current}, newer than this "
+                    f"Proctor understands ({latest})",
+                    hint="upgrade Proctor",
+                )
+            for version in range(current + 1, latest + 1):
+                for statement in SQLITE_MIGRATIONS[version - 1]:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, applied_at)"
+                    " VALUES (?, strftime('%Y-%m-%dT%H:%M:%fZ','now'))",
+                    (version,),
+                )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._all_lock:
+            for db in self._all:
+                with suppress(sqlite3.Error):
+                    db.close()
+            self._all.clear()
