@@ -1,0 +1,65 @@
+"""Deny-by-default policy: Cedar, through cedarpy.
+
+The public surface of the policy component. Everything else in this package
+is private and may change without notice.
+
+- :func:`compile_policies` parses, checks and validates a policy text once;
+  the :class:`CompiledPolicies` it returns is reused for every decision.
+- :func:`decide` answers a :class:`Request` with a :class:`Decision` (allow
+  or deny, the deciding policies' ``@id`` values, the policy version, any
+  evaluation errors). It never raises; every failure is a deny.
+- :class:`EntityRef`, :class:`Entity`, :class:`EntitySet`, :class:`IpAddr`
+  build requests and entities without hand-written Cedar JSON.
+- :func:`capability_policies` turns an approved capability set into the
+  permits of one deployment's workloads.
+- :func:`evaluate_request` is what ``proctor policy test`` runs.
+
+Identifiers are namespaced: entity types ``Proctor::Table``, actions
+``Proctor::Action::"sql.select"``. See docs/policy.md.
+"""
+
+from proctor.policy._capabilities import CAPABILITY_KEYS, capability_policies
+from proctor.policy._engine import (
+    CompiledPolicies,
+    Decision,
+    compile_policies,
+    decide,
+    evaluate_request,
+    normalize_text,
+    policy_version,
+)
+from proctor.policy._hosts import normalize_host
+from proctor.policy._model import CedarValue, Entity, EntityRef, EntitySet, IpAddr, Request
+from proctor.policy._schema import (
+    ACTIONS,
+    CONTROL_PLANE_ACTIONS,
+    DATA_PLANE_ACTIONS,
+    ENTITY_TYPES,
+    NAMESPACE,
+    schema_text,
+)
+
+__all__ = [
+    "ACTIONS",
+    "CAPABILITY_KEYS",
+    "CONTROL_PLANE_ACTIONS",
+    "DATA_PLANE_ACTIONS",
+    "ENTITY_TYPES",
+    "NAMESPACE",
+    "CedarValue",
+    "CompiledPolicies",
+    "Decision",
+    "Entity",
+    "EntityRef",
+    "EntitySet",
+    "IpAddr",
+    "Request",
+    "capability_policies",
+    "compile_policies",
+    "decide",
+    "evaluate_request",
+    "normalize_host",
+    "normalize_text",
+    "policy_version",
+    "schema_text",
+]
