@@ -1,4 +1,25 @@
-"""The ``proctor`` command."""
+"""The ``proctor`` command: a thin layer over the library."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+from proctor.errors import ProctorError
+
 
 def main() -> None:
-    raise SystemExit(0)
+    from proctor.cli._app import app
+
+    try:
+        app()
+    except ProctorError as exc:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        if exc.hint:
+            err.print(f"[dim]hint:[/] {exc.hint}", markup=True)
+        sys.exit(exc.exit_code)
+
+
+__all__ = ["main"]

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from proctor import __version__
+from proctor.cli._audit import audit_app
+from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
+
+app = typer.Typer(
+    name="proctor",
+    help="Proctor: run code on real data under policy, and prove what it did.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+tenant_app = typer.Typer(
+    help="Tenants: the boundary of data, policy and logs.", no_args_is_help=True
+)
+key_app = typer.Typer(help="The runtime's checkpoint signing key.", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+app.add_typer(key_app, name="key")
+app.add_typer(audit_app, name="audit")
+
+
+@app.command()
+def version() -> None:
+    """Print Proctor's version."""
+    console.print(__version__)
+
+
+@app.command()
+def init(
+    home: HomeOpt = None,
+    trust_domain: Annotated[
+        str, typer.Option(help="Trust domain for identities and log origins")
+    ] = DEFAULT_TRUST_DOMAIN,
+) -> None:
+    """Create a Proctor home: store, signing key, system log."""
+    target = home or default_home()
+    config = init_home(target, trust_domain)
+    with open_runtime(target) as rt:
+        vkey = rt.ledger.vkey()
+    console.print(f"initialised [bold]{target}[/] (trust domain {config.trust_domain})")
+    console.print(f"verifier key: {vkey}")
+
+
+@tenant_app.command("create")
+def tenant_create(name: str, home: HomeOpt = None) -> None:
+    """Create a tenant and its audit log."""
+    with open_runtime(home) as rt:
+        tenant = rt.tenants.create(name, rt.operator)
+        origin = rt.ledger.origin(tenant.name)
+    console.print(f"created tenant [bold]{tenant.name}[/] (log {origin})")
+
+
+@tenant_app.command("list")
+def tenant_list(home: HomeOpt = None) -> None:
+    """List tenants."""
+    with open_runtime(home) as rt:
+        tenants = rt.tenants.list()
+        sizes = {t.name: rt.ledger.head(t.name).size for t in tenants}
+    table = Table("tenant", "status", "events", "created", "by")
+    for t in tenants:
+        table.add_row(t.name, t.status, str(sizes[t.name]), t.created_at, t.created_by)
+    console.print(table)
+
+
+@key_app.command("show")
+def key_show(home: HomeOpt = None) -> None:
+    """Print the verifier key line (C2SP signed-note vkey)."""
+    with open_runtime(home) as rt:
+        console.print(rt.ledger.vkey())
+
+
+@app.command()
+def demo(
+    home: Annotated[
+        Path | None, typer.Option("--home", help="Home for the demo [default: a new temp dir]")
+    ] = None,
+) -> None:
+    """Run the main job end to end and print the story."""
+    from proctor.cli._demo import run_demo
+
+    run_demo(home)

@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from proctor.cli._common import HomeOpt, JsonOpt, TenantOpt, console, open_runtime, parse_time
+from proctor.errors import UsageError, VerificationFailed
+from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier, verify_export
+
+audit_app = typer.Typer(
+    help="The audit ledger: events, checkpoints, proofs, verification.", no_args_is_help=True
+)
+
+
+def _emit_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+@audit_app.command("events")
+def events(
+    tenant: TenantOpt,
+    since: Annotated[str | None, typer.Option(help="ISO 8601 start (inclusive)")] = None,
+    until: Annotated[str | None, typer.Option(help="ISO 8601 end (exclusive)")] = None,
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """List a log's events; with --json, the canonical bytes exactly as hashed."""
+    start, end = parse_time(since, "--since"), parse_time(until, "--until")
+    with open_runtime(home) as rt:
+        log = rt.log_name(tenant)
+        if as_json:
+            out = sys.stdout.buffer
+            for data in rt.ledger.events_between(log, start, end):
+                out.write(data + b"\n")
+            out.flush()
+            return
+        table = Table("seq", "time", "actor", "action", "resource", "decision", "reason")
+        for data in rt.ledger.events_between(log, start, end):
+            ev = json.loads(data)
+            decision = ev["decision"]
+            style = "green" if decision == "allow" else "bold red"
+            table.add_row(
+                str(ev["seq"]),
+                ev["time"],
+                f"{ev['actor']['type']}:{ev['actor']['id']}",
+                ev["action"],
+                ev["resource"],
+                f"[{style}]{decision}[/]",
+                ev["reason"],
+            )
+    console.print(table)
+
+
+@audit_app.command("checkpoint")
+def checkpoint(tenant: TenantOpt, home: HomeOpt = None) -> None:
+    """Print the latest signed checkpoint exactly as signed."""
+    with open_runtime(home) as rt:
+        note = rt.ledger.head(rt.log_name(tenant)).checkpoint
+    sys.stdout.write(note)
+
+
+@audit_app.command("proof")
+def proof(
+    tenant: TenantOpt,
+    index: Annotated[int, typer.Option(help="Sequence number of the event")],
+    size: Annotated[int | None, typer.Option(help="Tree size [default: latest]")] = None,
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """Inclusion proof (RFC 9162 §2.1.3) of one event in the tree of a given size."""
+    with open_runtime(home) as rt:
+        p = rt.ledger.inclusion_proof(rt.log_name(tenant), index, size)
+    doc = p.as_json()
+    if as_json:
+        _emit_json(doc)
+        return
+    console.print(f"event {p.index} in tree of size {p.size}; leaf hash {doc['leaf_hash']}")
+    for i, h in enumerate(doc["hashes"]):
+        console.print(f"  {i:2d} {h}")
+
+
+@audit_app.command("consistency")
+def consistency(
+    tenant: TenantOpt,
+    old: Annotated[int, typer.Option(help="Older tree size")],
+    new: Annotated[int | None, typer.Option(help="Newer tree size [default: latest]")] = None,
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """Consistency proof (RFC 9162 §2.1.4) that the newer tree extends the older."""
+    with open_runtime(home) as rt:
+        p = rt.ledger.consistency_proof(rt.log_name(tenant), old, new)
+    doc = p.as_json()
+    if as_json:
+        _emit_json(doc)
+        return
+    console.print(f"tree {p.new} extends tree {p.old}")
+    for i, h in enumerate(doc["hashes"]):
+        console.print(f"  {i:2d} {h}")
+
+
+@audit_app.command("verify")
+def verify(
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", "-t", help="Tenant ('system' for the runtime)")
+    ] = None,
+    from_export: Annotated[
+        Path | None, typer.Option(help="Verify an export directory instead of the store")
+    ] = None,
+    key: Annotated[
+        str | None, typer.Option(help="Verifier key to trust [default: the runtime's or export's]")
+    ] = None,
+    checkpoint: Annotated[
+        list[Path] | None,
+        typer.Option(help="A signed checkpoint held elsewhere that the log must extend"),
+    ] = None,
+    home: HomeOpt = None,
+) -> None:
+    """Recompute every leaf and root, and check every signed checkpoint."""
+    trusted = [p.read_text(encoding="utf-8") for p in checkpoint or []]
+    verifier = Verifier.parse(key) if key else None
+    if from_export is not None:
+        if verifier is None:
+            vkey = (from_export / "verifier.key").read_text(encoding="utf-8").strip()
+            console.print(f"[yellow]trusting the export's own key[/] {vkey}")
+        report = verify_export(from_export, verifier, trusted)
+        if tenant is not None and report.origin.rsplit("/", 1)[-1] != tenant:
+            raise VerificationFailed(f"the export is of {report.origin}, not tenant {tenant!r}")
+    else:
+        if tenant is None:
+            raise UsageError("give --tenant, or --from-export DIR")
+        with open_runtime(home) as rt:
+            if verifier is not None and verifier.vkey() != rt.ledger.vkey():
+                raise VerificationFailed("the runtime's key is not the key you trust")
+            report = rt.ledger.verify(rt.log_name(tenant), trusted)
+    console.print(
+        f"[green]verified[/] {report.origin}: {report.size} events, "
+        f"{report.checkpoints} signed checkpoints consistent"
+    )
+
+
+@audit_app.command("export")
+def export(
+    tenant: TenantOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to create")],
+    home: HomeOpt = None,
+) -> None:
+    """Export a log so that `verify --from-export` needs nothing else."""
+    with open_runtime(home) as rt:
+        log = rt.log_name(tenant)
+        head = rt.ledger.export(log, out)
+        actor: Actor = rt.operator
+        rt.ledger.append(
+            log if log != SYSTEM_LOG else SYSTEM_LOG,
+            EventDraft(
+                actor,
+                "audit.export",
+                f"log/{log}",
+                reason="exported",
+                details={"size": head.size, "path": str(out.resolve())},
+            ),
+        )
+    console.print(f"exported {head.size} events of {head.origin} to {out}")

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from proctor.errors import UsageError
+from proctor.runtime import Runtime, default_home
+
+console = Console(highlight=False, soft_wrap=True)
+
+HomeOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--home",
+        envvar="PROCTOR_HOME",
+        help="Proctor home directory [default: ~/.proctor]",
+        show_default=False,
+    ),
+]
+TenantOpt = Annotated[
+    str, typer.Option("--tenant", "-t", help="Tenant name ('system' for the runtime's log)")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output")]
+
+
+def open_runtime(home: Path | None) -> Runtime:
+    return Runtime.open(home or default_home())
+
+
+def parse_time(value: str | None, flag: str) -> str | None:
+    """An ISO 8601 date or time, as the ledger's fixed-width UTC string."""
+    if value is None:
+        return None
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {value!r} is not an ISO 8601 date or time") from exc
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -1,0 +1,159 @@
+"""The embedded runtime: a Proctor home, its store, signing key and ledger.
+
+A home directory holds ``config.json`` (written last by ``init``: its presence
+means the home is complete), ``proctor.db`` (the SQLite store) and
+``keys/ledger.pem`` (the Ed25519 checkpoint key, mode 0600).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from proctor.errors import AlreadyExists, NotInitialized, UsageError
+from proctor.governance import Tenants
+from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
+from proctor.store import Store, open_store
+
+DEFAULT_TRUST_DOMAIN = "proctor.local"
+_TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
+_CONFIG = "config.json"
+
+
+def default_home() -> Path:
+    env = os.environ.get("PROCTOR_HOME")
+    if env:
+        return Path(env)
+    return Path.home() / ".proctor"
+
+
+@dataclass(frozen=True)
+class Config:
+    trust_domain: str
+    store: str
+    key: str
+    operator: str
+
+    @property
+    def operator_actor(self) -> Actor:
+        return Actor("operator", self.operator)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def init_home(home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Config:
+    """Create a Proctor home: store, signing key, and the system log's first event."""
+    if not _TRUST_DOMAIN_RE.match(trust_domain) or ".." in trust_domain:
+        raise UsageError(
+            f"invalid trust domain {trust_domain!r}", hint="use a DNS name such as proctor.local"
+        )
+    if (home / _CONFIG).exists():
+        raise AlreadyExists(f"{home} is initialised already")
+    if (home / "proctor.db").exists() or (home / "keys" / "ledger.pem").exists():
+        raise UsageError(
+            f"{home} holds a store or key from an unfinished init",
+            hint="remove the directory, or choose another --home",
+        )
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (home / "keys").mkdir(mode=0o700, exist_ok=True)
+    key_path = home / "keys" / "ledger.pem"
+    signer = Signer.generate(trust_domain)
+    signer.save(key_path)
+    operator = f"local-operator:{getpass.getuser()}@{socket.gethostname()}"
+    config = Config(trust_domain, f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator)
+    store = open_store(config.store, create=True)
+    ledger = Ledger(store, signer, trust_domain)
+    try:
+        ledger.create_log(
+            SYSTEM_LOG,
+            EventDraft(
+                config.operator_actor,
+                "runtime.init",
+                f"runtime/{trust_domain}",
+                reason="initialised",
+                details={"verifier_key": signer.verifier.vkey(), "store": store.engine},
+            ),
+        )
+    finally:
+        ledger.close()
+        store.close()
+    _write_private(
+        home / _CONFIG,
+        json.dumps(config.__dict__, indent=2, sort_keys=True).encode() + b"\n",
+    )
+    return config
+
+
+def load_config(home: Path) -> Config:
+    path = home / _CONFIG
+    if not path.exists():
+        raise NotInitialized(f"{home} is not a Proctor home", hint="run `proctor init`")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return Config(
+            trust_domain=str(raw["trust_domain"]),
+            store=str(raw["store"]),
+            key=str(raw["key"]),
+            operator=str(raw["operator"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NotInitialized(f"the configuration {path} is unreadable: {exc}") from exc
+
+
+class Runtime:
+    """Everything a command needs, opened from one home; close it when done."""
+
+    def __init__(self, home: Path, config: Config, store: Store, signer: Signer) -> None:
+        self.home = home
+        self.config = config
+        self.store = store
+        self.signer = signer
+        self.ledger = Ledger(store, signer, config.trust_domain)
+        self.tenants = Tenants(store, self.ledger)
+
+    @classmethod
+    def open(cls, home: Path | None = None) -> Runtime:
+        home = home or default_home()
+        config = load_config(home)
+        signer = Signer.load(config.trust_domain, home / config.key)
+        store = open_store(config.store)
+        return cls(home, config, store, signer)
+
+    @property
+    def operator(self) -> Actor:
+        return self.config.operator_actor
+
+    def log_name(self, tenant: str) -> str:
+        """The log a tenant name addresses: ``system`` or an existing tenant."""
+        if tenant != SYSTEM_LOG:
+            self.tenants.get(tenant)
+        return tenant
+
+    def close(self) -> None:
+        self.ledger.close()
+        self.store.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
