@@ -1,0 +1,246 @@
+"""One cgroup per run, on cgroup v1, v2 or the hybrid of both.
+
+The kernel enforces the limits; this module only creates the group, puts the
+sandbox's first process in it before that process does anything, reads the
+counters that tell why a run ended, kills everything in it, and removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from proctor.sandbox._errors import SandboxCleanupFailed, SandboxUnavailable
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_V1_CONTROLLERS = ("memory", "pids", "cpu")
+_CFS_PERIOD_US = 100_000
+
+
+class CgroupMode(enum.StrEnum):
+    V1 = "v1"
+    V2 = "v2"
+    HYBRID = "hybrid"  # v1 controllers, plus a v2 tree that at least offers cgroup.kill
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """Where each controller lives on this machine, and where this process sits in it."""
+
+    mode: CgroupMode
+    v1: dict[str, Path]  # controller -> directory of this process's cgroup in that hierarchy
+    v2: Path | None  # this process's cgroup directory in the unified hierarchy
+
+
+
+def _is_cgroup2(path: Path) -> bool:
+    return (path / "cgroup.controllers").exists()
+
+
+def _own_paths() -> tuple[dict[str, str], str | None]:
+    by_controller: dict[str, str] = {}
+    unified: str | None = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            unified = path
+            continue
+        for c in controllers.split(","):
+            by_controller[c] = path
+    return by_controller, unified
+
+
+def detect(root: Path = CGROUP_ROOT) -> CgroupLayout:
+    """Find out whether the machine has cgroup v1, v2 or a hybrid, and where we are in it."""
+    if not root.is_dir():
+        raise SandboxUnavailable(f"{root} does not exist: this kernel exposes no cgroups")
+    own_v1, own_v2 = _own_paths()
+    if _is_cgroup2(root):
+        if own_v2 is None:
+            raise SandboxUnavailable("/proc/self/cgroup names no cgroup v2 path")
+        return CgroupLayout(CgroupMode.V2, {}, root / own_v2.lstrip("/"))
+    v1: dict[str, Path] = {}
+    for controller in _V1_CONTROLLERS:
+        mount = root / controller
+        if (mount / "cgroup.procs").exists() and controller in own_v1:
+            v1[controller] = mount / own_v1[controller].lstrip("/")
+    missing = [c for c in ("memory", "pids") if c not in v1]
+    if missing:
+        raise SandboxUnavailable(
+            f"cgroup v1 controllers {', '.join(missing)} are not mounted under {root}",
+            hint="mount them, or boot with cgroup v2 (systemd.unified_cgroup_hierarchy=1)",
+        )
+    unified = root / "unified"
+    if _is_cgroup2(unified) and own_v2 is not None:
+        return CgroupLayout(CgroupMode.HYBRID, v1, unified / own_v2.lstrip("/"))
+    return CgroupLayout(CgroupMode.V1, v1, None)
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read_kv(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = int(value)
+    return out
+
+
+class RunCgroup:
+    """The cgroup(s) of one run: created with limits, filled, read, killed, removed."""
+
+    def __init__(self, layout: CgroupLayout, name: str) -> None:
+        self.layout = layout
+        self.name = name
+        self.v1 = {c: parent / name for c, parent in layout.v1.items()}
+        self.v2 = layout.v2 / name if layout.v2 is not None else None
+        self._created: list[Path] = []
+
+    @property
+    def directories(self) -> list[Path]:
+        dirs = list(self.v1.values())
+        if self.v2 is not None:
+            dirs.append(self.v2)
+        return dirs
+
+    def create(self, *, memory_bytes: int, pids: int, cpu: float) -> None:
+        try:
+            self._create(memory_bytes=memory_bytes, pids=pids, cpu=cpu)
+        except OSError as exc:
+            self.remove()
+            raise SandboxUnavailable(
+                f"cannot create the run's cgroup {self.name}: {exc.strerror} ({exc.filename})",
+                hint="the runtime needs write access to /sys/fs/cgroup (run as root, "
+                "or delegate a cgroup subtree to this user)",
+            ) from exc
+
+    def _create(self, *, memory_bytes: int, pids: int, cpu: float) -> None:
+        quota = max(1000, int(cpu * _CFS_PERIOD_US))
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2 is not None
+            parent = self.v2.parent
+            # Controllers must be enabled in the parent before a child can use them.
+            wanted = {"memory", "pids", "cpu"} & set((parent / "cgroup.controllers").read_text().split())
+            enabled = set((parent / "cgroup.subtree_control").read_text().split())
+            for controller in sorted(wanted - enabled):
+                _write(parent / "cgroup.subtree_control", f"+{controller}")
+            self.v2.mkdir()
+            self._created.append(self.v2)
+            _write(self.v2 / "memory.max", str(memory_bytes))
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.v2 / "memory.swap.max", "0")
+            _write(self.v2 / "pids.max", str(pids))
+            with contextlib.suppress(FileNotFoundError):
+                _write(self.v2 / "cpu.max", f"{quota} {_CFS_PERIOD_US}")
+            return
+        for controller, path in self.v1.items():
+            path.mkdir()
+            self._created.append(path)
+        mem = self.v1["memory"]
+        _write(mem / "memory.limit_in_bytes", str(memory_bytes))
+        # No swap either: memsw must be set after the plain limit, and only exists with swap accounting.
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            _write(mem / "memory.memsw.limit_in_bytes", str(memory_bytes))
+        _write(self.v1["pids"] / "pids.max", str(pids))
+        if "cpu" in self.v1:
+            _write(self.v1["cpu"] / "cpu.cfs_period_us", str(_CFS_PERIOD_US))
+            _write(self.v1["cpu"] / "cpu.cfs_quota_us", str(quota))
+        if self.v2 is not None:
+            self.v2.mkdir()
+            self._created.append(self.v2)
+
+    def attach(self, pid: int) -> None:
+        """Move ``pid`` in; it must not have forked yet, or its children escape the limits."""
+        for path in self.directories:
+            _write(path / "cgroup.procs", str(pid))
+
+    def oom_kills(self) -> int:
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2 is not None
+            return _read_kv(self.v2 / "memory.events").get("oom_kill", 0)
+        return _read_kv(self.v1["memory"] / "memory.oom_control").get("oom_kill", 0)
+
+    def pids_refusals(self) -> int:
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2 is not None
+            return _read_kv(self.v2 / "pids.events").get("max", 0)
+        return _read_kv(self.v1["pids"] / "pids.events").get("max", 0)
+
+    def memory_peak(self) -> int | None:
+        if self.layout.mode is CgroupMode.V2:
+            assert self.v2 is not None
+            path = self.v2 / "memory.peak"
+        else:
+            path = self.v1["memory"] / "memory.max_usage_in_bytes"
+        try:
+            return int(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for path in self.directories:
+            with contextlib.suppress(FileNotFoundError):
+                found.update(int(p) for p in (path / "cgroup.procs").read_text().split())
+        return found
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL everything in the run, and wait until the cgroup is empty."""
+        if self.v2 is not None and self.v2.exists():
+            with contextlib.suppress(FileNotFoundError, PermissionError, OSError):
+                _write(self.v2 / "cgroup.kill", "1")
+        deadline = time.monotonic() + timeout
+        while True:
+            # Without cgroup.kill a forking tree could outrun one pass; the pids
+            # ceiling bounds how many passes that can take.
+            remaining = self.pids()
+            if not remaining:
+                return
+            for pid in remaining:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise SandboxCleanupFailed(
+                    f"processes {sorted(remaining)} of run {self.name} survive SIGKILL",
+                    hint="they may be stuck in uninterruptible sleep (D state); check `ps`",
+                )
+            time.sleep(0.01)
+
+    def remove(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        for path in reversed(self._created):
+            while True:
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    # EBUSY while the last killed task is still being reaped.
+                    if time.monotonic() > deadline:
+                        raise SandboxCleanupFailed(
+                            f"cannot remove cgroup {path}: {exc.strerror}"
+                        ) from exc
+                    time.sleep(0.01)
+        self._created.clear()
+
+
+_layout: CgroupLayout | None = None
+
+
+def layout() -> CgroupLayout:
+    """The machine's layout, detected once per process (it does not change under us)."""
+    global _layout
+    if _layout is None:
+        _layout = detect()
+    return _layout
