@@ -17,6 +17,7 @@ from tests.conftest import draft
 
 N = 120
 SIGNER = Signer.generate("test.local")
+_SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
 
 
 @pytest.fixture(scope="module")
