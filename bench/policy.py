@@ -24,6 +24,7 @@ from pathlib import Path
 import cedarpy
 
 from proctor.policy import (
+    CedarValue,
     Decision,
     Entity,
     EntityRef,
@@ -88,7 +89,7 @@ def requests() -> list[tuple[Request, list[Entity], bool]]:
         return Request(w, "sql.select", table, {"dataset": "ds7", "columns": columns})
 
     def http(host: str) -> tuple[Request, list[Entity]]:
-        ctx = {"method": "GET", "port": 443, "path": "/v1/x"}
+        ctx: dict[str, CedarValue] = {"method": "GET", "port": 443, "path": "/v1/x"}
         return Request(w, "http.request", EntityRef.host(host), ctx), [Entity.host(host)]
 
     out: list[tuple[Request, list[Entity], bool]] = [

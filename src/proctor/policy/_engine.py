@@ -125,8 +125,14 @@ def compile_policies(text: str) -> CompiledPolicies:
 def _policy_ids(static: Mapping[str, Any]) -> dict[str, str]:
     ids: dict[str, str] = {}
     seen: dict[str, str] = {}
-    # Cedar's positional ids sort as policy0, policy1, ..., policy10: order by number.
-    for cedar_id in sorted(static, key=lambda k: int(k.removeprefix("policy") or 0)):
+
+    # Cedar's positional ids sort as text policy0, policy1, policy10, policy2:
+    # order by number, so "policy #N" in messages is the N-th in the text.
+    def position(cedar_id: str) -> tuple[int, str]:
+        number = cedar_id.removeprefix("policy")
+        return (int(number) if number.isdigit() else -1, cedar_id)
+
+    for cedar_id in sorted(static, key=position):
         body = static[cedar_id]
         annotation = body.get("annotations", {}).get("id")
         if not annotation:
