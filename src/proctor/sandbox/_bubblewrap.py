@@ -14,7 +14,6 @@ import stat
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 from proctor.sandbox import _seccomp
 from proctor.sandbox._cgroup import RunCgroup, layout
@@ -72,7 +71,9 @@ class BubblewrapDriver:
 
     def status(self) -> BackendStatus:
         if not os.access(self._bwrap, os.X_OK):
-            return BackendStatus(self.name, False, "bwrap is not installed (apt-get install bubblewrap)")
+            return BackendStatus(
+                self.name, False, "bwrap is not installed (apt-get install bubblewrap)"
+            )
         try:
             layout()
             self._filter()
@@ -80,17 +81,24 @@ class BubblewrapDriver:
         except SandboxUnavailable as exc:
             return BackendStatus(self.name, False, exc.message)
         probe = subprocess.run(
-            [self._bwrap, "--unshare-all", "--unshare-user", "--ro-bind", "/usr", "/usr",
-             *self._link_args(), "--", "/usr/bin/true"],
+            [
+                self._bwrap,
+                "--unshare-all",
+                "--unshare-user",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                *self._link_args(),
+                "--",
+                "/usr/bin/true",
+            ],
             capture_output=True,
             timeout=10,
             check=False,
         )
         if probe.returncode != 0:
             why = probe.stderr.decode(errors="replace").strip() or f"exit {probe.returncode}"
-            return BackendStatus(
-                self.name, False, f"bwrap cannot create namespaces here: {why}"
-            )
+            return BackendStatus(self.name, False, f"bwrap cannot create namespaces here: {why}")
         return BackendStatus(self.name, True, "bwrap works: all namespaces, seccomp, cgroup limits")
 
     def _filter(self) -> bytes:
@@ -114,10 +122,14 @@ class BubblewrapDriver:
             "--disable-userns",
             "--die-with-parent",
             "--new-session",
-            "--cap-drop", "ALL",
-            "--uid", str(_GUEST_UID),
-            "--gid", str(_GUEST_UID),
-            "--hostname", "sandbox",
+            "--cap-drop",
+            "ALL",
+            "--uid",
+            str(_GUEST_UID),
+            "--gid",
+            str(_GUEST_UID),
+            "--hostname",
+            "sandbox",
             "--clearenv",
         ]
         for key, value in guest_env(plan, spec.scratch_path, dict(spec.env)).items():
@@ -132,10 +144,14 @@ class BubblewrapDriver:
         for host, guest in spec.sockets.items():
             args += ["--bind", str(host), guest]
         args += [
-            "--remount-ro", "/",
-            "--seccomp", str(seccomp_fd),
-            "--json-status-fd", str(status_fd),
-            "--chdir", spec.guest_cwd,
+            "--remount-ro",
+            "/",
+            "--seccomp",
+            str(seccomp_fd),
+            "--json-status-fd",
+            str(status_fd),
+            "--chdir",
+            spec.guest_cwd,
             "--",
             *spec.argv,
         ]
@@ -149,7 +165,9 @@ class BubblewrapDriver:
         run_id = uuid.uuid4().hex[:16]
         cgroup = RunCgroup(layout(), f"proctor-{run_id}")
         limits = spec.limits
-        cgroup.create(memory_bytes=limits.memory_bytes, pids=limits.pids + _OWN_TASKS, cpu=limits.cpu)
+        cgroup.create(
+            memory_bytes=limits.memory_bytes, pids=limits.pids + _OWN_TASKS, cpu=limits.cpu
+        )
         seccomp_fd = os.memfd_create("proctor-seccomp", os.MFD_CLOEXEC)
         status_r, status_w = os.pipe()
         tee = _Tee(on_stderr)

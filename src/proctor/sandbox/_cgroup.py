@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import os
 import signal
 import time
@@ -35,7 +36,6 @@ class CgroupLayout:
     mode: CgroupMode
     v1: dict[str, Path]  # controller -> directory of this process's cgroup in that hierarchy
     v2: Path | None  # this process's cgroup directory in the unified hierarchy
-
 
 
 def _is_cgroup2(path: Path) -> bool:
@@ -130,7 +130,9 @@ class RunCgroup:
             assert self.v2 is not None
             parent = self.v2.parent
             # Controllers must be enabled in the parent before a child can use them.
-            wanted = {"memory", "pids", "cpu"} & set((parent / "cgroup.controllers").read_text().split())
+            wanted = {"memory", "pids", "cpu"} & set(
+                (parent / "cgroup.controllers").read_text().split()
+            )
             enabled = set((parent / "cgroup.subtree_control").read_text().split())
             for controller in sorted(wanted - enabled):
                 _write(parent / "cgroup.subtree_control", f"+{controller}")
@@ -143,12 +145,12 @@ class RunCgroup:
             with contextlib.suppress(FileNotFoundError):
                 _write(self.v2 / "cpu.max", f"{quota} {_CFS_PERIOD_US}")
             return
-        for controller, path in self.v1.items():
+        for path in self.v1.values():
             path.mkdir()
             self._created.append(path)
         mem = self.v1["memory"]
         _write(mem / "memory.limit_in_bytes", str(memory_bytes))
-        # No swap either: memsw must be set after the plain limit, and only exists with swap accounting.
+        # No swap either: memsw must follow the plain limit, and exists only with swap accounting.
         with contextlib.suppress(FileNotFoundError, PermissionError):
             _write(mem / "memory.memsw.limit_in_bytes", str(memory_bytes))
         _write(self.v1["pids"] / "pids.max", str(pids))
@@ -235,12 +237,7 @@ class RunCgroup:
         self._created.clear()
 
 
-_layout: CgroupLayout | None = None
-
-
+@functools.cache
 def layout() -> CgroupLayout:
     """The machine's layout, detected once per process (it does not change under us)."""
-    global _layout
-    if _layout is None:
-        _layout = detect()
-    return _layout
+    return detect()

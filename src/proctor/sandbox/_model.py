@@ -50,7 +50,9 @@ class Limits:
         if self.pids < 1:
             raise SandboxSpecInvalid(f"pids limit must be at least 1, not {self.pids}")
         if not 0.01 <= self.cpu <= 1024:
-            raise SandboxSpecInvalid(f"cpu share must be between 0.01 and 1024 CPUs, not {self.cpu}")
+            raise SandboxSpecInvalid(
+                f"cpu share must be between 0.01 and 1024 CPUs, not {self.cpu}"
+            )
         if not 0 < self.wall_seconds <= 7 * 24 * 3600:
             raise SandboxSpecInvalid(f"wall time must be positive, not {self.wall_seconds}")
         if self.output_bytes < 0:
@@ -82,7 +84,7 @@ class SandboxSpec:
     code_dir: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     scratch_bytes: int = 64 * MiB
-    scratch_path: str = "/tmp"
+    scratch_path: str = "/tmp"  # noqa: S108 - a path inside the guest, on its own tmpfs
     limits: Limits = field(default_factory=Limits)
     sockets: Mapping[Path, str] = field(default_factory=dict)
     cwd: str | None = None

@@ -18,7 +18,20 @@ from proctor.sandbox._errors import SandboxUnavailable
 
 #: Host directories never bound as a whole, whatever asks for them.
 FORBIDDEN_HOST_DIRS = tuple(
-    Path(p) for p in ("/", "/run", "/var", "/var/run", "/tmp", "/home", "/root", "/etc", "/proc", "/sys", "/dev")
+    Path(p)
+    for p in (
+        "/",
+        "/run",
+        "/var",
+        "/var/run",
+        "/tmp",  # noqa: S108 - listed to be refused
+        "/home",
+        "/root",
+        "/etc",
+        "/proc",
+        "/sys",
+        "/dev",
+    )
 )
 #: Top-level names that Debian (and most current distributions) make symlinks into /usr.
 MERGED_USR_LINKS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import socket
 from typing import Any
@@ -106,35 +107,30 @@ class _ArgCmp(ctypes.Structure):
     )
 
 
-_lib: Any = None
-
-
+@functools.cache
 def _libseccomp() -> Any:
-    global _lib
-    if _lib is None:
-        name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-        try:
-            lib = ctypes.CDLL(name, use_errno=True)
-        except OSError as exc:
-            raise SandboxUnavailable(
-                "libseccomp is not installed, so no syscall filter can be built",
-                hint="apt-get install libseccomp2",
-            ) from exc
-        lib.seccomp_init.restype = ctypes.c_void_p
-        lib.seccomp_init.argtypes = (ctypes.c_uint32,)
-        lib.seccomp_release.argtypes = (ctypes.c_void_p,)
-        lib.seccomp_syscall_resolve_name.argtypes = (ctypes.c_char_p,)
-        lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
-        lib.seccomp_rule_add_array.argtypes = (
-            ctypes.c_void_p,
-            ctypes.c_uint32,
-            ctypes.c_int,
-            ctypes.c_uint,
-            ctypes.POINTER(_ArgCmp),
-        )
-        lib.seccomp_export_bpf.argtypes = (ctypes.c_void_p, ctypes.c_int)
-        _lib = lib
-    return _lib
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise SandboxUnavailable(
+            "libseccomp is not installed, so no syscall filter can be built",
+            hint="apt-get install libseccomp2",
+        ) from exc
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = (ctypes.c_uint32,)
+    lib.seccomp_release.argtypes = (ctypes.c_void_p,)
+    lib.seccomp_syscall_resolve_name.argtypes = (ctypes.c_char_p,)
+    lib.seccomp_syscall_resolve_name.restype = ctypes.c_int
+    lib.seccomp_rule_add_array.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
+    )
+    lib.seccomp_export_bpf.argtypes = (ctypes.c_void_p, ctypes.c_int)
+    return lib
 
 
 def _check(rc: int, what: str) -> None:
