@@ -68,3 +68,15 @@ def test_checkpoint_round_trip_and_tampering() -> None:
         open_checkpoint(note, other.verifier)
     with pytest.raises(VerificationFailed):
         open_checkpoint(cp.body(), signer.verifier)
+
+
+def test_verifier_keys_whose_base64_holds_plus_signs_parse() -> None:
+    """Found by the CLI tests: base64 may contain '+', the field separator."""
+    seen = 0
+    for _ in range(200):
+        signer = Signer.generate("proctor.local")
+        vkey = signer.verifier.vkey()
+        if vkey.count("+") > 2:
+            seen += 1
+            assert Verifier.parse(vkey).public == signer.verifier.public
+    assert seen > 0

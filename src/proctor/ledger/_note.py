@@ -57,7 +57,8 @@ class Verifier:
     @classmethod
     def parse(cls, vkey: str) -> Verifier:
         """Parse a verifier key string ``name+hexid+base64key``."""
-        parts = vkey.strip().split("+")
+        # The base64 key may itself contain "+": only the first two separate fields.
+        parts = vkey.strip().split("+", 2)
         if len(parts) != 3:
             raise UsageError(f"malformed verifier key {vkey.strip()!r}")
         name, hex_id, b64 = parts
