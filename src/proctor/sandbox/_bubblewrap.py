@@ -139,7 +139,7 @@ class BubblewrapDriver:
         args += self._link_args()
         if spec.code_dir is not None:
             args += ["--ro-bind", str(spec.code_dir), "/code"]
-        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
         args += ["--size", str(spec.scratch_bytes), "--perms", "1777", "--tmpfs", spec.scratch_path]
         for host, guest in spec.sockets.items():
             args += ["--bind", str(host), guest]
