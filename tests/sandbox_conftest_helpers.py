@@ -27,7 +27,9 @@ from proctor.sandbox._cgroup import layout
 
 BACKENDS = [
     pytest.param("gvisor", marks=[pytest.mark.gvisor, pytest.mark.sandbox], id="gvisor"),
-    pytest.param("bubblewrap", marks=[pytest.mark.bubblewrap, pytest.mark.sandbox], id="bubblewrap"),
+    pytest.param(
+        "bubblewrap", marks=[pytest.mark.bubblewrap, pytest.mark.sandbox], id="bubblewrap"
+    ),
 ]
 
 

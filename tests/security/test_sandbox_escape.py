@@ -29,7 +29,7 @@ from tests.sandbox_conftest_helpers import (
 
 SECRET = "proctor-test-secret-4f1c"
 
-PROBE = r'''
+PROBE = r"""
 import ctypes, ctypes.util, errno, json, os, socket, sys, time
 facts = json.load(open("/code/facts.json"))
 report = {}
@@ -138,7 +138,7 @@ attempt("setuid_root", lambda: checked(libc.setuid(0), "setuid"))
 attempt("read_sys", lambda: os.listdir("/sys/fs/cgroup") or (_ for _ in ()).throw(PermissionError("empty")))
 
 print(json.dumps({"report": report, "scratch": scratch_ok, "uid": os.getuid()}))
-'''
+"""
 
 CHECKS = [
     "tcp_host_loopback",
@@ -207,7 +207,7 @@ def probe(
     (code / "link_dir").symlink_to(ssh)
     (code / "probe.py").write_text(PROBE)
     os.environ["PROCTOR_TEST_HOST_SECRET"] = SECRET  # must never reach the guest
-    interpreter_prefix = str(getattr(driver, "plan").interpreter.prefix)
+    interpreter_prefix = str(driver.plan.interpreter.prefix)
     facts = {
         "tcp_port": host_listeners.tcp_port,
         "udp_port": host_listeners.udp_port,
@@ -228,9 +228,7 @@ def probe(
     (code / "link_dir").symlink_to(ssh / "id_ed25519")
     (code / "facts.json").write_text(json.dumps(facts))
     # A host process the guest must not see.
-    marker = subprocess.Popen(
-        ["/bin/sh", "-c", "sleep 120", facts["marker_a"] + facts["marker_b"]]
-    )
+    marker = subprocess.Popen(["/bin/sh", "-c", "sleep 120", facts["marker_a"] + facts["marker_b"]])
     before = snapshot()
     spec = SandboxSpec(
         argv=("python3", "/code/probe.py"),
