@@ -231,3 +231,21 @@ def test_full_disk_fails_closed_and_recovers(tiny_fs: Path) -> None:
     assert ledger.verify("acme").size == acked + 1
     ledger.close()
     store.close()
+
+
+def test_async_appends_share_batches_and_are_durable(ledger_env: LedgerEnv) -> None:
+    import asyncio
+
+    ledger = ledger_env.ledger
+    ledger.create_log("acme", draft(0))
+
+    async def main() -> list[int]:
+        results = await asyncio.gather(*(ledger.append_async("acme", draft(i)) for i in range(500)))
+        with pytest.raises(NotFound):
+            await ledger.append_async("nobody", draft(0))
+        return [r.seq for r in results]
+
+    seqs = asyncio.run(main())
+    assert sorted(seqs) == list(range(1, 501))
+    assert len(ledger.checkpoints("acme")) < 100, "500 concurrent appends were group-committed"
+    assert ledger.verify("acme").size == 501

@@ -53,6 +53,23 @@ class EventDraft:
     details: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Checked here, in the caller's thread, so that the ledger's writer can
+        # trust every field but ``details`` when it canonicalises the event.
+        for name in ("action", "resource", "reason"):
+            if not isinstance(getattr(self, name), str):
+                raise UsageError(f"event field {name!r} must be a string")
+        for name in ("deployment", "run", "artifact"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"event field {name!r} must be a string or None")
+        for name in ("policies", "approvals"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise UsageError(f"event field {name!r} must be a tuple of strings")
+        if not isinstance(self.details, dict):
+            raise UsageError("event details must be a JSON object")
+        if not isinstance(self.actor, Actor):
+            raise UsageError("an event needs an Actor")
         if not _ACTION_RE.match(self.action):
             raise UsageError(f"invalid action name {self.action!r} (expected e.g. 'sql.select')")
         if self.decision not in ("allow", "deny"):
