@@ -131,11 +131,16 @@ def ptrace_child():
         os.kill(pid, 9)
         os.waitpid(pid, 0)
 attempt("ptrace", ptrace_child)
-attempt("mount_tmpfs", lambda: checked(libc.mount(b"none", facts["scratch"].encode(), b"tmpfs", 0, None), "mount"))
+attempt("mount_tmpfs", lambda: checked(
+    libc.mount(b"none", facts["scratch"].encode(), b"tmpfs", 0, None), "mount"))
 attempt("unshare_user", lambda: checked(libc.unshare(0x10000000), "unshare"))
 attempt("unshare_net", lambda: checked(libc.unshare(0x40000000), "unshare"))
 attempt("setuid_root", lambda: checked(libc.setuid(0), "setuid"))
-attempt("read_sys", lambda: os.listdir("/sys/fs/cgroup") or (_ for _ in ()).throw(PermissionError("empty")))
+def read_sys():
+    if os.listdir("/sys/fs/cgroup"):
+        return "host cgroups visible"
+    raise PermissionError("empty")
+attempt("read_sys", read_sys)
 
 print(json.dumps({"report": report, "scratch": scratch_ok, "uid": os.getuid()}))
 """
