@@ -45,3 +45,28 @@ def test_key_order_is_utf16_not_code_points() -> None:
 def test_unencodable_values_are_refused(bad: object) -> None:
     with pytest.raises(UsageError):
         canonical_json(bad)
+
+
+@given(json_values)
+def test_parse_canonical_agrees_with_rfc8785(value: object) -> None:
+    import json
+
+    from proctor.ledger._canonical import parse_canonical
+
+    try:
+        canonical = rfc8785.dumps(value)
+    except (rfc8785.CanonicalizationError, ValueError, TypeError, UnicodeError):
+        return
+    parsed, ok = parse_canonical(canonical)
+    assert ok
+    assert parsed == json.loads(canonical)
+    loose = json.dumps(value, indent=1).encode()
+    if loose != canonical:
+        assert parse_canonical(loose)[1] is False
+
+
+@pytest.mark.parametrize("text", [b'{"a":1.0}', b'{"b":1,"a":2}', b'{"a":1,"a":1}', b'{"a": 1}'])
+def test_non_canonical_spellings_are_noticed(text: bytes) -> None:
+    from proctor.ledger._canonical import parse_canonical
+
+    assert parse_canonical(text)[1] is False

@@ -6,12 +6,11 @@ exactly the code the operator runs, with nothing but the verifier key.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from proctor.errors import VerificationFailed
-from proctor.ledger._canonical import canonical_json
+from proctor.ledger._canonical import parse_canonical
 from proctor.ledger._merkle import EMPTY_ROOT, HASH_SIZE, CompactRange, leaf_hash
 from proctor.ledger._note import Checkpoint, Verifier, open_checkpoint
 from proctor.ledger._tiles import TILE_WIDTH, tile_path
@@ -91,7 +90,7 @@ def verify_log(
 
     for seq, data in enumerate(entries):
         try:
-            event = json.loads(data)
+            event, canonical = parse_canonical(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise VerificationFailed(f"event seq {seq}: not valid JSON ({exc})") from exc
         got = event.get("seq") if isinstance(event, dict) else None
@@ -104,7 +103,7 @@ def verify_log(
             raise VerificationFailed(
                 f"event seq {seq}: belongs to tenant {event.get('tenant')!r}, not {tenant!r}"
             )
-        if canonical_json(event) != data:
+        if not canonical:
             raise VerificationFailed(f"event seq {seq}: bytes are not canonical JSON")
         leaf = leaf_hash(data)
         if check is not None:
