@@ -22,8 +22,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
+# Figures for the README. Each script compares side by side in one run.
 bench: setup
 	$(PY) bench/ledger.py
+	$(PY) bench/sandbox.py
+	$(PY) bench/policy.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -141,9 +141,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="proctor-bench-", dir=os.environ.get("BENCH_DIR")) as d:
         tmp = Path(d)
         print("durable appends (WAL, synchronous=FULL, one fsync per batch)")
-        print(
-            f"{'writers':>14} {'events/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ev/batch':>9}"
-        )
+        print(f"{'writers':>14} {'events/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ev/batch':>9}")
         for kind, fn in (("threads", appends), ("asyncio tasks", appends_async)):
             for writers in (1, 8, 64):
                 total = args.appends if writers > 1 else min(args.appends, 3_000)

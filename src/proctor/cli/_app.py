@@ -9,6 +9,7 @@ from rich.table import Table
 from proctor import __version__
 from proctor.cli._audit import audit_app
 from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._sandbox import sandbox_app
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ key_app = typer.Typer(help="The runtime's checkpoint signing key.", no_args_is_h
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(audit_app, name="audit")
+app.add_typer(sandbox_app, name="sandbox")
 
 
 @app.command()

@@ -90,9 +90,12 @@ class SQLiteStore:
             db.execute("PRAGMA synchronous=FULL")
             db.execute("PRAGMA foreign_keys=ON")
         except sqlite3.DatabaseError as exc:
+            corrupt = any(w in str(exc) for w in ("not a database", "malformed", "corrupt"))
             raise StoreError(
                 f"the store {self._path} cannot be opened: {exc}",
-                hint="the file is not a Proctor database or it is corrupted",
+                hint="the file is not a Proctor database or it is corrupted"
+                if corrupt
+                else "check the disk (space, permissions) under the Proctor home",
             ) from exc
         with self._all_lock:
             self._all.append(db)

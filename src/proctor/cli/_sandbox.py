@@ -1,0 +1,174 @@
+"""``proctor sandbox``: the ephemeral mode, for the build loop.
+
+A run here is throwaway (synthetic data, no broker), but it is still recorded:
+a start event before anything runs (if the ledger cannot take it, nothing runs)
+and an end event with the result, both in the ``sandbox`` tenant's log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from contextlib import suppress
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._units import parse_duration, parse_size
+from proctor.errors import AlreadyExists, UsageError
+from proctor.ledger import EventDraft
+from proctor.runtime import Runtime
+from proctor.sandbox import Limits, Reason, SandboxSpec, backends, get_driver
+
+SANDBOX_TENANT = "sandbox"
+
+sandbox_app = typer.Typer(
+    help="Ephemeral sandboxes for the build loop (recorded, but not governed).",
+    no_args_is_help=True,
+)
+
+
+def _ensure_tenant(rt: Runtime) -> None:
+    if rt.tenants.find(SANDBOX_TENANT) is None:
+        # Another process may make it meanwhile; either way it then exists.
+        with suppress(AlreadyExists):
+            rt.tenants.create(SANDBOX_TENANT, rt.operator)
+
+
+def code_digest(root: Path) -> str:
+    """SHA-256 over the sorted relative paths and contents of a directory's files."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+        rel = path.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "big") + rel)
+        data = path.read_bytes()
+        h.update(len(data).to_bytes(8, "big") + data)
+    return "sha256:" + h.hexdigest()
+
+
+@sandbox_app.command("backends")
+def list_backends() -> None:
+    """Which sandbox drivers work on this machine, and why the others do not."""
+    table = Table("backend", "works", "why")
+    for status in backends():
+        works = "[green]yes[/]" if status.available else "[red]no[/]"
+        table.add_row(status.name, works, status.reason)
+    console.print(table)
+
+
+@sandbox_app.command(
+    "run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+def run(
+    command: Annotated[list[str], typer.Argument(help="The program and its arguments, after --")],
+    backend: Annotated[
+        str | None, typer.Option(help="gvisor or bubblewrap [default: the first that works]")
+    ] = None,
+    memory: Annotated[str, typer.Option(help="Memory limit, e.g. 256M")] = "256M",
+    timeout: Annotated[str, typer.Option(help="Wall-clock limit, e.g. 30s")] = "30s",
+    pids: Annotated[int, typer.Option(help="Most processes at once")] = 64,
+    cpu: Annotated[float, typer.Option(help="CPU share, in CPUs")] = 1.0,
+    output: Annotated[str, typer.Option(help="Cap on stdout+stderr")] = "16M",
+    scratch: Annotated[str, typer.Option(help="Size of the scratch tmpfs at /tmp")] = "64M",
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Code directory, mounted read-only at /code")
+    ] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for the guest")
+    ] = None,
+    home: HomeOpt = None,
+) -> None:
+    """Run CMD in a throwaway sandbox; stream its output; exit with its exit code."""
+    limits = Limits(
+        memory_bytes=parse_size(memory, "--memory"),
+        pids=pids,
+        cpu=cpu,
+        wall_seconds=parse_duration(timeout, "--timeout"),
+        output_bytes=parse_size(output, "--output"),
+    )
+    guest_env: dict[str, str] = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env: {item!r} is not KEY=VALUE")
+        guest_env[key] = value
+    if directory is not None and not directory.is_dir():
+        raise UsageError(f"--dir: {directory} is not a directory")
+    spec = SandboxSpec(
+        argv=tuple(command),
+        code_dir=directory.resolve() if directory else None,
+        env=guest_env,
+        scratch_bytes=parse_size(scratch, "--scratch"),
+        limits=limits,
+        cwd="/code" if directory else None,
+    )
+    driver = get_driver(backend)
+    with open_runtime(home) as rt:
+        _ensure_tenant(rt)
+        common = {
+            "backend": driver.name,
+            "program": command[0],
+            # The digest, not the arguments: they may hold things that must not be logged.
+            "argv_sha256": hashlib.sha256("\0".join(command).encode()).hexdigest(),
+            "code": code_digest(directory) if directory else None,
+            "limits": {
+                "memory_bytes": limits.memory_bytes,
+                "pids": limits.pids,
+                "cpu": str(limits.cpu),
+                "wall_seconds": str(limits.wall_seconds),
+                "output_bytes": limits.output_bytes,
+                "scratch_bytes": spec.scratch_bytes,
+            },
+        }
+        start = rt.ledger.append(
+            SANDBOX_TENANT,
+            EventDraft(
+                rt.operator,
+                "sandbox.run",
+                "sandbox/ephemeral",
+                reason="started",
+                details={"phase": "start", **common},
+            ),
+        )
+        out = sys.stdout.buffer
+        err = sys.stderr.buffer
+
+        def to_out(data: bytes) -> None:
+            out.write(data)
+            out.flush()
+
+        def to_err(data: bytes) -> None:
+            err.write(data)
+            err.flush()
+
+        result = driver.run(spec, on_stdout=to_out, on_stderr=to_err)
+        rt.ledger.append(
+            SANDBOX_TENANT,
+            EventDraft(
+                rt.operator,
+                "sandbox.run",
+                f"sandbox/{result.run_id}",
+                reason=result.reason.value,
+                run=result.run_id,
+                details={
+                    "phase": "end",
+                    **common,
+                    "start_seq": start.seq,
+                    "platform": result.platform,
+                    "exit_code": result.exit_code,
+                    "duration_ms": round(result.duration_seconds * 1000),
+                    "setup_ms": round(result.setup_seconds * 1000),
+                    "stdout_bytes": result.stdout_bytes,
+                    "stderr_bytes": result.stderr_bytes,
+                    "dropped_bytes": result.stdout_dropped + result.stderr_dropped,
+                    "memory_peak_bytes": result.memory_peak_bytes,
+                },
+            ),
+        )
+    if result.reason is not Reason.EXIT:
+        console_err = f"sandbox: stopped by {result.reason.value} (exit {result.exit_code})"
+        print(console_err, file=sys.stderr)
+    raise typer.Exit(result.exit_code)
