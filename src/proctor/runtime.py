@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from proctor.errors import AlreadyExists, NotInitialized, UsageError
-from proctor.governance import Tenants
+from proctor.governance import KeyRing, Policies, Resources, Tenants
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
 from proctor.store import Store, open_store
 
@@ -73,6 +73,7 @@ def init_home(home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Config:
     key_path = home / "keys" / "ledger.pem"
     signer = Signer.generate(trust_domain)
     signer.save(key_path)
+    KeyRing.load_or_create(home / "keys" / "runtime.key")
     operator = f"local-operator:{getpass.getuser()}@{socket.gethostname()}"
     config = Config(trust_domain, f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator)
     store = open_store(config.store, create=True)
@@ -123,7 +124,10 @@ class Runtime:
         self.store = store
         self.signer = signer
         self.ledger = Ledger(store, signer, config.trust_domain)
+        self.keys = KeyRing.load_or_create(home / "keys" / "runtime.key")
         self.tenants = Tenants(store, self.ledger)
+        self.policies = Policies(store, self.ledger)
+        self.resources = Resources(store, self.ledger, self.keys, home / "buckets")
 
     @classmethod
     def open(cls, home: Path | None = None) -> Runtime:

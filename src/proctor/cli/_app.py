@@ -9,6 +9,7 @@ from rich.table import Table
 from proctor import __version__
 from proctor.cli._audit import audit_app
 from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
 
@@ -27,6 +28,10 @@ app.add_typer(tenant_app, name="tenant")
 app.add_typer(key_app, name="key")
 app.add_typer(audit_app, name="audit")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(policy_app, name="policy")
+app.add_typer(dataset_app, name="dataset")
+app.add_typer(secret_app, name="secret")
+app.add_typer(bucket_app, name="bucket")
 
 
 @app.command()

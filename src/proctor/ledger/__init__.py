@@ -15,6 +15,7 @@ from proctor.ledger._ledger import (
     InclusionProof,
     Ledger,
     LogHead,
+    TxHook,
     verify_export,
 )
 from proctor.ledger._merkle import (
@@ -40,6 +41,7 @@ __all__ = [
     "Ledger",
     "LogHead",
     "Signer",
+    "TxHook",
     "Verifier",
     "VerifyReport",
     "canonical_json",

@@ -53,4 +53,42 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (log, size)
         ) WITHOUT ROWID""",
     ],
+    # 2: per-tenant policies (versioned by content hash), and the resources the
+    # broker mediates: datasets, secrets (encrypted at rest), buckets.
+    [
+        """CREATE TABLE policies (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            version TEXT NOT NULL,
+            text TEXT NOT NULL,
+            set_at TEXT NOT NULL,
+            set_by TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            PRIMARY KEY (tenant, seq)
+        )""",
+        """CREATE TABLE datasets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            location TEXT NOT NULL,
+            synthetic INTEGER NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+        """CREATE TABLE secrets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            sealed BLOB NOT NULL,
+            hosts TEXT NOT NULL,
+            header TEXT NOT NULL,
+            template TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+        """CREATE TABLE buckets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+    ],
 ]

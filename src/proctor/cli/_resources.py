@@ -1,0 +1,174 @@
+"""``proctor policy``, ``dataset``, ``secret`` and ``bucket``: what a tenant's runs may reach."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from proctor.cli._common import HomeOpt, JsonOpt, TenantOpt, console, open_runtime
+from proctor.errors import UsageError
+from proctor.policy import evaluate_request
+
+policy_app = typer.Typer(help="A tenant's Cedar policies (deny by default).", no_args_is_help=True)
+dataset_app = typer.Typer(help="Datasets only the runtime can open.", no_args_is_help=True)
+secret_app = typer.Typer(
+    help="Secrets the broker injects; runs never see them.", no_args_is_help=True
+)
+bucket_app = typer.Typer(
+    help="Buckets runs read and write through the broker.", no_args_is_help=True
+)
+
+
+def _read_source(source: str) -> str:
+    if source == "-":
+        return sys.stdin.read()
+    path = Path(source)
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {source}: {exc.strerror}") from exc
+
+
+@policy_app.command("set")
+def policy_set(
+    tenant: TenantOpt,
+    source: Annotated[str, typer.Argument(help="A .cedar file, or - for standard input")],
+    home: HomeOpt = None,
+) -> None:
+    """Validate and set the tenant's policy set; recorded with its version."""
+    text = _read_source(source)
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        pv = rt.policies.set(tenant, text, rt.operator)
+    console.print(f"policy of [bold]{tenant}[/] set: version {pv.version}")
+
+
+@policy_app.command("show")
+def policy_show(
+    tenant: TenantOpt,
+    history: Annotated[bool, typer.Option(help="List every version")] = False,
+    home: HomeOpt = None,
+) -> None:
+    """Print the tenant's current policy text (or its history)."""
+    with open_runtime(home) as rt:
+        if history:
+            table = Table("#", "version", "set at", "by")
+            for pv in rt.policies.history(tenant):
+                table.add_row(str(pv.seq), pv.version, pv.set_at, pv.set_by)
+            console.print(table)
+            return
+        pv = rt.policies.current(tenant)
+    sys.stdout.write(f"// version {pv.version}\n{pv.text}")
+    if pv.text and not pv.text.endswith("\n"):
+        sys.stdout.write("\n")
+
+
+@policy_app.command("test")
+def policy_test(
+    tenant: TenantOpt,
+    request: Annotated[str, typer.Argument(help="A JSON request file, or - for stdin")],
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """Decide one request against the tenant's current policy: decision and reasons."""
+    payload = _read_source(request)
+    with open_runtime(home) as rt:
+        compiled = rt.policies.compiled(tenant)
+    decision = evaluate_request(compiled, payload)
+    if as_json:
+        sys.stdout.write(json.dumps(decision.to_json(), sort_keys=True) + "\n")
+    else:
+        style = "green" if decision.allowed else "bold red"
+        console.print(f"[{style}]{decision.decision}[/] (policy version {decision.version})")
+        for pid in decision.policies:
+            console.print(f"  by {pid}")
+        for err in decision.errors:
+            console.print(f"  error: {err}")
+    raise typer.Exit(0 if decision.allowed else 1)
+
+
+@dataset_app.command("add")
+def dataset_add(
+    tenant: TenantOpt,
+    name: str,
+    sqlite: Annotated[Path, typer.Option(help="Path of the SQLite database file")],
+    synthetic: Annotated[
+        bool, typer.Option(help="Synthetic data: sandbox runs may use it")
+    ] = False,
+    home: HomeOpt = None,
+) -> None:
+    """Register a dataset; only the runtime will know where it is."""
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        ds = rt.resources.add_dataset(tenant, name, sqlite, rt.operator, synthetic=synthetic)
+    console.print(f"dataset [bold]{ds.name}[/] registered in {tenant}")
+
+
+@dataset_app.command("list")
+def dataset_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        rows = rt.resources.datasets(tenant)
+    table = Table("dataset", "kind", "synthetic")
+    for ds in rows:
+        table.add_row(ds.name, ds.kind, "yes" if ds.synthetic else "no")
+    console.print(table)
+
+
+@secret_app.command("set")
+def secret_set(
+    tenant: TenantOpt,
+    name: str,
+    host: Annotated[list[str], typer.Option("--host", help="A host the secret is sent to")],
+    from_env: Annotated[
+        str | None, typer.Option(help="Read the value from this environment variable")
+    ] = None,
+    header: Annotated[str, typer.Option(help="Header to inject")] = "Authorization",
+    template: Annotated[str, typer.Option(help="Header value; {secret} is replaced")] = (
+        "Bearer {secret}"
+    ),
+    home: HomeOpt = None,
+) -> None:
+    """Store a secret, sealed; its value comes from stdin (or --from-env), never argv."""
+    if from_env is not None:
+        value = os.environ.get(from_env, "")
+        if not value:
+            raise UsageError(f"environment variable {from_env} is empty or unset")
+    else:
+        value = sys.stdin.readline().rstrip("\n")
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        secret = rt.resources.set_secret(
+            tenant, name, value, host, rt.operator, header=header, template=template
+        )
+    console.print(f"secret [bold]{secret.name}[/] set for {', '.join(secret.hosts)}")
+
+
+@secret_app.command("list")
+def secret_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        rows = rt.resources.secrets(tenant)
+    table = Table("secret", "hosts", "header")
+    for s in rows:
+        table.add_row(s.name, ", ".join(s.hosts), s.header)
+    console.print(table)
+
+
+@bucket_app.command("add")
+def bucket_add(tenant: TenantOpt, name: str, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        rt.resources.add_bucket(tenant, name, rt.operator)
+    console.print(f"bucket [bold]{name}[/] created in {tenant}")
+
+
+@bucket_app.command("list")
+def bucket_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        for name in rt.resources.buckets(tenant):
+            console.print(name)

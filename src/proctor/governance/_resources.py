@@ -1,0 +1,210 @@
+"""What a tenant lets its runs reach through the broker: datasets, secrets, buckets.
+
+Only the runtime holds a dataset's location and a secret's value. Registering
+one is a control action recorded in the tenant's log (the value never is).
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+
+from proctor.errors import AlreadyExists, NotFound, UsageError
+from proctor.governance._keys import KeyRing
+from proctor.ledger import Actor, EventDraft, Ledger, TxHook, utc_now
+from proctor.policy import normalize_host
+from proctor.store import Conn, Store
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise UsageError(
+            f"invalid {kind} name {name!r}",
+            hint="use a lowercase letter, then up to 62 lowercase letters, digits or _",
+        )
+
+
+@dataclass(frozen=True)
+class Dataset:
+    tenant: str
+    name: str
+    kind: str
+    location: str
+    synthetic: bool
+
+
+@dataclass(frozen=True)
+class Secret:
+    tenant: str
+    name: str
+    hosts: tuple[str, ...]
+    header: str
+    template: str
+
+
+class Resources:
+    def __init__(self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._keys = keys
+        self._buckets_root = buckets_root
+
+    def _record(
+        self,
+        tenant: str,
+        actor: Actor,
+        action: str,
+        resource: str,
+        details: dict[str, object],
+        hook: TxHook,
+    ) -> None:
+        self._ledger.append(
+            tenant,
+            EventDraft(actor, action, resource, reason="registered", details=details),
+            hook=hook,
+        )
+
+    # -- datasets -----------------------------------------------------------
+
+    def add_dataset(
+        self, tenant: str, name: str, path: Path, actor: Actor, *, synthetic: bool = False
+    ) -> Dataset:
+        _check_name("dataset", name)
+        path = path.resolve()
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                db.execute("SELECT count(*) FROM sqlite_schema").fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
+
+        def insert(conn: Conn) -> None:
+            if conn.query_one(
+                "SELECT 1 FROM datasets WHERE tenant = ? AND name = ?", (tenant, name)
+            ):
+                raise AlreadyExists(f"dataset {name!r} exists already in tenant {tenant!r}")
+            conn.execute(
+                "INSERT INTO datasets (tenant, name, kind, location, synthetic, created_at)"
+                " VALUES (?, ?, 'sqlite', ?, ?, ?)",
+                (tenant, name, str(path), int(synthetic), utc_now()),
+            )
+
+        # The location is the runtime's business; the event names the dataset only.
+        self._record(
+            tenant,
+            actor,
+            "dataset.register",
+            f"dataset/{name}",
+            {"kind": "sqlite", "synthetic": synthetic},
+            insert,
+        )
+        return Dataset(tenant, name, "sqlite", str(path), synthetic)
+
+    def datasets(self, tenant: str) -> list[Dataset]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                "SELECT name, kind, location, synthetic FROM datasets WHERE tenant = ?"
+                " ORDER BY name",
+                (tenant,),
+            )
+        return [Dataset(tenant, str(r[0]), str(r[1]), str(r[2]), bool(r[3])) for r in rows]
+
+    # -- secrets ------------------------------------------------------------
+
+    def set_secret(
+        self,
+        tenant: str,
+        name: str,
+        value: str,
+        hosts: list[str],
+        actor: Actor,
+        *,
+        header: str = "Authorization",
+        template: str = "Bearer {secret}",
+    ) -> Secret:
+        _check_name("secret", name)
+        if not value:
+            raise UsageError("a secret's value must not be empty")
+        if "\n" in value or "\r" in value:
+            raise UsageError("a secret's value must be one line (it goes into a header)")
+        if "{secret}" not in template:
+            raise UsageError("the header template must contain {secret}")
+        if not re.match(r"^[A-Za-z0-9-]{1,64}$", header):
+            raise UsageError(f"invalid header name {header!r}")
+        if not hosts:
+            raise UsageError("bind the secret to at least one host")
+        norm = tuple(sorted({normalize_host(h) for h in hosts}))
+        sealed = self._keys.seal(value)
+
+        def upsert(conn: Conn) -> None:
+            conn.execute(
+                "INSERT INTO secrets (tenant, name, sealed, hosts, header, template, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE SET"
+                " sealed = excluded.sealed, hosts = excluded.hosts, header = excluded.header,"
+                " template = excluded.template, created_at = excluded.created_at",
+                (tenant, name, sealed, ",".join(norm), header, template, utc_now()),
+            )
+
+        self._record(
+            tenant,
+            actor,
+            "secret.register",
+            f"secret/{name}",
+            {"hosts": list(norm), "header": header},
+            upsert,
+        )
+        return Secret(tenant, name, norm, header, template)
+
+    def secrets(self, tenant: str) -> list[Secret]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                "SELECT name, hosts, header, template FROM secrets WHERE tenant = ? ORDER BY name",
+                (tenant,),
+            )
+        return [
+            Secret(tenant, str(r[0]), tuple(str(r[1]).split(",")), str(r[2]), str(r[3]))
+            for r in rows
+        ]
+
+    def secret_value(self, tenant: str, name: str) -> str:
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT sealed FROM secrets WHERE tenant = ? AND name = ?", (tenant, name)
+            )
+        if row is None:
+            raise NotFound(f"no secret {name!r} in tenant {tenant!r}")
+        return self._keys.unseal(bytes(row[0]))
+
+    # -- buckets ------------------------------------------------------------
+
+    def bucket_dir(self, tenant: str) -> Path:
+        return self._buckets_root / tenant
+
+    def add_bucket(self, tenant: str, name: str, actor: Actor) -> Path:
+        _check_name("bucket", name)
+        path = self.bucket_dir(tenant) / name
+
+        def insert(conn: Conn) -> None:
+            if conn.query_one(
+                "SELECT 1 FROM buckets WHERE tenant = ? AND name = ?", (tenant, name)
+            ):
+                raise AlreadyExists(f"bucket {name!r} exists already in tenant {tenant!r}")
+            conn.execute(
+                "INSERT INTO buckets (tenant, name, created_at) VALUES (?, ?, ?)",
+                (tenant, name, utc_now()),
+            )
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+        self._record(tenant, actor, "bucket.create", f"bucket/{name}", {}, insert)
+        return path
+
+    def buckets(self, tenant: str) -> list[str]:
+        with self._store.read() as conn:
+            rows = conn.query("SELECT name FROM buckets WHERE tenant = ? ORDER BY name", (tenant,))
+        return [str(r[0]) for r in rows]
