@@ -62,6 +62,7 @@ class BubblewrapDriver:
         self._bwrap = bwrap or shutil.which("bwrap") or "/usr/bin/bwrap"
         self._plan = plan
         self._bpf: bytes | None = None
+        self._bpf_tcp: bytes | None = None
 
     @property
     def plan(self) -> RootPlan:
@@ -101,7 +102,11 @@ class BubblewrapDriver:
             return BackendStatus(self.name, False, f"bwrap cannot create namespaces here: {why}")
         return BackendStatus(self.name, True, "bwrap works: all namespaces, seccomp, cgroup limits")
 
-    def _filter(self) -> bytes:
+    def _filter(self, loopback_tcp: bool = False) -> bytes:
+        if loopback_tcp:
+            if self._bpf_tcp is None:
+                self._bpf_tcp = _seccomp.compile_bpf(allow_inet_stream=True)
+            return self._bpf_tcp
         if self._bpf is None:
             self._bpf = _seccomp.compile_bpf()
         return self._bpf
@@ -139,6 +144,8 @@ class BubblewrapDriver:
         args += self._link_args()
         if spec.code_dir is not None:
             args += ["--ro-bind", str(spec.code_dir), "/code"]
+        for host_dir, guest_dir in spec.ro_dirs.items():
+            args += ["--ro-bind", str(host_dir), guest_dir]
         args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
         args += ["--size", str(spec.scratch_bytes), "--perms", "1777", "--tmpfs", spec.scratch_path]
         for host, guest in spec.sockets.items():
@@ -172,7 +179,7 @@ class BubblewrapDriver:
         status_r, status_w = os.pipe()
         tee = _Tee(on_stderr)
         try:
-            os.write(seccomp_fd, self._filter())
+            os.write(seccomp_fd, self._filter(spec.loopback_tcp))
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             argv = self.command(spec, seccomp_fd, status_w)
             started = time.monotonic()

@@ -196,6 +196,15 @@ class GVisorDriver:
                     "options": ["rbind", "ro"],
                 }
             )
+        for host_dir, guest_dir in spec.ro_dirs.items():
+            mounts.append(
+                {
+                    "destination": guest_dir,
+                    "type": "bind",
+                    "source": str(host_dir),
+                    "options": ["rbind", "ro"],
+                }
+            )
         mounts.append(
             {
                 "destination": spec.scratch_path,
@@ -229,7 +238,7 @@ class GVisorDriver:
             "mounts": mounts,
             "linux": {
                 "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-                "seccomp": _seccomp.oci_seccomp(),
+                "seccomp": _seccomp.oci_seccomp(allow_inet_stream=spec.loopback_tcp),
                 "maskedPaths": [],
                 "readonlyPaths": [],
             },
@@ -238,7 +247,14 @@ class GVisorDriver:
     def _write_bundle(self, spec: SandboxSpec, bundle: Path) -> None:
         rootfs = bundle / "rootfs"
         rootfs.mkdir(parents=True)
-        guest_dirs = ["/proc", "/dev", "/code", spec.scratch_path, *map(str, self.plan.ro_binds)]
+        guest_dirs = [
+            "/proc",
+            "/dev",
+            "/code",
+            spec.scratch_path,
+            *map(str, self.plan.ro_binds),
+            *spec.ro_dirs.values(),
+        ]
         for d in guest_dirs:
             (rootfs / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         for target, link in self.plan.symlinks:

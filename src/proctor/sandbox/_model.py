@@ -88,6 +88,14 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     sockets: Mapping[Path, str] = field(default_factory=dict)
     cwd: str | None = None
+    #: Extra host directories mounted read-only (host path -> guest path), e.g. the
+    #: guest library the broker's runs import.
+    ro_dirs: Mapping[Path, str] = field(default_factory=dict)
+    #: Let the guest make TCP sockets. Its network namespace holds only loopback, so
+    #: they reach nothing but the guest itself: this is for the broker shim's local
+    #: proxy listener, which ordinary HTTP clients must reach over TCP. UDP, raw,
+    #: netlink and packet sockets stay refused.
+    loopback_tcp: bool = False
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)
@@ -124,6 +132,17 @@ class SandboxSpec:
             seen.add(guest_norm)
             sockets[host_path] = guest_norm
         object.__setattr__(self, "sockets", MappingProxyType(sockets))
+        ro_dirs: dict[Path, str] = {}
+        for host, guest in self.ro_dirs.items():
+            host_path = Path(host)
+            if not host_path.is_absolute() or not host_path.is_dir():
+                raise SandboxSpecInvalid(f"read-only mount {host} must be an existing directory")
+            guest_norm = _guest_path(guest, "read-only mount guest path")
+            if guest_norm in seen or guest_norm.startswith(("/code/", scratch + "/")):
+                raise SandboxSpecInvalid(f"read-only mount {guest} collides with another mount")
+            seen.add(guest_norm)
+            ro_dirs[host_path.resolve()] = guest_norm
+        object.__setattr__(self, "ro_dirs", MappingProxyType(ro_dirs))
         if self.cwd is not None:
             object.__setattr__(self, "cwd", posixpath.normpath(self.cwd))
             if not self.cwd.startswith("/"):

@@ -70,12 +70,38 @@ DENIED_SYSCALLS = (
     "uselib",
     "vhangup",
     "lookup_dcookie",
-    "clone3",
 )
+
+#: Refused with ENOSYS, not EPERM: clone3 passes its flags in a struct that BPF cannot
+#: read, and glibc falls back to plain clone() (whose flags the filter does check)
+#: only on ENOSYS. With EPERM, every pthread_create in the guest would fail.
+ENOSYS_SYSCALLS = ("clone3",)
 
 #: Every socket family but AF_UNIX is refused: no IP of any version, no netlink
 #: (route tables, audit), no raw packets, no vsock, no Bluetooth.
 ALLOWED_SOCKET_FAMILY = socket.AF_UNIX
+
+#: With ``loopback_tcp``, stream sockets of these families are allowed as well.
+INET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+#: Socket types refused for IP families even then (the low bits of socket()'s type).
+_NON_STREAM_TYPES = (2, 3, 4, 5, 6, 10)  # DGRAM, RAW, RDM, SEQPACKET, DCCP, PACKET
+_TYPE_MASK = 0xF
+
+
+def _refused_families(allow_inet_stream: bool) -> list[tuple[str, int]]:
+    """(op, value) pairs, each one rule on socket()'s family: any match is refused.
+
+    One comparison per rule because libseccomp takes one comparison per argument
+    per rule; rules of one syscall are ORed.
+    """
+    allowed = {ALLOWED_SOCKET_FAMILY, *(INET_FAMILIES if allow_inet_stream else ())}
+    if not allow_inet_stream:
+        return [("NE", ALLOWED_SOCKET_FAMILY)]
+    top = max(allowed)
+    rules = [("LT", min(allowed)), ("GT", top)]
+    rules += [("EQ", f) for f in range(min(allowed), top) if f not in allowed]
+    return rules
+
 
 #: Namespace flags a plain clone() may not carry.
 CLONE_NAMESPACE_FLAGS = (
@@ -91,7 +117,11 @@ CLONE_NAMESPACE_FLAGS = (
 
 _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_CMP_NE = 1
+_SCMP_CMP_LT = 2
+_SCMP_CMP_EQ = 4
+_SCMP_CMP_GT = 6
 _SCMP_CMP_MASKED_EQ = 7
+_OPS = {"NE": _SCMP_CMP_NE, "LT": _SCMP_CMP_LT, "EQ": _SCMP_CMP_EQ, "GT": _SCMP_CMP_GT}
 
 
 def _act_errno(code: int) -> int:
@@ -138,7 +168,7 @@ def _check(rc: int, what: str) -> None:
         raise SandboxUnavailable(f"libseccomp failed to {what}: {os.strerror(-rc)}")
 
 
-def compile_bpf() -> bytes:
+def compile_bpf(allow_inet_stream: bool = False) -> bytes:
     """The filter as a classic BPF program, the format ``bwrap --seccomp FD`` reads."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
@@ -151,12 +181,29 @@ def compile_bpf() -> bytes:
             if nr < 0:
                 continue  # not a syscall on this architecture
             _check(lib.seccomp_rule_add_array(ctx, deny, nr, 0, None), f"deny {name}")
+        for name in ENOSYS_SYSCALLS:
+            nr = lib.seccomp_syscall_resolve_name(name.encode())
+            if nr >= 0:
+                _check(
+                    lib.seccomp_rule_add_array(ctx, _act_errno(errno.ENOSYS), nr, 0, None),
+                    f"deny {name}",
+                )
         nr = lib.seccomp_syscall_resolve_name(b"socket")
-        cmp = (_ArgCmp * 1)(_ArgCmp(0, _SCMP_CMP_NE, ALLOWED_SOCKET_FAMILY, 0))
-        _check(
-            lib.seccomp_rule_add_array(ctx, _act_errno(errno.EAFNOSUPPORT), nr, 1, cmp),
-            "restrict socket()",
-        )
+        refuse = _act_errno(errno.EAFNOSUPPORT)
+        for op, value in _refused_families(allow_inet_stream):
+            cmp = (_ArgCmp * 1)(_ArgCmp(0, _OPS[op], value, 0))
+            _check(lib.seccomp_rule_add_array(ctx, refuse, nr, 1, cmp), "restrict socket()")
+        if allow_inet_stream:
+            for family in INET_FAMILIES:
+                for kind in _NON_STREAM_TYPES:
+                    cmps = (_ArgCmp * 2)(
+                        _ArgCmp(0, _SCMP_CMP_EQ, family, 0),
+                        _ArgCmp(1, _SCMP_CMP_MASKED_EQ, _TYPE_MASK, kind),
+                    )
+                    _check(
+                        lib.seccomp_rule_add_array(ctx, refuse, nr, 2, cmps),
+                        "restrict socket() types",
+                    )
         nr = lib.seccomp_syscall_resolve_name(b"clone")
         # clone(flags, ...) on x86-64 and arm64 alike takes the flags first.
         # One rule per flag: MASKED_EQ matches when (flags & bit) == bit, and
@@ -183,18 +230,43 @@ def compile_bpf() -> bytes:
         lib.seccomp_release(ctx)
 
 
-def oci_seccomp() -> dict[str, object]:
+def oci_seccomp(allow_inet_stream: bool = False) -> dict[str, object]:
     """The same filter in the OCI runtime-spec form, which ``runsc --oci-seccomp`` applies
     inside gVisor's own kernel (defence in depth: those calls never reach the host anyway)."""
     syscalls: list[dict[str, object]] = [
+        # No clone3 rule here: this runsc ignores errnoRet and answers EPERM, which
+        # breaks every pthread_create; clone3 inside the sentry creates only the
+        # sentry's own virtual tasks and namespaces, never host ones.
         {"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
-        {
-            "names": ["socket"],
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": errno.EAFNOSUPPORT,
-            "args": [{"index": 0, "value": ALLOWED_SOCKET_FAMILY, "op": "SCMP_CMP_NE"}],
-        },
     ]
+    for op, value in _refused_families(allow_inet_stream):
+        syscalls.append(
+            {
+                "names": ["socket"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": errno.EAFNOSUPPORT,
+                "args": [{"index": 0, "value": value, "op": f"SCMP_CMP_{op}"}],
+            }
+        )
+    if allow_inet_stream:
+        for family in INET_FAMILIES:
+            for kind in _NON_STREAM_TYPES:
+                syscalls.append(
+                    {
+                        "names": ["socket"],
+                        "action": "SCMP_ACT_ERRNO",
+                        "errnoRet": errno.EAFNOSUPPORT,
+                        "args": [
+                            {"index": 0, "value": family, "op": "SCMP_CMP_EQ"},
+                            {
+                                "index": 1,
+                                "value": _TYPE_MASK,
+                                "valueTwo": kind,
+                                "op": "SCMP_CMP_MASKED_EQ",
+                            },
+                        ],
+                    }
+                )
     for bit in range(64):
         flag = 1 << bit
         if CLONE_NAMESPACE_FLAGS & flag:
