@@ -15,13 +15,17 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
+from proctor.broker._server import Broker, Handlers, RunChannel
 
 __all__ = [
     "BadCall",
+    "Broker",
     "BrokerError",
     "CallDenied",
     "CallRefused",
     "DatasetBinding",
+    "Handlers",
+    "RunChannel",
     "RunScope",
     "SecretBinding",
 ]

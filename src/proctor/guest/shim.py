@@ -1,0 +1,126 @@
+"""The guest shim: starts the entrypoint with a local HTTP proxy that leads only
+to the broker.
+
+``python3 -m proctor_guest.shim -- ENTRYPOINT...`` listens on 127.0.0.1 (the
+sandbox's own loopback, the only network it has), points ``HTTP_PROXY``,
+``HTTPS_PROXY`` and ``ALL_PROXY`` at itself, and runs the entrypoint. Each
+proxy connection is bridged to the broker's Unix socket with the run's token
+added to its request head; the broker decides, records, and answers. The shim
+itself decides nothing: everything it could get wrong, the broker checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+from ._client import DEFAULT_SOCKET, SOCKET_ENV, TOKEN_ENV
+
+PORT_ENV = "PROCTOR_PROXY_PORT"
+DEFAULT_PORT = 3128
+_MAX_HEAD = 64 * 1024
+_UNAVAILABLE_BODY = (
+    b'{"error": "broker_unavailable", "message": "the broker is gone", "policies": []}'
+)
+_UNAVAILABLE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: "
+    + str(len(_UNAVAILABLE_BODY)).encode()
+    + b"\r\n\r\n"
+    + _UNAVAILABLE_BODY
+)
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+def _bridge(client: socket.socket, broker_path: str, token: str) -> None:
+    with client:
+        head = b""
+        try:
+            while b"\r\n\r\n" not in head:
+                chunk = client.recv(65536)
+                if not chunk:
+                    return
+                head += chunk
+                if len(head) > _MAX_HEAD:
+                    return
+        except OSError:
+            return
+        line_end = head.index(b"\r\n")
+        head = head[:line_end] + b"\r\nProctor-Token: " + token.encode() + head[line_end:]
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(broker_path)
+        except OSError:
+            upstream.close()
+            with contextlib.suppress(OSError):
+                client.sendall(_UNAVAILABLE)
+            return
+        with upstream:
+            upstream.sendall(head)
+            back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+            back.start()
+            _pump(client, upstream)
+            back.join()
+
+
+def serve(listener: socket.socket, broker_path: str, token: str) -> None:
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_bridge, args=(client, broker_path, token), daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python3 -m proctor_guest.shim -- ENTRYPOINT...", file=sys.stderr)
+        return 2
+    broker_path = os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
+    token = os.environ.get(TOKEN_ENV, "")
+    port = int(os.environ.get(PORT_ENV, str(DEFAULT_PORT)))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+    threading.Thread(target=serve, args=(listener, broker_path, token), daemon=True).start()
+    proxy = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = proxy
+    # Nothing bypasses the proxy, loopback included: there is nothing else there.
+    env["NO_PROXY"] = env["no_proxy"] = ""
+    try:
+        child = subprocess.Popen(argv, env=env)
+    except OSError as exc:
+        print(f"proctor shim: cannot start {argv[0]}: {exc}", file=sys.stderr)
+        return 127
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

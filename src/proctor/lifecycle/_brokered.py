@@ -1,0 +1,84 @@
+"""A sandbox run whose only way out is the broker.
+
+The sandbox gets the run's broker socket at ``/run/proctor/broker.sock``, the
+guest library mounted read-only as ``proctor_guest``, loopback-only TCP for the
+shim's proxy, and the entrypoint started by the shim. Nothing else of the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import proctor.guest
+from proctor.broker import Broker, RunChannel, RunScope
+from proctor.sandbox import Limits, SandboxDriver, SandboxResult, SandboxSpec, Sink
+
+GUEST_SOCKET = "/run/proctor/broker.sock"
+GUEST_LIB_PARENT = "/opt/proctor"
+GUEST_LIB = f"{GUEST_LIB_PARENT}/proctor_guest"
+GUEST_CA = "/opt/proctor-ca"
+GUEST_DIR = Path(proctor.guest.__file__).resolve().parent
+
+
+def brokered_spec(
+    channel: RunChannel,
+    argv: tuple[str, ...],
+    *,
+    code_dir: Path | None = None,
+    limits: Limits | None = None,
+    env: Mapping[str, str] | None = None,
+    ca_dir: Path | None = None,
+) -> SandboxSpec:
+    """The sandbox spec of a brokered run: the shim first, then the entrypoint."""
+    guest_env = dict(env or {})
+    guest_env.update(
+        {
+            "PYTHONPATH": GUEST_LIB_PARENT,
+            "PROCTOR_BROKER": GUEST_SOCKET,
+            "PROCTOR_TOKEN": channel.token,
+            "PROCTOR_RUN": channel.run_id,
+        }
+    )
+    ro_dirs = {GUEST_DIR: GUEST_LIB}
+    if ca_dir is not None:
+        # The trust bundle: the system's roots plus the tenant's CA, for hosts whose
+        # credentials the broker injects (it terminates TLS for those).
+        ro_dirs[ca_dir] = GUEST_CA
+        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+            guest_env[name] = f"{GUEST_CA}/bundle.pem"
+    return SandboxSpec(
+        argv=("python3", "-m", "proctor_guest.shim", "--", *argv),
+        code_dir=code_dir,
+        env=guest_env,
+        limits=limits or Limits(),
+        sockets={channel.socket: GUEST_SOCKET},
+        ro_dirs=ro_dirs,
+        loopback_tcp=True,
+        cwd="/code" if code_dir is not None else None,
+    )
+
+
+def run_brokered(
+    broker: Broker,
+    scope: RunScope,
+    driver: SandboxDriver,
+    argv: tuple[str, ...],
+    *,
+    code_dir: Path | None = None,
+    limits: Limits | None = None,
+    env: Mapping[str, str] | None = None,
+    ca_dir: Path | None = None,
+    on_stdout: Sink | None = None,
+    on_stderr: Sink | None = None,
+) -> SandboxResult:
+    """Open the run's socket, run the sandbox, and close the socket whatever happens."""
+    limits = limits or Limits()
+    channel = broker.open_run(scope, ttl=limits.wall_seconds + 60)
+    try:
+        spec = brokered_spec(
+            channel, argv, code_dir=code_dir, limits=limits, env=env, ca_dir=ca_dir
+        )
+        return driver.run(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+    finally:
+        broker.close_run(scope.run_id)
