@@ -91,4 +91,102 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (tenant, name)
         )""",
     ],
+    # 3: governance: principals and their tokens, artifacts, approvals and quorum
+    # rules, deployments (versioned, for rollback), and runs.
+    [
+        """CREATE TABLE principals (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            roles TEXT NOT NULL,
+            token_hash BLOB NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            disabled INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (tenant, name)
+        )""",
+        "CREATE UNIQUE INDEX principals_token ON principals (token_hash)",
+        """CREATE TABLE artifacts (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            digest TEXT NOT NULL,
+            name TEXT NOT NULL,
+            manifest TEXT NOT NULL,
+            capabilities_hash TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            author TEXT NOT NULL,
+            submitted_at TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            PRIMARY KEY (tenant, digest)
+        )""",
+        """CREATE TABLE artifact_files (
+            digest TEXT NOT NULL,
+            path TEXT NOT NULL,
+            mode INTEGER NOT NULL,
+            sha256 TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            link TEXT,
+            PRIMARY KEY (digest, path)
+        ) WITHOUT ROWID""",
+        """CREATE TABLE approvals (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            digest TEXT NOT NULL,
+            capabilities_hash TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            principal TEXT NOT NULL,
+            roles TEXT NOT NULL,
+            decision TEXT NOT NULL,
+            comment TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            expires_at TEXT,
+            revoked_at TEXT,
+            revoked_by TEXT,
+            seq INTEGER NOT NULL
+        )""",
+        "CREATE INDEX approvals_digest ON approvals (tenant, digest)",
+        """CREATE TABLE quorum_rules (
+            tenant TEXT PRIMARY KEY REFERENCES tenants (name),
+            required INTEGER NOT NULL,
+            roles TEXT NOT NULL
+        )""",
+        """CREATE TABLE deployments (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            digest TEXT NOT NULL,
+            environment TEXT NOT NULL,
+            mode TEXT NOT NULL,
+            every_seconds REAL,
+            instruction TEXT NOT NULL,
+            reference TEXT NOT NULL,
+            approvals TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            status TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            PRIMARY KEY (tenant, name, version)
+        )""",
+        """CREATE TABLE runs (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            deployment TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            digest TEXT NOT NULL,
+            environment TEXT NOT NULL,
+            workload TEXT NOT NULL,
+            approvals TEXT NOT NULL,
+            backend TEXT NOT NULL,
+            platform TEXT,
+            status TEXT NOT NULL,
+            reason TEXT,
+            exit_code INTEGER,
+            attempt INTEGER NOT NULL,
+            limits TEXT NOT NULL,
+            output_digest TEXT,
+            started_at TEXT NOT NULL,
+            ended_at TEXT,
+            supervisor TEXT
+        )""",
+        "CREATE INDEX runs_by_deployment ON runs (tenant, deployment, started_at)",
+    ],
 ]
