@@ -1,0 +1,844 @@
+"""SQL on a tenant's SQLite datasets, with column control done by the engine.
+
+The broker never parses SQL to decide what a statement touches. SQLite's
+authorizer callback reports every table and column the statement reads or
+writes, as the engine compiles it: through views (the underlying tables are
+reported with the view as source), subqueries, CTEs and triggers. The handler:
+
+1. opens the dataset read-only (``mode=ro`` URI, ``PRAGMA query_only``);
+2. compiles the guest's statement as ``EXPLAIN <statement>`` (prepared, never
+   run) under a collecting authorizer, which refuses outright what no policy
+   may allow (ATTACH, PRAGMA, DDL, transaction control, functions outside an
+   allow-list, writes to SQLite's own tables, other schemas);
+3. asks Cedar about every table touched: ``sql.select`` with the set of
+   columns read, ``sql.write`` with the columns written. One deny denies the
+   whole statement, recorded as one event naming tables, columns, policies;
+4. runs it under an enforcing authorizer that allows exactly the accesses
+   Cedar permitted (so a schema change between steps 2 and 4 cannot widen
+   them), a progress handler for the time limit, ``row_limit + 1`` fetched;
+   a write runs on a separate read-write connection inside one transaction;
+5. records the result event (tables, columns, row count, keyed hashes of the
+   returned rows' primary keys) before answering. If the ledger cannot record
+   it, the answer is dropped and a write is rolled back.
+
+Row values never reach the ledger: events hold names, counts and keyed hashes.
+The statement itself is recorded only as a keyed hash (a literal in a WHERE
+clause is a row value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
+from proctor.errors import PolicyError
+from proctor.policy import Decision, Entity
+
+#: Longest statement text accepted from a guest.
+MAX_SQL_LENGTH = 100_000
+#: Largest string or blob a statement may build (SQLITE_LIMIT_LENGTH).
+MAX_VALUE_LENGTH = 16 * 1024 * 1024
+#: VM instructions between two checks of the statement deadline.
+_PROGRESS_STEPS = 1000
+
+# Authorizer action codes (sqlite3.h). Python 3.11's module also exports error
+# codes under colliding names (24 is both SQLITE_ATTACH and SQLITE_FORMAT), so
+# the numbers are spelled out here.
+_DELETE = 9
+_INSERT = 18
+_PRAGMA = 19
+_READ = 20
+_SELECT = 21
+_TRANSACTION = 22
+_UPDATE = 23
+_ATTACH = 24
+_DETACH = 25
+_FUNCTION = 31
+_SAVEPOINT = 32
+_RECURSIVE = 33
+_OK = 0
+_DENY = 1
+
+_REFUSED_ACTIONS = {
+    _PRAGMA: "PRAGMA is not allowed",
+    _TRANSACTION: "transaction control is not allowed (each statement is its own transaction)",
+    _SAVEPOINT: "transaction control is not allowed (each statement is its own transaction)",
+    _ATTACH: "ATTACH is not allowed",
+    _DETACH: "DETACH is not allowed",
+}
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# Pure functions of their arguments. Everything else is refused: load_extension,
+# readfile/writefile/edit (CLI extensions), fts3_tokenizer (pointer games),
+# sqlite_offset (file layout), and any function a future SQLite adds until it
+# is looked at. A function sees only values of columns the authorizer has
+# already reported, so json_extract(email, ...) still needs email permitted.
+_SCALAR_FUNCTIONS = _words(
+    """
+    abs char coalesce concat concat_ws format glob hex ifnull iif instr length like
+    likelihood likely lower ltrim max min nullif octet_length printf quote random
+    randomblob replace round rtrim sign soundex substr substring trim typeof unhex
+    unicode unlikely upper zeroblob
+    date time datetime julianday unixepoch strftime timediff
+    acos acosh asin asinh atan atan2 atanh ceil ceiling cos cosh degrees exp floor ln
+    log log10 log2 mod pi pow power radians sin sinh sqrt tan tanh trunc
+    json jsonb json_array jsonb_array json_array_length json_error_position
+    json_extract jsonb_extract json_insert jsonb_insert json_object jsonb_object
+    json_patch jsonb_patch json_pretty json_remove jsonb_remove json_replace
+    jsonb_replace json_set jsonb_set json_type json_valid json_quote
+    changes total_changes last_insert_rowid
+    """
+)
+# Aggregates and window functions: allowed, but a result row then no longer
+# stands for one table row, so lineage falls back to the table (see below).
+_AGGREGATE_FUNCTIONS = _words(
+    """
+    avg count group_concat string_agg sum total max min
+    json_group_array jsonb_group_array json_group_object jsonb_group_object
+    row_number rank dense_rank percent_rank cume_dist ntile lag lead
+    first_value last_value nth_value
+    """
+)
+ALLOWED_FUNCTIONS = _SCALAR_FUNCTIONS | _AGGREGATE_FUNCTIONS
+
+
+class StatementTimeout(BrokerError):
+    """The statement ran past the deployment's statement time limit and was stopped."""
+
+    code = "statement_timeout"
+    status = 408
+
+
+@dataclass
+class _Accesses:
+    """What the engine reported while compiling one statement."""
+
+    reads: dict[str, set[str]] = field(default_factory=dict)
+    writes: dict[str, set[str]] = field(default_factory=dict)
+    # INSERT and DELETE name no columns; they touch whole rows.
+    whole_row_writes: set[str] = field(default_factory=set)
+    functions: set[str] = field(default_factory=set)
+    aliases: set[str] = field(default_factory=set)  # CTE names reported like tables
+    selects: int = 0
+    refusal: str | None = None
+
+    @property
+    def is_write(self) -> bool:
+        return bool(self.writes or self.whole_row_writes)
+
+    def refuse(self, reason: str) -> int:
+        if self.refusal is None:
+            self.refusal = reason
+        return _DENY
+
+    def collect(
+        self, action: int, arg1: str | None, arg2: str | None, db: str | None, _src: str | None
+    ) -> int:
+        if action in (_SELECT, _RECURSIVE):
+            self.selects += action == _SELECT
+            return _OK
+        if action == _READ:
+            table = arg1 or ""
+            # db is None only for the "table read, no column" report (count(*)).
+            if db not in ("main", None):
+                return self.refuse(f"only the dataset's own tables may be read, not {db}.{table}")
+            self.reads.setdefault(table, set()).add(arg2 or "")
+            return _OK
+        if action in (_INSERT, _UPDATE, _DELETE):
+            table = arg1 or ""
+            if db != "main" or table.lower().startswith("sqlite_"):
+                return self.refuse(f"writing {table} is not allowed")
+            if action == _UPDATE:
+                self.writes.setdefault(table, set()).add(arg2 or "")
+            else:
+                self.whole_row_writes.add(table)
+            return _OK
+        if action == _FUNCTION:
+            name = (arg2 or "").lower()
+            if name not in ALLOWED_FUNCTIONS:
+                return self.refuse(f"function {name}() is not allowed")
+            self.functions.add(name)
+            return _OK
+        if action in _REFUSED_ACTIONS:
+            return self.refuse(_REFUSED_ACTIONS[action])
+        return self.refuse("schema changes (CREATE, DROP, ALTER, ...) are not allowed")
+
+
+@dataclass(frozen=True)
+class _Grant:
+    """One Cedar question about one table, and its answer."""
+
+    table: str
+    action: str
+    columns: tuple[str, ...]
+    decision: Decision
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "table": self.table,
+            "action": self.action,
+            "columns": list(self.columns),
+            "decision": self.decision.decision,
+            "policies": list(self.decision.policies),
+        }
+
+
+@dataclass
+class _Outcome:
+    """What one statement produced; rows go to the guest, never to the ledger."""
+
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
+    truncated: bool = False
+    rows_affected: int = 0
+    keys: list[str] | None = None  # None: lineage is the whole table
+
+
+class _Refused(Exception):
+    """Refused before any policy question: the statement itself is unacceptable.
+
+    ``reason`` goes to the ledger and the guest; ``detail`` (the engine's
+    message, which may quote the guest's literals) to the guest only."""
+
+    def __init__(
+        self, reason: str, *, bad_call: bool = False, detail: str = "", write: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.bad_call = bad_call
+        self.detail = detail
+        self.write = write
+
+
+class _TimedOut(Exception):
+    pass
+
+
+def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connection:
+    mode = "rw" if write else "ro"
+    uri = f"{Path(path).resolve().as_uri()}?mode={mode}"
+    conn = sqlite3.connect(
+        uri, uri=True, isolation_level=None, check_same_thread=False, timeout=busy_timeout
+    )
+    conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_LENGTH)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, MAX_SQL_LENGTH + 64)
+    # A dataset file is the tenant's, not ours: its views and triggers should
+    # not reach functions with side effects even if one were allowed someday.
+    conn.execute("PRAGMA trusted_schema = OFF")
+    if not write:
+        conn.execute("PRAGMA query_only = ON")
+    return conn
+
+
+def _columns_of(conn: sqlite3.Connection, table: str) -> list[str]:
+    rows = conn.execute(f"PRAGMA main.table_info({_quote(table)})").fetchall()
+    return [str(r[1]) for r in rows]
+
+
+def _exists(conn: sqlite3.Connection, table: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM main.sqlite_schema WHERE type IN ('table', 'view') AND name = ?"
+        " COLLATE NOCASE",
+        (table,),
+    ).fetchone()
+    return row is not None
+
+
+def _row_key(conn: sqlite3.Connection, table: str) -> list[str] | None:
+    """The columns that identify a row of ``table``: its primary key, else a rowid alias."""
+    rows = conn.execute(f"PRAGMA main.table_info({_quote(table)})").fetchall()
+    pk = sorted((int(r[5]), str(r[1])) for r in rows if int(r[5]) > 0)
+    if pk:
+        return [name for _, name in pk]
+    names = {str(r[1]).lower() for r in rows}
+    # A real column may shadow one rowid spelling; SQLite has three.
+    for alias in ("rowid", "_rowid_", "oid"):
+        if alias not in names:
+            return [alias]
+    return None
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+class _Statement:
+    """One guest statement on one dataset, from compile to commit. Not thread-safe;
+    used by one worker thread at a time."""
+
+    def __init__(self, binding: DatasetBinding, sql: str, params: Any, deadline: float) -> None:
+        self.binding = binding
+        self.sql = sql
+        self.params = params
+        self.deadline = deadline
+        self.conn: sqlite3.Connection | None = None
+        self.write_conn: sqlite3.Connection | None = None
+        self.timed_out = False
+        # The event loop may close the statement while a worker still runs it
+        # (a cancelled call): closing waits for the worker, which the deadline bounds.
+        self.lock = threading.Lock()
+
+    # -- limits ---------------------------------------------------------------
+
+    def _progress(self) -> int:
+        if time.monotonic() > self.deadline:
+            self.timed_out = True
+            return 1
+        return 0
+
+    def _busy_timeout(self) -> float:
+        return max(0.05, self.deadline - time.monotonic())
+
+    # -- step 2: what does it touch? ------------------------------------------
+
+    def analyse(self) -> _Accesses:
+        with self.lock:
+            return self._analyse()
+
+    def _analyse(self) -> _Accesses:
+        self.conn = conn = _connect(
+            self.binding.location, write=False, busy_timeout=self._busy_timeout()
+        )
+        conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
+        accesses = _Accesses()
+        conn.set_authorizer(accesses.collect)
+        try:
+            # EXPLAIN compiles the statement (every authorizer report happens at
+            # compile time) and lists its bytecode without running it.
+            conn.execute("EXPLAIN " + self.sql, self.params).fetchall()
+        except sqlite3.ProgrammingError as exc:
+            # Python's own checks: several statements, wrong parameter count.
+            raise _Refused(_programming_reason(exc), bad_call=True) from None
+        except sqlite3.Error as exc:
+            if accesses.refusal is not None:
+                raise _Refused(accesses.refusal, write=accesses.is_write) from None
+            if self.timed_out:
+                raise _TimedOut from None
+            raise _Refused(
+                "the statement does not compile", bad_call=True, detail=str(exc)
+            ) from None
+        finally:
+            conn.set_authorizer(None)
+        if accesses.refusal is not None:
+            raise _Refused(accesses.refusal, write=accesses.is_write)
+        for table, cols in list(accesses.reads.items()):
+            # "Referenced, no column read" is also reported for a CTE or a
+            # subquery's alias; only the dataset's own tables and views count.
+            # (A CTE named like a real table is decided as that table: stricter.)
+            if cols == {""} and not _exists(conn, table):
+                del accesses.reads[table]
+                accesses.aliases.add(table)
+        for table in accesses.whole_row_writes:
+            accesses.writes.setdefault(table, set()).update(_columns_of(conn, table))
+        return accesses
+
+    # -- step 4: run it --------------------------------------------------------
+
+    def _enforcing(
+        self,
+        reads: Mapping[str, set[str]],
+        writes: Mapping[str, set[str]],
+        aliases: set[str],
+    ) -> Callable[[int, str | None, str | None, str | None, str | None], int]:
+        def authorize(
+            action: int, arg1: str | None, arg2: str | None, db: str | None, _src: str | None
+        ) -> int:
+            if action in (_SELECT, _RECURSIVE):
+                return _OK
+            if action == _READ:
+                table, column = arg1 or "", arg2 or ""
+                if db is None and not column and table in aliases:
+                    return _OK
+                ok = db in ("main", None) and column in reads.get(table, ())
+                return _OK if ok else _DENY
+            if action == _UPDATE:
+                return _OK if db == "main" and (arg2 or "") in writes.get(arg1 or "", ()) else _DENY
+            if action in (_INSERT, _DELETE):
+                return _OK if db == "main" and (arg1 or "") in writes else _DENY
+            if action == _FUNCTION:
+                return _OK if (arg2 or "").lower() in ALLOWED_FUNCTIONS else _DENY
+            return _DENY
+
+        return authorize
+
+    def run_read(self, accesses: _Accesses, row_limit: int) -> _Outcome:
+        with self.lock:
+            return self._run_read(accesses, row_limit)
+
+    def _run_read(self, accesses: _Accesses, row_limit: int) -> _Outcome:
+        conn = self.conn
+        assert conn is not None
+        variant, table, key = self._keyed_variant(conn, accesses)
+        if variant is not None and table is not None and key is not None:
+            reads = {t: set(c) for t, c in accesses.reads.items()}
+            # The broker's own read of the key (the engine names a rowid read
+            # after its INTEGER PRIMARY KEY alias, or ROWID); never returned.
+            reads[table] |= {*key, "ROWID"}
+            try:
+                return self._fetch(conn, variant, reads, accesses.aliases, row_limit, len(key))
+            except _TimedOut:
+                raise
+            except sqlite3.Error:
+                pass  # the rewrite did not fit this statement; run it as written
+        return self._fetch(conn, self.sql, accesses.reads, accesses.aliases, row_limit, 0)
+
+    def _fetch(
+        self,
+        conn: sqlite3.Connection,
+        sql: str,
+        reads: Mapping[str, set[str]],
+        aliases: set[str],
+        row_limit: int,
+        key_width: int,
+    ) -> _Outcome:
+        conn.set_authorizer(self._enforcing(reads, {}, aliases))
+        try:
+            cur = conn.execute(sql, self.params)
+            raw = cur.fetchmany(row_limit + 1)
+            description = cur.description or ()
+            cur.close()
+        except sqlite3.Error:
+            if self.timed_out:
+                raise _TimedOut from None
+            raise
+        finally:
+            conn.set_authorizer(None)
+        out = _Outcome(truncated=len(raw) > row_limit)
+        raw = raw[:row_limit]
+        width = len(description) - key_width
+        out.columns = [str(d[0]) for d in description[:width]]
+        out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
+        if key_width:
+            out.keys = [_key_text(row[width:]) for row in raw]
+        return out
+
+    def _keyed_variant(
+        self, conn: sqlite3.Connection, accesses: _Accesses
+    ) -> tuple[str | None, str | None, list[str] | None]:
+        if len(accesses.reads) != 1 or accesses.selects != 1:
+            return None, None, None
+        if accesses.functions & _AGGREGATE_FUNCTIONS:
+            return None, None, None
+        (table,) = accesses.reads
+        key = _row_key(conn, table)
+        if key is None:
+            return None, None, None
+        variant = keyed_variant(self.sql, table, key)
+        return variant, table, key
+
+    def run_write(self, accesses: _Accesses) -> _Outcome:
+        """Run a permitted write inside a transaction left open for commit/rollback."""
+        with self.lock:
+            return self._run_write(accesses)
+
+    def _run_write(self, accesses: _Accesses) -> _Outcome:
+        self.write_conn = conn = _connect(
+            self.binding.location, write=True, busy_timeout=self._busy_timeout()
+        )
+        conn.execute("BEGIN IMMEDIATE")
+        conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
+        conn.set_authorizer(self._enforcing(accesses.reads, accesses.writes, accesses.aliases))
+        try:
+            cur = conn.execute(self.sql, self.params)
+            cur.fetchall()  # RETURNING rows: consumed, not returned (reads were decided)
+            affected = max(cur.rowcount, 0)
+            cur.close()
+        except sqlite3.Error:
+            if self.timed_out:
+                raise _TimedOut from None
+            raise
+        finally:
+            # Off before COMMIT/ROLLBACK: a handler past its deadline would
+            # interrupt the rollback too.
+            conn.set_authorizer(None)
+            conn.set_progress_handler(None, 0)
+            if conn.in_transaction and self.timed_out:
+                conn.execute("ROLLBACK")
+        return _Outcome(rows_affected=affected)
+
+    def commit(self) -> None:
+        with self.lock:
+            assert self.write_conn is not None
+            self.write_conn.execute("COMMIT")
+
+    def rollback(self) -> None:
+        with self.lock:
+            if self.write_conn is not None and self.write_conn.in_transaction:
+                self.write_conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        with self.lock:
+            for conn in (self.conn, self.write_conn):
+                if conn is None:
+                    continue
+                try:
+                    conn.set_progress_handler(None, 0)
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                finally:
+                    conn.close()
+            self.conn = self.write_conn = None
+
+
+def _programming_reason(exc: sqlite3.ProgrammingError) -> str:
+    text = str(exc)
+    if "one statement at a time" in text:
+        return "one statement per call: multiple statements are not allowed"
+    if "binding" in text.lower():
+        return f"parameters do not match the statement: {text}"
+    return "the statement cannot be run"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    return value
+
+
+def _key_text(values: Sequence[Any]) -> str:
+    """A row key as text: ``42`` for customer 42; a JSON array for composite keys."""
+
+    def one(v: Any) -> Any:
+        return v.hex() if isinstance(v, bytes) else v
+
+    if len(values) == 1:
+        v = one(values[0])
+        return v if isinstance(v, str) else json.dumps(v)
+    return json.dumps([one(v) for v in values], separators=(",", ":"))
+
+
+# -- lineage: the keyed variant -------------------------------------------------
+#
+# Which table rows did the guest get back? For the common shape (one table, no
+# join, no aggregate, no DISTINCT/GROUP BY/compound/window, no subquery or view)
+# every result row is one table row, so the broker runs the statement with the
+# key appended to the select list (``SELECT <list>, "t"."id" FROM t ...``) and
+# strips it before answering: result and lineage come from the same execution.
+# Appending at the end keeps ``ORDER BY 2`` meaning the same. The token scan
+# below only finds the top-level FROM; what the statement reads is still known
+# from the authorizer, and the variant runs under the same enforcing authorizer
+# (plus the key column). Any other shape is recorded with ``lineage: "table"``:
+# the tables and columns are known, the rows are not.
+
+_TOKEN_RE = re.compile(
+    r"""
+    (?P<space>\s+)
+    |(?P<comment>--[^\n]*|/\*.*?(?:\*/|\Z))
+    |(?P<string>'(?:[^']|'')*')
+    |(?P<quoted>"(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\])
+    |(?P<word>[^\W\d][\w$]*)
+    |(?P<other>.)
+    """,
+    re.S | re.X,
+)
+_COARSE_WORDS = frozenset(
+    {"DISTINCT", "GROUP", "HAVING", "WINDOW", "OVER", "UNION", "INTERSECT", "EXCEPT"}
+    | {"VALUES", "JOIN", "NATURAL", "WITH"}
+)
+_AFTER_FROM = frozenset({"WHERE", "ORDER", "LIMIT"})
+
+
+@dataclass(frozen=True)
+class _Token:
+    kind: str
+    text: str
+    start: int
+
+    @property
+    def upper(self) -> str:
+        return self.text.upper() if self.kind == "word" else ""
+
+    @property
+    def name(self) -> str | None:
+        """The identifier this token spells, unquoted; None if it is not one."""
+        if self.kind == "word":
+            return self.text
+        if self.kind == "quoted":
+            inner = self.text[1:-1]
+            return inner if self.text[0] == "[" else inner.replace(self.text[0] * 2, self.text[0])
+        return None
+
+
+def _tokens(sql: str) -> list[_Token]:
+    return [
+        _Token(m.lastgroup or "", m.group(), m.start())
+        for m in _TOKEN_RE.finditer(sql)
+        if m.lastgroup not in ("space", "comment")
+    ]
+
+
+def keyed_variant(sql: str, table: str, key: Sequence[str]) -> str | None:
+    """``sql`` with ``table``'s key columns appended to its select list, or None
+    when the statement is not the one-row-per-table-row shape described above."""
+    toks = _tokens(sql)
+    while toks and toks[-1].text == ";":
+        toks.pop()
+    if len(toks) < 4 or toks[0].upper != "SELECT":
+        return None
+    depth = 0
+    from_at: int | None = None
+    for i, tok in enumerate(toks):
+        if tok.text == "(":
+            depth += 1
+        elif tok.text == ")":
+            depth -= 1
+        elif tok.upper == "SELECT" and i > 0:
+            return None  # a subquery may return other rows' values
+        elif depth == 0 and tok.upper in _COARSE_WORDS:
+            return None
+        elif depth == 0 and tok.upper == "FROM" and from_at is None:
+            from_at = i
+    if from_at is None:
+        return None
+    rest = toks[from_at + 1 :]
+    if len(rest) >= 3 and (rest[0].name or "").lower() == "main" and rest[1].text == ".":
+        rest = rest[2:]
+    if not rest or (rest[0].name or "").casefold() != table.casefold():
+        return None
+    qualifier = table
+    rest = rest[1:]
+    if rest and rest[0].upper == "AS":
+        rest = rest[1:]
+        if not rest or rest[0].name is None:
+            return None
+    if rest and rest[0].name is not None and rest[0].upper not in _AFTER_FROM:
+        qualifier = rest[0].name or table
+        rest = rest[1:]
+    if rest and rest[0].upper not in _AFTER_FROM:
+        return None
+    cols = ", ".join(
+        f"{_quote(qualifier)}.{k if k in ('rowid', '_rowid_', 'oid') else _quote(k)}" for k in key
+    )
+    at = toks[from_at].start
+    return f"{sql[:at]}, {cols} {sql[at:]}"
+
+
+# -- the handler -----------------------------------------------------------------
+
+
+def _parse_request(request: Mapping[str, Any]) -> tuple[str, str, Any]:
+    dataset = request.get("dataset")
+    sql = request.get("sql")
+    params = request.get("params", [])
+    if not isinstance(dataset, str) or not dataset:
+        raise BadCall("sql: 'dataset' must be a non-empty string")
+    if not isinstance(sql, str) or not sql.strip():
+        raise BadCall("sql: 'sql' must be a non-empty string")
+    if len(sql) > MAX_SQL_LENGTH:
+        raise BadCall(f"sql: the statement is longer than {MAX_SQL_LENGTH} characters")
+    if "\x00" in sql:
+        raise BadCall("sql: the statement contains a NUL character")
+    scalars = (str, int, float, type(None))
+    if params is None:
+        params = []
+    if isinstance(params, list):
+        if not all(isinstance(p, scalars) for p in params):
+            raise BadCall("sql: parameters must be strings, numbers or null")
+        return dataset, sql, tuple(params)
+    if isinstance(params, dict):
+        if not all(isinstance(k, str) and isinstance(v, scalars) for k, v in params.items()):
+            raise BadCall("sql: named parameters must map names to strings, numbers or null")
+        return dataset, sql, dict(params)
+    raise BadCall("sql: 'params' must be a list or an object")
+
+
+def _resource(dataset: str, tables: Sequence[str]) -> str:
+    if len(tables) == 1:
+        return f"dataset/{dataset}/table/{tables[0]}"
+    return f"dataset/{dataset}"
+
+
+def _combined(scope: RunScope, grants: Sequence[_Grant], allowed: bool) -> Decision:
+    """One decision for the event: the permits that allowed every table, or the
+    policies behind the denies (empty for the default deny)."""
+    chosen = [g.decision for g in grants if g.decision.allowed == allowed]
+    policies = sorted({p for d in chosen for p in d.policies})
+    errors = tuple(e for d in chosen for e in d.errors)
+    return Decision(allowed, tuple(policies), scope.policies.version, errors)
+
+
+def _decide(
+    scope: RunScope, dataset: str, binding: DatasetBinding, accesses: _Accesses
+) -> list[_Grant]:
+    grants: list[_Grant] = []
+    questions = [("sql.select", t, c) for t, c in accesses.reads.items()]
+    questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
+    for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
+        columns = tuple(sorted(c for c in cols if c))
+        try:
+            entity = Entity.table(scope.tenant, dataset, table, synthetic=binding.synthetic)
+        except PolicyError:
+            # A table whose name cannot be a policy resource cannot be permitted.
+            denied = Decision(False, (), scope.policies.version, ("unnameable table",))
+            grants.append(_Grant(table, action, columns, denied))
+            continue
+        context = {"dataset": dataset, "columns": list(columns), "row_limit": scope.row_limit}
+        decision = scope.decide(action, entity.uid, context, (entity,))
+        grants.append(_Grant(table, action, columns, decision))
+    return grants
+
+
+def _deny_reason(denied: Sequence[_Grant]) -> str:
+    parts = []
+    for g in denied:
+        what = f"{g.action} on {g.table} ({', '.join(g.columns) or 'no columns'})"
+        if g.decision.errors:
+            why = "policy evaluation failed"
+        elif g.decision.policies:
+            why = "forbidden by " + ", ".join(g.decision.policies)
+        else:
+            why = "no policy permits it"
+        parts.append(f"{what}: {why}")
+    return "denied: " + "; ".join(parts)
+
+
+def _sql_hmac(scope: RunScope, sql: str) -> str:
+    return scope.key_hmacs([sql])[0]
+
+
+async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
+    """One guest SQL call: ``{"dataset", "sql", "params"}`` in; for a read
+    ``{"columns", "rows", "row_count", "truncated"}`` out, for a write
+    ``{"rows_affected"}``. Raises :class:`CallDenied` (policy or a refused
+    construct), :class:`BadCall` (malformed), :class:`StatementTimeout`, or
+    :class:`CallRefused` (the ledger could not record: nothing is answered,
+    a write is rolled back). Every outcome is recorded."""
+    untrusted: object = request  # decoded JSON from the guest: any shape
+    if not isinstance(untrusted, Mapping):
+        untrusted = {}
+    request = untrusted
+    raw_dataset = request.get("dataset")
+    name = "?"
+    if isinstance(raw_dataset, str) and 0 < len(raw_dataset) <= 128 and raw_dataset.isprintable():
+        name = raw_dataset
+    base: dict[str, Any] = {"dataset": name}
+    raw_sql = request.get("sql")
+    if isinstance(raw_sql, str):
+        base["sql_hmac"] = _sql_hmac(scope, raw_sql)
+    try:
+        dataset, sql, params = _parse_request(request)
+        binding = scope.datasets.get(dataset)
+        if binding is None:
+            raise CallDenied(f"sql: no dataset {dataset!r} is bound to this run")
+        if binding.kind != "sqlite":
+            raise BadCall(f"sql: datasets of kind {binding.kind!r} are not supported yet")
+    except BrokerError as exc:
+        await _record_refusal(scope, "sql.select", f"dataset/{name}", exc.message, base)
+        raise
+
+    deadline = time.monotonic() + scope.statement_timeout
+    stmt = _Statement(binding, sql, params, deadline)
+    details = {**base, "synthetic": binding.synthetic}
+    try:
+        return await _handle(scope, stmt, dataset, binding, details)
+    finally:
+        await asyncio.to_thread(stmt.close)
+
+
+async def _handle(
+    scope: RunScope,
+    stmt: _Statement,
+    dataset: str,
+    binding: DatasetBinding,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    def compile_and_decide() -> tuple[_Accesses, list[_Grant]]:
+        accesses = stmt.analyse()
+        return accesses, _decide(scope, dataset, binding, accesses)
+
+    try:
+        accesses, grants = await asyncio.to_thread(compile_and_decide)
+    except _Refused as exc:
+        refused_action = "sql.write" if exc.write else "sql.select"
+        await _record_refusal(scope, refused_action, f"dataset/{dataset}", exc.reason, details)
+        if exc.bad_call:
+            message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
+            raise BadCall(f"sql: {message}") from None
+        raise CallDenied(f"sql: refused: {exc.reason}") from None
+    except _TimedOut:
+        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", "timeout", details)
+        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
+
+    action = "sql.write" if accesses.is_write else "sql.select"
+    tables = sorted({g.table for g in grants})
+    resource = _resource(dataset, tables)
+    details = {**details, "tables": [g.as_json() for g in grants]}
+    denied = [g for g in grants if not g.decision.allowed]
+    if not grants:
+        # Deny by default holds here too: no policy names a statement on no table.
+        reason = "the statement reads no table; no policy permits it"
+        await _record_refusal(scope, action, resource, reason, details)
+        raise CallDenied(f"sql: refused: {reason}")
+    if denied:
+        reason = _deny_reason(denied)
+        decision = _combined(scope, grants, allowed=False)
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"sql: {reason}", policies=decision.policies)
+
+    decision = _combined(scope, grants, allowed=True)
+    reason = "permitted by " + ", ".join(decision.policies)
+    try:
+        if accesses.is_write:
+            outcome = await asyncio.to_thread(stmt.run_write, accesses)
+        else:
+            outcome = await asyncio.to_thread(stmt.run_read, accesses, scope.row_limit)
+    except _TimedOut:
+        details["outcome"] = "timeout"
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise StatementTimeout(
+            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
+        ) from None
+    except sqlite3.Error as exc:
+        # The class only: an engine message could quote a value.
+        details["outcome"] = "error"
+        details["error"] = type(exc).__name__
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise BadCall(f"sql: the statement failed: {exc}") from None
+
+    details["outcome"] = "ok"
+    if accesses.is_write:
+        details["rows_affected"] = outcome.rows_affected
+        try:
+            await scope.record(action, resource, decision, reason=reason, details=details)
+        except BaseException:
+            await asyncio.to_thread(stmt.rollback)
+            raise
+        await asyncio.to_thread(stmt.commit)
+        return {"rows_affected": outcome.rows_affected}
+
+    details["row_count"] = len(outcome.rows)
+    details["truncated"] = outcome.truncated
+    details["lineage"] = "rows" if outcome.keys is not None else "table"
+    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
+    await scope.record(action, resource, decision, reason=reason, details=details)
+    return {
+        "columns": outcome.columns,
+        "rows": outcome.rows,
+        "row_count": len(outcome.rows),
+        "truncated": outcome.truncated,
+    }
+
+
+async def _record_refusal(
+    scope: RunScope, action: str, resource: str, reason: str, details: Mapping[str, Any]
+) -> None:
+    """A call refused before (or instead of) a policy question is still an event."""
+    decision = Decision(False, (), scope.policies.version)
+    await scope.record(
+        action, resource, decision, reason=f"refused: {reason}", details=dict(details)
+    )
