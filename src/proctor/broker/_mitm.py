@@ -1,0 +1,334 @@
+"""Per-tenant CA and TLS termination, for injecting credentials the guest never sees.
+
+For a host bound to a tenant secret, the proxy ends the guest's TLS with a
+leaf certificate issued by the tenant's CA (which the sandbox trusts through
+``SSL_CERT_FILE`` and ``REQUESTS_CA_BUNDLE``), opens its own verified TLS
+connection to the real host, and adds the secret's header to each request.
+
+The CA key stays in the runtime's directory (mode 0600) and never enters a
+sandbox; only :meth:`TenantCA.ca_pem` (the certificate) does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import os
+import ssl
+import tempfile
+import threading
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from proctor.errors import ProctorError
+
+_CA_FILE = "tenant-ca.pem"
+_CA_YEARS = 10
+_LEAF_DAYS = 7
+# Re-issue a cached leaf this long before it expires, so a long connection
+# never starts with a certificate about to lapse.
+_LEAF_MARGIN = datetime.timedelta(days=1)
+_CLOCK_SKEW = datetime.timedelta(hours=1)
+_MAX_LEAVES = 1024
+_READ_CHUNK = 65536
+
+
+class CAError(ProctorError):
+    """The tenant CA cannot be created, read or used."""
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class TenantCA:
+    """One tenant's CA: created on first use in ``directory``, reused afterwards.
+
+    ``directory`` belongs to the runtime (e.g. ``<home>/ca/<tenant>``); the
+    file in it holds the CA key and must never be mounted into a sandbox.
+    """
+
+    def __init__(self, directory: Path, tenant: str) -> None:
+        self.directory = directory
+        self.tenant = tenant
+        self._lock = threading.Lock()
+        self._contexts: dict[str, tuple[datetime.datetime, ssl.SSLContext]] = {}
+        self._key, self._cert = self._load_or_create()
+
+    # -- the CA -----------------------------------------------------------
+
+    def _load_or_create(self) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        path = self.directory / _CA_FILE
+        if not path.exists():
+            self._create(path)
+        try:
+            data = path.read_bytes()
+            cert = x509.load_pem_x509_certificate(data)
+            key = serialization.load_pem_private_key(data, password=None)
+        except (OSError, ValueError) as exc:
+            raise CAError(f"cannot read the tenant CA in {path}: {exc}") from exc
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise CAError(f"the tenant CA key in {path} is not an EC key")
+        return key, cert
+
+    def _create(self, path: Path) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Proctor"),
+                x509.NameAttribute(NameOID.COMMON_NAME, f"Proctor egress CA for {self.tenant}"),
+            ]
+        )
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _CLOCK_SKEW)
+            .not_valid_after(now + datetime.timedelta(days=365 * _CA_YEARS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+            .sign(key, hashes.SHA256())
+        )
+        data = cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        # Written whole to a private temporary file, then linked into place:
+        # two runtimes creating the CA at once both end up using the winner's.
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".ca-")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+
+    def ca_pem(self) -> bytes:
+        """The CA certificate, for the sandbox's trust bundle. Never the key."""
+        return self._cert.public_bytes(serialization.Encoding.PEM)
+
+    # -- leaves -----------------------------------------------------------
+
+    def leaf_for(self, host: str) -> tuple[bytes, bytes]:
+        """A fresh leaf for ``host`` (DNS name or IP literal): (certificate PEM, key PEM)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        try:
+            san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            san = x509.DNSName(host)
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
+            .issuer_name(self._cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _CLOCK_SKEW)
+            .not_valid_after(now + datetime.timedelta(days=_LEAF_DAYS))
+            .add_extension(x509.SubjectAlternativeName([san]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)
+            # Python 3.13 verifies with VERIFY_X509_STRICT, which wants AKI.
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), False
+            )
+            .sign(self._key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+    def server_context(self, host: str) -> ssl.SSLContext:
+        """A server-side TLS context presenting a leaf for ``host``; cached per host."""
+        with self._lock:
+            cached = self._contexts.get(host)
+            if cached is not None and cached[0] - _LEAF_MARGIN > _now():
+                return cached[1]
+        cert_pem, key_pem = self.leaf_for(host)
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["http/1.1"])
+        # ssl loads chains only from files; the file lives for the load alone,
+        # private to the runtime, in the CA's own directory.
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".leaf-")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(cert_pem + key_pem)
+            ctx.load_cert_chain(tmp)
+        finally:
+            os.unlink(tmp)
+        expires = _now() + datetime.timedelta(days=_LEAF_DAYS)
+        with self._lock:
+            if len(self._contexts) >= _MAX_LEAVES:
+                self._contexts.pop(next(iter(self._contexts)))
+            self._contexts[host] = (expires, ctx)
+        return ctx
+
+
+def upstream_context(cafile: str | None) -> ssl.SSLContext:
+    """Client-side TLS that verifies the real upstream (system bundle unless ``cafile``)."""
+    ctx = ssl.create_default_context(cafile=cafile)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+class TlsStream:
+    """TLS over an existing asyncio stream pair, through memory BIOs.
+
+    Works on whatever streams the broker's server hands over (however they
+    were made), and keeps any bytes the guest sent before the handshake began.
+    Offers the small part of the StreamReader API the proxy needs.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ctx: ssl.SSLContext,
+        *,
+        server_side: bool,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._obj = ctx.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
+        self._buf = bytearray()
+        self._eof = False
+        self.raw_in = 0
+        self.raw_out = 0
+
+    async def _flush(self) -> None:
+        data = self._outgoing.read()
+        if data:
+            self.raw_out += len(data)
+            self._writer.write(data)
+            await self._writer.drain()
+
+    async def _feed(self) -> None:
+        data = await self._reader.read(_READ_CHUNK)
+        if data:
+            self.raw_in += len(data)
+            self._incoming.write(data)
+        else:
+            self._incoming.write_eof()
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self._obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._feed()
+        await self._flush()
+
+    async def _recv(self) -> bytes:
+        while True:
+            try:
+                return self._obj.read(_READ_CHUNK)
+            except ssl.SSLWantReadError:
+                # TLS 1.3 post-handshake messages may need an answer first.
+                await self._flush()
+                await self._feed()
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+
+    async def _fill(self) -> bool:
+        if self._eof:
+            return False
+        chunk = await self._recv()
+        if not chunk:
+            self._eof = True
+            return False
+        self._buf += chunk
+        return True
+
+    async def read(self, n: int = _READ_CHUNK) -> bytes:
+        if not self._buf and not await self._fill():
+            return b""
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def readuntil(self, separator: bytes, limit: int) -> bytes:
+        start = 0
+        while True:
+            at = self._buf.find(separator, start)
+            if at >= 0:
+                end = at + len(separator)
+                out = bytes(self._buf[:end])
+                del self._buf[:end]
+                return out
+            if len(self._buf) > limit:
+                raise asyncio.LimitOverrunError("separator not found within the limit", limit)
+            start = max(0, len(self._buf) - len(separator) + 1)
+            if not await self._fill():
+                raise asyncio.IncompleteReadError(bytes(self._buf), None)
+
+    async def readexactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            if not await self._fill():
+                raise asyncio.IncompleteReadError(bytes(self._buf), n)
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    async def write(self, data: bytes) -> None:
+        self._obj.write(data)
+        await self._flush()
+
+    async def close(self) -> None:
+        # close_notify, best effort: the peer may be gone already.
+        with contextlib.suppress(ssl.SSLError, ValueError):
+            self._obj.unwrap()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._flush()

@@ -1,0 +1,1029 @@
+"""The egress proxy: CONNECT tunnels and absolute-form HTTP, each decided and recorded.
+
+Order of a connection, and why:
+
+1. Cedar decides ``http.request`` on the host *name* the guest asked for,
+   before any DNS lookup, so a denied name never reaches a resolver (names
+   are a way to smuggle data out through DNS).
+2. The name is resolved once; every address is unmapped and checked against
+   the special-purpose registries (:mod:`._egress`), and Cedar decides again
+   with the address in the context, so a forbid on an address range applies.
+3. The decision event is appended; if the ledger cannot record it, the call
+   is refused (503) and no connection is made.
+4. Exactly the checked address is dialed: no second lookup, so a DNS answer
+   that changes between check and use (rebinding) changes nothing.
+5. A completion event (bytes each way, duration, status) follows.
+
+Redirects are the client's business: each hop is a new request through the
+proxy, decided like the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from proctor.broker._egress import (
+    SPECIAL_ADDRESS_RULE,
+    EgressDenied,
+    Host,
+    IPAddress,
+    UpstreamFailed,
+    check_address,
+    host_matches,
+    parse_host,
+    split_authority,
+    unmap,
+)
+from proctor.broker._mitm import TenantCA, TlsStream, upstream_context
+from proctor.broker._scope import (
+    BadCall,
+    BrokerError,
+    CallRefused,
+    RunScope,
+    SecretBinding,
+)
+from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
+
+log = logging.getLogger("proctor.broker.egress")
+
+#: The rule named when a secret's placeholder is sent where the secret is not bound.
+SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
+
+Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
+
+_CHUNK = 65536
+_MAX_HEAD = 65536
+_MAX_LINE = 8192
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+async def system_resolver(name: str, port: int) -> list[IPAddress]:
+    """Every address ``getaddrinfo`` gives for ``name``, in its order, once each."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(
+            name, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UpstreamFailed(f"could not resolve {name}: {exc}") from exc
+    out: list[IPAddress] = []
+    for _family, _type, _proto, _canon, sockaddr in infos:
+        text = str(sockaddr[0]).split("%", 1)[0]
+        address = unmap(ipaddress.ip_address(text))
+        if address not in out:
+            out.append(address)
+    if not out:
+        raise UpstreamFailed(f"could not resolve {name}: no addresses")
+    return out
+
+
+class _Source(Protocol):
+    """What the request and response parsers read from: a StreamReader or a TlsStream."""
+
+    async def read(self, n: int = ...) -> bytes: ...
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+@dataclass
+class _Admitted:
+    """A connection the policy and the address check let through, recorded."""
+
+    host: Host
+    port: int
+    address: IPAddress
+    decision: Decision
+    seq: int
+    resource: str
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Outcome:
+    bytes_up: int = 0
+    bytes_down: int = 0
+    status: int | None = None
+    requests: int = 0
+    error: str | None = None
+    injected: tuple[str, ...] = ()
+
+
+class EgressProxy:
+    """The egress proxy for every run of one runtime.
+
+    ``ca_root`` holds one directory per tenant with that tenant's CA (needed
+    only for credential injection). ``upstream_cafile`` is the bundle real
+    upstreams are verified against when TLS is terminated (default: the
+    system's). ``resolver`` exists for tests; production uses getaddrinfo.
+    """
+
+    def __init__(
+        self,
+        ca_root: Path | None = None,
+        *,
+        upstream_cafile: str | None = None,
+        resolver: Resolver | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.ca_root = ca_root
+        self.upstream_cafile = upstream_cafile
+        self.resolver: Resolver = resolver or system_resolver
+        self.connect_timeout = connect_timeout
+        self._cas: dict[str, TenantCA] = {}
+        self._upstream_ctx: ssl.SSLContext | None = None
+
+    def tenant_ca(self, tenant: str) -> TenantCA:
+        """The tenant's CA (created on first use); its ``ca_pem()`` goes into the sandbox."""
+        ca = self._cas.get(tenant)
+        if ca is None:
+            if self.ca_root is None:
+                raise UpstreamFailed("credential injection needs a CA directory (ca_root)")
+            ca = TenantCA(self.ca_root / tenant, tenant)
+            self._cas[tenant] = ca
+        return ca
+
+    def _upstream_tls(self) -> ssl.SSLContext:
+        if self._upstream_ctx is None:
+            self._upstream_ctx = upstream_context(self.upstream_cafile)
+        return self._upstream_ctx
+
+    # -- CONNECT ------------------------------------------------------------
+
+    async def handle_connect(
+        self,
+        scope: RunScope,
+        target: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Answer one CONNECT: a tunnel, TLS termination with injection, or a refusal."""
+        try:
+            try:
+                host_text, port = split_authority(target, None)
+                host = parse_host(host_text)
+            except BadCall as exc:
+                await _record_bad(scope, "CONNECT", target, exc)
+                raise
+            bindings = _bindings(scope, host, port)
+            admitted = await self._admit(scope, host, port, "CONNECT", None, None)
+        except BrokerError as exc:
+            await _send_error(writer, exc)
+            return
+        outcome = _Outcome()
+        try:
+            if bindings:
+                await self._inject(scope, admitted, bindings, reader, writer, outcome)
+            else:
+                await self._tunnel(admitted, reader, writer, outcome)
+        finally:
+            await _close(writer)
+            await _complete(scope, admitted, outcome)
+
+    async def _tunnel(
+        self,
+        admitted: _Admitted,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        outcome: _Outcome,
+    ) -> None:
+        try:
+            up_reader, up_writer = await self._dial(admitted, None)
+        except UpstreamFailed as exc:
+            outcome.error = exc.message
+            await _send_error(writer, exc)
+            return
+        writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        try:
+            await writer.drain()
+        except (ConnectionError, OSError):
+            await _close(up_writer)
+            outcome.error = "guest went away"
+            return
+
+        def abort() -> None:
+            up_writer.transport.abort()
+            writer.transport.abort()
+
+        up, down = await asyncio.gather(
+            _relay(reader, up_writer, abort), _relay(up_reader, writer, abort)
+        )
+        outcome.bytes_up, outcome.bytes_down = up, down
+        await _close(up_writer)
+
+    async def _inject(
+        self,
+        scope: RunScope,
+        admitted: _Admitted,
+        bindings: list[SecretBinding],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        outcome: _Outcome,
+    ) -> None:
+        host = admitted.host
+        try:
+            for binding in bindings:
+                ref = EntityRef.secret(scope.tenant, binding.name)
+                await scope.decide_and_record(
+                    "secret.use",
+                    ref,
+                    f"secret/{binding.name}",
+                    {"host": host.name},
+                    details={"secret": binding.name, "host": host.name, "port": admitted.port},
+                    entities=(Entity.in_tenant(ref, scope.tenant),),
+                )
+            server_ctx = self.tenant_ca(scope.tenant).server_context(host.name)
+            up_reader, up_writer = await self._dial(admitted, host.name)
+        except BrokerError as exc:
+            outcome.error = exc.message
+            await _send_error(writer, exc)
+            return
+        outcome.injected = tuple(b.name for b in bindings)
+        writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        guest = TlsStream(reader, writer, server_ctx, server_side=True)
+        try:
+            await writer.drain()
+            await asyncio.wait_for(guest.handshake(), self.connect_timeout)
+        except (ssl.SSLError, ConnectionError, OSError, TimeoutError) as exc:
+            # Usually a guest that does not trust the tenant CA.
+            outcome.error = f"guest TLS handshake failed: {type(exc).__name__}"
+            await _close(up_writer)
+            return
+        others = {b.placeholder: b.name for b in scope.secrets.values() if b not in bindings}
+        requests = asyncio.create_task(
+            self._inject_requests(scope, admitted, bindings, others, guest, up_writer, outcome)
+        )
+        responses = asyncio.create_task(_relay_to_tls(up_reader, guest))
+        done, _ = await asyncio.wait({requests, responses}, return_when=asyncio.FIRST_COMPLETED)
+        # The guest is done sending: let the last responses drain, briefly.
+        if (
+            requests in done
+            and not responses.done()
+            and requests.exception() is None
+            and requests.result()
+        ):
+            await asyncio.wait({responses}, timeout=self.connect_timeout)
+        for task in (requests, responses):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(requests, responses, return_exceptions=True)
+        if responses.done() and not responses.cancelled() and responses.exception() is None:
+            outcome.bytes_down = responses.result()
+        await guest.close()
+        await _close(up_writer)
+
+    async def _inject_requests(
+        self,
+        scope: RunScope,
+        admitted: _Admitted,
+        bindings: list[SecretBinding],
+        others: Mapping[str, str],
+        guest: TlsStream,
+        up_writer: asyncio.StreamWriter,
+        outcome: _Outcome,
+    ) -> bool:
+        """Forward the guest's requests with the secrets' headers; False if one was refused."""
+        host = admitted.host
+        authority = {host.display, f"{host.display}:{admitted.port}"}
+        scanner = _Scanner(others)
+        while True:
+            try:
+                head = await guest.readuntil(b"\r\n\r\n", _MAX_HEAD)
+            except asyncio.IncompleteReadError:
+                return True
+            except asyncio.LimitOverrunError:
+                await _send_error_tls(guest, BadCall("request head too large"))
+                return False
+            try:
+                method, target, headers = _parse_request_head(head)
+                if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
+                    raise BadCall("only origin-form requests may follow CONNECT")
+                names = {k.lower() for k, _ in headers}
+                if "upgrade" in names:
+                    raise BadCall("protocol upgrades are not supported where a secret is injected")
+                hosts = [v.strip().lower() for k, v in headers if k.lower() == "host"]
+                # The Host header picks the virtual host behind the address we
+                # verified; a different one would carry the secret elsewhere
+                # on a shared front end (domain fronting).
+                if len(hosts) != 1 or hosts[0] not in authority:
+                    raise EgressDenied(
+                        f"the Host header must name {host.display}, the host the secret "
+                        "is bound to",
+                        policies=(SECRET_BINDING_RULE,),
+                    )
+                framing = _request_framing(headers)
+                found = scanner.scan(head)
+                if found is not None:
+                    raise _placeholder_refusal(scope, found, host, admitted.port)
+            except BrokerError as exc:
+                if isinstance(exc, EgressDenied) and exc.policies == (SECRET_BINDING_RULE,):
+                    await _record_refusal(
+                        scope, "secret.use", admitted.resource, exc, SECRET_BINDING_RULE
+                    )
+                await _send_error_tls(guest, exc)
+                return False
+            out_headers = _inject_headers(headers, bindings)
+            up_writer.write(_serialize_head(f"{method} {target} HTTP/1.1", out_headers))
+            outcome.requests += 1
+            outcome.bytes_up += len(head)
+            try:
+                outcome.bytes_up += await _copy_body(guest, up_writer, framing, scanner)
+            except _PlaceholderFound as exc:
+                up_writer.transport.abort()
+                refusal = _placeholder_refusal(scope, exc.name, host, admitted.port)
+                await _record_refusal(
+                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE
+                )
+                await _send_error_tls(guest, refusal)
+                return False
+            except (asyncio.IncompleteReadError, BadCall):
+                return False
+
+    # -- absolute-form HTTP -------------------------------------------------
+
+    async def handle_forward(
+        self,
+        scope: RunScope,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Forward one plain-HTTP request (absolute form) and relay the response."""
+        try:
+            try:
+                host, port, origin, authority = _parse_url(url)
+                _check_headers(headers)
+                if not method or not set(method) <= _TOKEN:
+                    raise BadCall(f"invalid method {method!r}")
+                framing = _request_framing(headers)
+            except BadCall as exc:
+                await _record_bad(scope, method, url, exc)
+                raise
+            # Placeholders in the head are refused before anything is decided
+            # or dialed; injection happens only inside TLS (CONNECT).
+            scanner = _Scanner({b.placeholder: b.name for b in scope.secrets.values()})
+            found = scanner.scan(url.encode("latin-1", "replace")) or scanner.scan(
+                "".join(f"{k}:{v}\n" for k, v in headers).encode("latin-1", "replace")
+            )
+            if found is not None:
+                refusal = _placeholder_refusal(scope, found, host, port, plain=True)
+                await _record_refusal(
+                    scope, "secret.use", _resource(host, port), refusal, SECRET_BINDING_RULE
+                )
+                raise refusal
+            path = origin.split("?", 1)[0]
+            admitted = await self._admit(scope, host, port, method, "http", path)
+        except BrokerError as exc:
+            await _send_error(writer, exc)
+            return
+        outcome = _Outcome(requests=1)
+        try:
+            await self._forward(
+                scope, admitted, method, origin, authority, headers, framing, scanner,
+                reader, writer, outcome,
+            )  # fmt: skip
+        finally:
+            await _close(writer)
+            await _complete(scope, admitted, outcome)
+
+    async def _forward(
+        self,
+        scope: RunScope,
+        admitted: _Admitted,
+        method: str,
+        origin: str,
+        authority: str,
+        headers: list[tuple[str, str]],
+        framing: _Framing,
+        scanner: _Scanner,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        outcome: _Outcome,
+    ) -> None:
+        try:
+            up_reader, up_writer = await self._dial(admitted, None)
+        except UpstreamFailed as exc:
+            outcome.error = exc.message
+            await _send_error(writer, exc)
+            return
+        try:
+            expect = any(
+                k.lower() == "expect" and v.strip().lower() == "100-continue" for k, v in headers
+            )
+            if expect and framing.kind != "none":
+                # We answer 100 ourselves and send the body at once, so the
+                # client does not wait for an interim response that the
+                # upstream would send to us.
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            out = _forward_headers(headers, authority)
+            head = _serialize_head(f"{method} {origin} HTTP/1.1", out)
+            up_writer.write(head)
+            outcome.bytes_up = len(head)
+            try:
+                outcome.bytes_up += await _copy_body(reader, up_writer, framing, scanner)
+            except _PlaceholderFound as exc:
+                up_writer.transport.abort()
+                refusal = _placeholder_refusal(
+                    scope, exc.name, admitted.host, admitted.port, plain=True
+                )
+                await _record_refusal(
+                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE
+                )
+                outcome.error = refusal.message
+                await _send_error(writer, refusal)
+                return
+            await up_writer.drain()
+            status, down = await _relay_response(up_reader, writer, method)
+            outcome.status, outcome.bytes_down = status, down
+        except BadCall as exc:
+            outcome.error = exc.message
+            await _send_error(writer, exc)
+        except UpstreamFailed as exc:
+            outcome.error = exc.message
+            await _send_error(writer, exc)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+            outcome.error = f"connection lost: {type(exc).__name__}"
+        finally:
+            await _close(up_writer)
+
+    # -- deciding, checking, dialing ----------------------------------------
+
+    async def _admit(
+        self,
+        scope: RunScope,
+        host: Host,
+        port: int,
+        method: str,
+        scheme: str | None,
+        path: str | None,
+    ) -> _Admitted:
+        """Decide, resolve once, check, decide with the address, record. Raises on refusal."""
+        resource = _resource(host, port)
+        context: dict[str, CedarValue] = {"method": method, "port": port}
+        if scheme is not None:
+            context["scheme"] = scheme
+        if path is not None:
+            context["path"] = path
+        details: dict[str, Any] = {"host": host.name, "port": port, "method": method}
+        if scheme is not None:
+            details["scheme"] = scheme
+        if path is not None:
+            details["path"] = path[:512]
+        if host.address is not None:
+            context["address"] = IpAddr(str(host.address))
+            details["address"] = str(host.address)
+        try:
+            entities = (Entity.host(host.name),)
+            ref = EntityRef.host(host.name)
+        except Exception as exc:  # PolicyError: a name Cedar's side refuses
+            raise BadCall(f"invalid host {host.name!r}") from exc
+        decision = scope.decide("http.request", ref, context, entities)
+        if not decision.allowed:
+            reason = _deny_reason(decision)
+            await scope.record("http.request", resource, decision, reason=reason, details=details)
+            raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
+
+        if host.address is not None:
+            addresses = [host.address]
+        else:
+            try:
+                addresses = await self.resolver(host.name, port)
+            except UpstreamFailed as exc:
+                details["error"] = exc.message
+                await scope.record(
+                    "http.request",
+                    resource,
+                    decision,
+                    reason="permitted by " + ", ".join(decision.policies) + "; not resolved",
+                    details=details,
+                )
+                raise
+            details["resolved"] = [str(a) for a in addresses]
+
+        for address in addresses:
+            refusal = check_address(address, scope.allowed_ranges)
+            if refusal is not None:
+                details["address"] = str(refusal.address)
+                details["special_ranges"] = [cidr for cidr, _ in refusal.ranges]
+                details["permitted_by"] = list(decision.policies)
+                denied = Decision(False, (SPECIAL_ADDRESS_RULE,), decision.version)
+                reason = f"refused: {refusal.reason}"
+                await scope.record("http.request", resource, denied, reason=reason, details=details)
+                raise EgressDenied(
+                    f"http.request to {resource} refused: {host.name} is or resolves to "
+                    f"{refusal.address}, a special-purpose address ({refusal.ranges[0][1]})",
+                    policies=(SPECIAL_ADDRESS_RULE,),
+                )
+
+        address = addresses[0]
+        details["address"] = str(address)
+        if host.address is None:
+            # Again with the address known, so forbids on address ranges apply.
+            context["address"] = IpAddr(str(address))
+            decision = scope.decide("http.request", ref, context, entities)
+        reason = _deny_reason(decision) if not decision.allowed else _allow_reason(decision)
+        appended = await scope.record(
+            "http.request", resource, decision, reason=reason, details=details
+        )
+        if not decision.allowed:
+            raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
+        return _Admitted(host, port, address, decision, appended.seq, resource)
+
+    async def _dial(
+        self, admitted: _Admitted, tls_name: str | None
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect to exactly the checked address; with TLS verified for ``tls_name``."""
+        try:
+            if tls_name is None:
+                return await asyncio.wait_for(
+                    asyncio.open_connection(str(admitted.address), admitted.port),
+                    self.connect_timeout,
+                )
+            return await asyncio.wait_for(
+                asyncio.open_connection(
+                    str(admitted.address),
+                    admitted.port,
+                    ssl=self._upstream_tls(),
+                    server_hostname=tls_name,
+                ),
+                self.connect_timeout,
+            )
+        except ssl.SSLCertVerificationError as exc:
+            raise UpstreamFailed(
+                f"the certificate of {admitted.host.display} did not verify: "
+                f"{exc.verify_message or exc.reason}"
+            ) from exc
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            what = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
+            raise UpstreamFailed(
+                f"could not connect to {admitted.resource} ({admitted.address}): {what}"
+            ) from exc
+
+
+# -- events -------------------------------------------------------------------
+
+
+def _resource(host: Host, port: int) -> str:
+    return f"host/{host.display}:{port}"
+
+
+def _allow_reason(decision: Decision) -> str:
+    return "permitted by " + ", ".join(decision.policies)
+
+
+def _deny_reason(decision: Decision) -> str:
+    if decision.errors:
+        return "denied: policy evaluation failed"
+    if decision.policies:
+        return "forbidden by " + ", ".join(decision.policies)
+    return "denied: no policy permits it"
+
+
+async def _record_bad(scope: RunScope, method: str, target: str, exc: BadCall) -> None:
+    """A malformed request is recorded too; raises CallRefused if it cannot be."""
+    shown = target[:256].encode("ascii", "backslashreplace").decode()
+    await scope.record(
+        "http.request",
+        f"host/{shown}",
+        Decision(False, (), scope.policies.version),
+        reason=f"refused: {exc.message}",
+        details={"method": method[:32], "target": shown},
+    )
+
+
+async def _record_refusal(
+    scope: RunScope, action: str, resource: str, exc: BrokerError, rule: str
+) -> None:
+    try:
+        await scope.record(
+            action,
+            resource,
+            Decision(False, (rule,), scope.policies.version),
+            reason=f"refused: {exc.message}",
+            details={},
+        )
+    except CallRefused as refused:
+        raise refused from exc
+
+
+def _placeholder_refusal(
+    scope: RunScope, name: str, host: Host, port: int, *, plain: bool = False
+) -> EgressDenied:
+    binding = scope.secrets.get(name)
+    bound = binding is not None and any(host_matches(h, host, port) for h in binding.hosts)
+    if bound and plain:
+        message = (
+            f"the placeholder of secret {name!r} was sent over plain HTTP; "
+            "secrets are injected only inside TLS (use https)"
+        )
+    else:
+        message = f"the placeholder of secret {name!r} was sent to {host.display}, " + (
+            "which it is not bound to"
+        )
+    return EgressDenied(message, policies=(SECRET_BINDING_RULE,))
+
+
+async def _complete(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> None:
+    """The completion event. The call already happened, so a failure here is logged."""
+    details: dict[str, Any] = {
+        "decision_seq": admitted.seq,
+        "host": admitted.host.name,
+        "port": admitted.port,
+        "address": str(admitted.address),
+        "bytes_up": outcome.bytes_up,
+        "bytes_down": outcome.bytes_down,
+        "duration_ms": round((time.monotonic() - admitted.started) * 1000, 3),
+        "requests": outcome.requests,
+    }
+    if outcome.status is not None:
+        details["status"] = outcome.status
+    if outcome.injected:
+        details["secrets"] = list(outcome.injected)
+    if outcome.error is not None:
+        details["error"] = outcome.error
+    try:
+        await scope.record(
+            "http.request.end",
+            admitted.resource,
+            admitted.decision,
+            reason="closed" if outcome.error is None else "failed",
+            details=details,
+        )
+    except CallRefused as exc:
+        log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
+
+
+# -- secrets ------------------------------------------------------------------
+
+
+def _bindings(scope: RunScope, host: Host, port: int) -> list[SecretBinding]:
+    return [b for b in scope.secrets.values() if any(host_matches(h, host, port) for h in b.hosts)]
+
+
+def _inject_headers(
+    headers: list[tuple[str, str]], bindings: list[SecretBinding]
+) -> list[tuple[str, str]]:
+    replaced = {b.header.lower() for b in bindings}
+    out = []
+    for name, value in headers:
+        if name.lower() in replaced or name.lower().startswith("proxy-"):
+            continue
+        for b in bindings:
+            value = value.replace(b.placeholder, b.value)  # noqa: PLW2901
+        out.append((name, value))
+    # str.replace, not format(): a template is data, not a format string.
+    out.extend((b.header, b.template.replace("{secret}", b.value)) for b in bindings)
+    return out
+
+
+class _PlaceholderFound(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class _Scanner:
+    """Finds placeholders in a byte stream, across chunk boundaries."""
+
+    def __init__(self, needles: Mapping[str, str]) -> None:
+        self._needles = {k.encode(): v for k, v in needles.items()}
+        self._keep = max((len(k) for k in self._needles), default=1) - 1
+        self._tail = b""
+
+    def scan(self, data: bytes) -> str | None:
+        if not self._needles:
+            return None
+        window = self._tail + data
+        for needle, name in self._needles.items():
+            if needle in window:
+                return name
+        self._tail = window[-self._keep :] if self._keep else b""
+        return None
+
+
+# -- HTTP/1.1 framing ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Framing:
+    kind: str  # "none", "length", "chunked", "eof"
+    length: int = 0
+
+
+def _check_headers(headers: Iterable[tuple[str, str]]) -> None:
+    for name, value in headers:
+        if not name or not set(name) <= _TOKEN:
+            raise BadCall(f"invalid header name {name[:64]!r}")
+        if any(c in value for c in "\r\n\0"):
+            raise BadCall(f"invalid value for header {name!r}")
+
+
+def _request_framing(headers: list[tuple[str, str]]) -> _Framing:
+    te = [v for k, v in headers if k.lower() == "transfer-encoding"]
+    cl = [v for k, v in headers if k.lower() == "content-length"]
+    # Both, or several differing lengths, are how requests get smuggled past
+    # a proxy that reads them one way to a server that reads them another.
+    if te and cl:
+        raise BadCall("both Transfer-Encoding and Content-Length")
+    if te:
+        if len(te) != 1 or te[0].strip().lower() != "chunked":
+            raise BadCall("only Transfer-Encoding: chunked is supported")
+        return _Framing("chunked")
+    if cl:
+        values = {v.strip() for v in cl}
+        if len(values) != 1:
+            raise BadCall("conflicting Content-Length headers")
+        value = values.pop()
+        if not value.isascii() or not value.isdigit():
+            raise BadCall("invalid Content-Length")
+        return _Framing("length", int(value))
+    return _Framing("none")
+
+
+def _response_framing(method: str, status: int, headers: list[tuple[str, str]]) -> _Framing:
+    if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
+        return _Framing("none")
+    te = [v.strip().lower() for k, v in headers if k.lower() == "transfer-encoding"]
+    if te:
+        return _Framing("chunked") if te[-1].endswith("chunked") else _Framing("eof")
+    cl = {v.strip() for k, v in headers if k.lower() == "content-length"}
+    if len(cl) == 1:
+        value = cl.pop()
+        if value.isascii() and value.isdigit():
+            return _Framing("length", int(value))
+    if cl:
+        raise UpstreamFailed("the upstream sent an invalid Content-Length")
+    return _Framing("eof")
+
+
+def _parse_head_lines(head: bytes) -> tuple[str, list[tuple[str, str]]]:
+    text = head.decode("latin-1")
+    lines = text[:-4].split("\r\n") if text.endswith("\r\n\r\n") else text.split("\r\n")
+    first, rest = lines[0], lines[1:]
+    if "\n" in text.replace("\r\n", "") or "\r" in text.replace("\r\n", ""):
+        raise BadCall("bare CR or LF in a message head")
+    headers = []
+    for line in rest:
+        name, sep, value = line.partition(":")
+        if not sep or not name or line[0] in " \t":
+            raise BadCall("malformed header line")
+        headers.append((name, value.strip(" \t")))
+    _check_headers(headers)
+    return first, headers
+
+
+def _parse_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
+    first, headers = _parse_head_lines(head)
+    parts = first.split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not set(parts[0]) <= _TOKEN:
+        raise BadCall("malformed request line")
+    return parts[0], parts[1], headers
+
+
+def _serialize_head(first: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    lines = [first, *(f"{k}: {v}" for k, v in headers)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() in ("connection", "proxy-connection")
+        for token in v.split(",")
+    }
+    out = [("Host", authority)]
+    for name, value in headers:
+        lower = name.lower()
+        if (
+            lower in _HOP_BY_HOP
+            or lower in named
+            or lower in {"host", "expect"}
+            or lower.startswith("proxy-")
+        ):
+            continue
+        out.append((name, value))
+    out.append(("Connection", "close"))
+    return out
+
+
+def _parse_url(url: str) -> tuple[Host, int, str, str]:
+    """(host, port, origin-form target, Host header value) of an absolute http:// URL."""
+    if any(c.isspace() or ord(c) < 0x20 for c in url):
+        raise BadCall("invalid URL")
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        raise BadCall(
+            f"absolute-form requests must be http:// (got {parts.scheme or 'none'!r}); "
+            "HTTPS goes through CONNECT"
+        )
+    if "@" in parts.netloc:
+        raise BadCall("credentials in the URL are not forwarded")
+    host_text, port = split_authority(parts.netloc, 80)
+    host = parse_host(host_text)
+    origin = parts.path or "/"
+    if not origin.startswith("/"):
+        raise BadCall("invalid URL path")
+    if parts.query:
+        origin += "?" + parts.query
+    authority = host.display if port == 80 else f"{host.display}:{port}"
+    return host, port, origin, authority
+
+
+async def _copy_body(
+    src: _Source, dst: asyncio.StreamWriter, framing: _Framing, scanner: _Scanner
+) -> int:
+    total = 0
+
+    async def put(data: bytes) -> None:
+        nonlocal total
+        found = scanner.scan(data)
+        if found is not None:
+            raise _PlaceholderFound(found)
+        total += len(data)
+        dst.write(data)
+        await dst.drain()
+
+    await _walk_body(src, framing, put)
+    return total
+
+
+async def _walk_body(
+    src: _Source, framing: _Framing, put: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Read one message body as framed, passing its raw bytes (framing included) to put."""
+    if framing.kind == "length":
+        left = framing.length
+        while left:
+            data = await src.read(min(left, _CHUNK))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", left)
+            left -= len(data)
+            await put(data)
+    elif framing.kind == "chunked":
+        while True:
+            line = await _readline(src)
+            await put(line)
+            size_text = line.split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise BadCall("invalid chunk size") from None
+            if size < 0 or not size_text.isalnum():
+                raise BadCall("invalid chunk size")
+            if size == 0:
+                while True:  # trailers, up to the empty line
+                    trailer = await _readline(src)
+                    await put(trailer)
+                    if trailer == b"\r\n":
+                        return
+            left = size + 2
+            while left:
+                data = await src.readexactly(min(left, _CHUNK))
+                left -= len(data)
+                await put(data)
+    elif framing.kind == "eof":
+        while data := await src.read(_CHUNK):
+            await put(data)
+
+
+async def _readline(src: _Source) -> bytes:
+    line = bytearray()
+    while not line.endswith(b"\r\n"):
+        if len(line) > _MAX_LINE:
+            raise BadCall("chunk line too long")
+        line += await src.readexactly(1)
+    return bytes(line)
+
+
+async def _relay_response(
+    up: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str
+) -> tuple[int, int]:
+    """Relay the upstream's response (interim ones too); (final status, bytes relayed)."""
+    total = 0
+    while True:
+        try:
+            head = await up.readuntil(b"\r\n\r\n")
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
+            raise UpstreamFailed("the upstream sent no valid response head") from exc
+        try:
+            first, headers = _parse_head_lines(head)
+        except BadCall as exc:
+            raise UpstreamFailed(f"the upstream sent a malformed response: {exc.message}") from exc
+        parts = first.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise UpstreamFailed("the upstream sent a malformed status line")
+        status = int(parts[1])
+        framing = _response_framing(method, status, headers)
+        out = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP - {"upgrade"}]
+        if status >= 200:
+            out.append(("Connection", "close"))
+        data = _serialize_head(first, out)
+        writer.write(data)
+        total += len(data)
+        if 100 <= status < 200 and status != 101:
+            continue
+
+        async def put(chunk: bytes) -> None:
+            nonlocal total
+            total += len(chunk)
+            writer.write(chunk)
+            await writer.drain()
+
+        await _walk_body(up, framing, put)
+        await writer.drain()
+        return status, total
+
+
+async def _relay(
+    src: asyncio.StreamReader, dst: asyncio.StreamWriter, abort: Callable[[], None]
+) -> int:
+    total = 0
+    try:
+        while data := await src.read(_CHUNK):
+            total += len(data)
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+        else:
+            dst.close()
+    except (ConnectionError, OSError, RuntimeError):
+        # One side failed: end the other too, or its read would wait forever.
+        abort()
+    return total
+
+
+async def _relay_to_tls(src: asyncio.StreamReader, dst: TlsStream) -> int:
+    total = 0
+    while data := await src.read(_CHUNK):
+        total += len(data)
+        await dst.write(data)
+    return total
+
+
+# -- answers to the guest -----------------------------------------------------
+
+
+def _error_bytes(exc: BrokerError) -> bytes:
+    body = json.dumps(exc.as_json()).encode()
+    reason = HTTPStatus(exc.status).phrase
+    head = (
+        f"HTTP/1.1 {exc.status} {reason}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _send_error(writer: asyncio.StreamWriter, exc: BrokerError) -> None:
+    try:
+        writer.write(_error_bytes(exc))
+        await writer.drain()
+    except (ConnectionError, OSError, RuntimeError):
+        pass
+    await _close(writer)
+
+
+async def _send_error_tls(stream: TlsStream, exc: BrokerError) -> None:
+    with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
+        await stream.write(_error_bytes(exc))
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    if writer.is_closing():
+        return
+    writer.close()
+    with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
+        await writer.wait_closed()
+
+
+def error_response(exc: BrokerError) -> bytes:
+    """The bytes of the JSON error response the proxy sends for ``exc`` (for the server core)."""
+    return _error_bytes(exc)
