@@ -160,8 +160,15 @@ class _Accesses:
             return _OK
         if action in (_INSERT, _UPDATE, _DELETE):
             table = arg1 or ""
-            if db != "main" or table.lower().startswith("sqlite_"):
-                return self.refuse(f"writing {table} is not allowed")
+            if table.lower().startswith("sqlite_"):
+                # DDL writes the schema table first; so does the set-up of a
+                # table-valued function, which is why json_each() lands here.
+                return self.refuse(
+                    "the schema cannot be changed (CREATE, DROP, ALTER); table-valued "
+                    "functions (json_each, pragma_table_info, ...) are not supported"
+                )
+            if db != "main":
+                return self.refuse(f"writing {db}.{table} is not allowed")
             if action == _UPDATE:
                 self.writes.setdefault(table, set()).add(arg2 or "")
             else:
