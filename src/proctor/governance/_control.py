@@ -1,0 +1,174 @@
+"""Control-plane authorization: Cedar decides what each principal may do in its tenant.
+
+The role policy is Proctor's own (below), instantiated per tenant and parsed once
+per tenant. A principal acts only inside its own tenant: nothing permits a
+resource of another tenant, so such a request is denied by default. The local
+operator is the runtime's owner and is not decided here, but every one of its
+actions is recorded like anyone else's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from proctor.errors import ProctorError
+from proctor.governance._principals import ROLES, Principal
+from proctor.ledger import EventDraft, Ledger
+from proctor.policy import (
+    CompiledPolicies,
+    Decision,
+    Entity,
+    EntityRef,
+    EntitySet,
+    Request,
+    compile_policies,
+    decide,
+)
+
+_ROLE_ACTIONS = {
+    "developer": (
+        "artifact.submit",
+        "artifact.read",
+        "deployment.create",
+        "deployment.read",
+        "deployment.rollback",
+        "run.start",
+        "run.read",
+        "run.stop",
+        "tenant.read",
+    ),
+    "approver": (
+        "approval.grant",
+        "approval.reject",
+        "approval.revoke",
+        "artifact.read",
+        "deployment.read",
+        "run.read",
+        "tenant.read",
+    ),
+    "auditor": (
+        "audit.read",
+        "evidence.export",
+        "artifact.read",
+        "deployment.read",
+        "run.read",
+        "policy.read",
+        "tenant.read",
+    ),
+}
+
+
+def role_policy(tenant: str) -> str:
+    """Proctor's built-in control-plane policy for ``tenant``."""
+    parts = [
+        f'@id("control:admin")\n'
+        f'permit(principal in Proctor::Role::"{tenant}/admin",'
+        f' action in Proctor::Action::"control-plane",'
+        f' resource in Proctor::Tenant::"{tenant}");'
+    ]
+    for role, actions in _ROLE_ACTIONS.items():
+        acts = ", ".join(f'Proctor::Action::"{a}"' for a in actions)
+        parts.append(
+            f'@id("control:{role}")\n'
+            f'permit(principal in Proctor::Role::"{tenant}/{role}", action in [{acts}],'
+            f' resource in Proctor::Tenant::"{tenant}");'
+        )
+    parts.append(
+        '@id("control:separation-of-duties")\n'
+        'forbid(principal, action == Proctor::Action::"approval.grant", resource)'
+        " when { context.principal_is_author };"
+    )
+    return "\n".join(parts) + "\n"
+
+
+class ControlDenied(ProctorError):
+    """The principal may not do this (or it is not theirs to see)."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, policies: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.policies = policies
+
+
+class ControlPlane:
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._compiled: dict[str, CompiledPolicies] = {}
+        self._lock = threading.Lock()
+
+    def _policies(self, tenant: str) -> CompiledPolicies:
+        with self._lock:
+            compiled = self._compiled.get(tenant)
+            if compiled is None:
+                compiled = compile_policies(role_policy(tenant))
+                self._compiled[tenant] = compiled
+            return compiled
+
+    def decide(
+        self,
+        principal: Principal,
+        action: str,
+        resource: EntityRef,
+        tenant: str,
+        context: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """Decide for ``principal``; ``tenant`` is the tenant that owns ``resource``."""
+        pref = EntityRef.user(principal.tenant, principal.name)
+        if principal.kind == "service":
+            pref = EntityRef.service_account(principal.tenant, principal.name)
+        parents = tuple(EntityRef.role(principal.tenant, r) for r in principal.roles)
+        entities = [
+            Entity(pref, {}, (*parents, EntityRef.tenant(principal.tenant))),
+            *(
+                Entity(
+                    EntityRef.role(principal.tenant, r), {}, (EntityRef.tenant(principal.tenant),)
+                )
+                for r in ROLES
+            ),
+            Entity(EntityRef.tenant(tenant), {}),
+        ]
+        if resource.type != "Tenant":
+            entities.append(Entity(resource, {}, (EntityRef.tenant(tenant),)))
+        return decide(
+            self._policies(principal.tenant),
+            Request(pref, action, resource, dict(context or {})),
+            EntitySet(entities),
+        )
+
+    def authorize(
+        self,
+        principal: Principal,
+        action: str,
+        resource: EntityRef,
+        tenant: str,
+        *,
+        event_resource: str,
+        context: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """Decide; a refusal is recorded in the principal's tenant log and raised."""
+        decision = self.decide(principal, action, resource, tenant, context)
+        if not decision.allowed:
+            why = (
+                "forbidden by " + ", ".join(decision.policies)
+                if decision.policies
+                else f"no role of {principal.id} permits it"
+            )
+            self._ledger.append(
+                principal.tenant,
+                EventDraft(
+                    principal.actor,
+                    action,
+                    event_resource,
+                    decision="deny",
+                    policies=decision.policies,
+                    reason=why,
+                    details={"target_tenant": tenant} if tenant != principal.tenant else {},
+                ),
+            )
+            raise ControlDenied(
+                f"{principal.id} may not {action} {event_resource}: {why}", decision.policies
+            )
+        return decision

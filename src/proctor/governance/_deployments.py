@@ -1,0 +1,232 @@
+"""Deployments: an approved digest bound to a tenant, an environment and a lifecycle.
+
+A deployment is the documented instruction of GDPR Art. 28(3)(a): who instructed
+what processing, for which purpose, approved by whom. Production needs a quorum
+of valid approvals when deployed (and again at every run start); a sandbox
+deployment needs none but may only touch datasets marked synthetic. Each change
+is a new version, so ``rollback`` can go back to the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proctor.errors import NotFound, ProctorError, UsageError
+from proctor.governance._approvals import Approvals, ArtifactInfo
+from proctor.governance._resources import Resources
+from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.store import Conn, Store
+
+ENVIRONMENTS = ("sandbox", "production")
+MODES = ("job", "service", "schedule")
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+class WithCapabilities(ArtifactInfo, Protocol):
+    @property
+    def capabilities(self) -> dict[str, Any]: ...
+
+
+class SyntheticOnly(ProctorError):
+    """A sandbox deployment asked for a dataset that holds real data."""
+
+    exit_code = 5
+
+
+@dataclass(frozen=True)
+class Deployment:
+    tenant: str
+    name: str
+    version: int
+    digest: str
+    environment: str
+    mode: str
+    every_seconds: float | None
+    instruction: str
+    reference: str
+    approvals: tuple[str, ...]
+    created_by: str
+    created_at: str
+    status: str  # active | superseded | stopped
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+_COLUMNS = (
+    "tenant, name, version, digest, environment, mode, every_seconds, instruction, reference,"
+    " approvals, created_by, created_at, status"
+)
+
+
+def _row(r: tuple[Any, ...]) -> Deployment:
+    return Deployment(
+        str(r[0]), str(r[1]), int(r[2]), str(r[3]), str(r[4]), str(r[5]),
+        None if r[6] is None else float(r[6]), str(r[7]), str(r[8]),
+        tuple(json.loads(r[9])), str(r[10]), str(r[11]), str(r[12]),
+    )  # fmt: skip
+
+
+class Deployments:
+    def __init__(
+        self, store: Store, ledger: Ledger, approvals: Approvals, resources: Resources
+    ) -> None:
+        self._store = store
+        self._ledger = ledger
+        self._approvals = approvals
+        self._resources = resources
+
+    def check_synthetic(self, tenant: str, artifact: WithCapabilities) -> None:
+        synthetic = {d.name for d in self._resources.datasets(tenant) if d.synthetic}
+        wanted = set(artifact.capabilities.get("datasets", {}))
+        real = sorted(wanted - synthetic)
+        if real:
+            raise SyntheticOnly(
+                f"a sandbox deployment may only use synthetic datasets; "
+                f"{', '.join(real)} is not marked synthetic",
+                hint="deploy to production (with approvals), or use a synthetic dataset",
+            )
+
+    def deploy(
+        self,
+        tenant: str,
+        artifact: WithCapabilities,
+        name: str,
+        *,
+        environment: str,
+        mode: str,
+        instruction: str,
+        actor: Actor,
+        every_seconds: float | None = None,
+        reference: str = "",
+        rollback_of: int | None = None,
+    ) -> Deployment:
+        if not _NAME_RE.match(name):
+            raise UsageError(f"invalid deployment name {name!r} (lowercase, digits, '-')")
+        if environment not in ENVIRONMENTS:
+            raise UsageError(f"--env must be one of {', '.join(ENVIRONMENTS)}")
+        if mode not in MODES:
+            raise UsageError(f"--mode must be one of {', '.join(MODES)}")
+        if mode == "schedule" and not every_seconds:
+            raise UsageError("a schedule needs --every (e.g. --every 1h)")
+        if mode != "schedule" and every_seconds:
+            raise UsageError("--every applies only to --mode schedule")
+        if every_seconds is not None and every_seconds < 1:
+            raise UsageError("--every must be at least one second")
+        if not instruction.strip():
+            raise UsageError(
+                "a deployment needs an --instruction: the documented instruction for this "
+                "processing (GDPR Art. 28(3)(a))"
+            )
+        approvals: list[str] = []
+        if environment == "production":
+            approvals = [a.id for a in self._approvals.require_quorum(tenant, artifact)]
+        else:
+            self.check_synthetic(tenant, artifact)
+        created_at = utc_now()
+        holder: list[Deployment] = []
+
+        def insert(conn: Conn) -> None:
+            row = conn.query_one(
+                "SELECT MAX(version) FROM deployments WHERE tenant = ? AND name = ?",
+                (tenant, name),
+            )
+            version = int(row[0]) + 1 if row and row[0] is not None else 1
+            conn.execute(
+                "UPDATE deployments SET status = 'superseded' WHERE tenant = ? AND name = ?"
+                " AND status = 'active'",
+                (tenant, name),
+            )
+            dep = Deployment(
+                tenant, name, version, artifact.digest, environment, mode, every_seconds,
+                instruction, reference, tuple(approvals), actor.id, created_at, "active",
+            )  # fmt: skip
+            conn.execute(
+                f"INSERT INTO deployments ({_COLUMNS}, seq) VALUES"  # noqa: S608
+                " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                (
+                    tenant, name, version, dep.digest, environment, mode, every_seconds,
+                    instruction, reference, json.dumps(approvals), actor.id, created_at,
+                    "active",
+                ),
+            )  # fmt: skip
+            holder.append(dep)
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor,
+                "deployment.rollback" if rollback_of is not None else "deployment.create",
+                f"deployment/{name}",
+                reason="deployed" if rollback_of is None else f"rolled back to {rollback_of}",
+                deployment=name,
+                artifact=artifact.digest,
+                approvals=tuple(approvals),
+                details={
+                    "environment": environment,
+                    "mode": mode,
+                    "every_seconds": None if every_seconds is None else str(every_seconds),
+                    "instruction": instruction,
+                    "reference": reference,
+                    "purpose": artifact.purpose,
+                    "capabilities_hash": artifact.capabilities_hash,
+                },
+            ),
+            hook=insert,
+        )
+        return holder[0]
+
+    def versions(self, tenant: str, name: str) -> list[Deployment]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM deployments WHERE tenant = ? AND name = ?"  # noqa: S608
+                " ORDER BY version",
+                (tenant, name),
+            )
+        if not rows:
+            raise NotFound(f"no deployment {name!r} in tenant {tenant!r}")
+        return [_row(r) for r in rows]
+
+    def get(self, tenant: str, name: str) -> Deployment:
+        """The current version (active, or the last one if it was stopped)."""
+        return self.versions(tenant, name)[-1]
+
+    def current(self, tenant: str) -> list[Deployment]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM deployments d WHERE tenant = ? AND version ="  # noqa: S608
+                " (SELECT MAX(version) FROM deployments e WHERE e.tenant = d.tenant"
+                " AND e.name = d.name) ORDER BY name",
+                (tenant,),
+            )
+        return [_row(r) for r in rows]
+
+    def at(self, tenant: str, when: str) -> list[Deployment]:
+        """The deployments in force at ``when``: for each name, the last version made by then."""
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM deployments d WHERE tenant = ? AND created_at <= ?"  # noqa: S608
+                " AND version = (SELECT MAX(version) FROM deployments e WHERE"
+                " e.tenant = d.tenant AND e.name = d.name AND e.created_at <= ?) ORDER BY name",
+                (tenant, when, when),
+            )
+        return [_row(r) for r in rows]
+
+    def set_status(self, tenant: str, name: str, status: str, actor: Actor, reason: str) -> None:
+        current = self.get(tenant, name)
+
+        def update(conn: Conn) -> None:
+            conn.execute(
+                "UPDATE deployments SET status = ? WHERE tenant = ? AND name = ? AND version = ?",
+                (status, tenant, name, current.version),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(actor, f"deployment.{status}", f"deployment/{name}", reason=reason,
+                       deployment=name, artifact=current.digest),
+            hook=update,
+        )  # fmt: skip
