@@ -7,6 +7,7 @@ shim's proxy, and the entrypoint started by the shim. Nothing else of the host.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def run_brokered(
     ca_dir: Path | None = None,
     on_stdout: Sink | None = None,
     on_stderr: Sink | None = None,
+    cancel: threading.Event | None = None,
 ) -> SandboxResult:
     """Open the run's socket, run the sandbox, and close the socket whatever happens."""
     limits = limits or Limits()
@@ -79,6 +81,6 @@ def run_brokered(
         spec = brokered_spec(
             channel, argv, code_dir=code_dir, limits=limits, env=env, ca_dir=ca_dir
         )
-        return driver.run(spec, on_stdout=on_stdout, on_stderr=on_stderr)
+        return driver.run(spec, on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel)
     finally:
         broker.close_run(scope.run_id)

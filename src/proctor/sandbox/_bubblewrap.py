@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
 import time
 import uuid
 
@@ -165,7 +166,12 @@ class BubblewrapDriver:
         return args
 
     def run(
-        self, spec: SandboxSpec, *, on_stdout: Sink = None, on_stderr: Sink = None
+        self,
+        spec: SandboxSpec,
+        *,
+        on_stdout: Sink = None,
+        on_stderr: Sink = None,
+        cancel: threading.Event | None = None,
     ) -> SandboxResult:
         check_sockets(spec)
         setup_start = time.monotonic()
@@ -187,7 +193,13 @@ class BubblewrapDriver:
             os.close(status_w)
             status_w = -1
             outcome = watch(
-                proc, cgroup, limits, on_stdout=on_stdout, on_stderr=tee, started=started
+                proc,
+                cgroup,
+                limits,
+                on_stdout=on_stdout,
+                on_stderr=tee,
+                started=started,
+                cancel=cancel,
             )
             status = _read_status(status_r)
         finally:

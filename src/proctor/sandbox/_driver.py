@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -22,8 +23,15 @@ class SandboxDriver(Protocol):
     def status(self) -> BackendStatus: ...
 
     def run(
-        self, spec: SandboxSpec, *, on_stdout: Sink = None, on_stderr: Sink = None
-    ) -> SandboxResult: ...
+        self,
+        spec: SandboxSpec,
+        *,
+        on_stdout: Sink = None,
+        on_stderr: Sink = None,
+        cancel: threading.Event | None = None,
+    ) -> SandboxResult:
+        """Run ``spec`` to its end; setting ``cancel`` stops it (reason ``stopped``)."""
+        ...
 
 
 #: In order of preference: gVisor is the default, bubblewrap where gVisor cannot run.

@@ -348,7 +348,12 @@ class GVisorDriver:
     # -- runs ---------------------------------------------------------------------
 
     def run(
-        self, spec: SandboxSpec, *, on_stdout: Sink = None, on_stderr: Sink = None
+        self,
+        spec: SandboxSpec,
+        *,
+        on_stdout: Sink = None,
+        on_stderr: Sink = None,
+        cancel: threading.Event | None = None,
     ) -> SandboxResult:
         check_sockets(spec)
         platform = self.platform
@@ -364,6 +369,7 @@ class GVisorDriver:
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
                 started=started,
+                cancel=cancel,
             )
             self._raise_start_failure(prepared, outcome)
         finally:

@@ -26,6 +26,7 @@ class Reason(enum.StrEnum):
     PIDS = "pids"  # the run hit its pids ceiling
     TIMEOUT = "timeout"  # wall-clock limit reached; the whole tree was killed
     OUTPUT = "output"  # stdout + stderr went past the output cap; the tree was killed
+    STOPPED = "stopped"  # the runtime stopped it (freeze, revoked approval, shutdown)
 
 
 @dataclass(frozen=True)

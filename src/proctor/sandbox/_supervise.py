@@ -13,6 +13,7 @@ import os
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,6 +114,7 @@ def watch(
     on_stderr: Sink,
     started: float,
     stop: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Outcome:
     """Stream output to the sinks until the tool exits or a limit ends the run.
 
@@ -140,6 +142,9 @@ def watch(
             now = time.monotonic()
             if now >= deadline:
                 kill_reason = Reason.TIMEOUT
+                break
+            if cancel is not None and cancel.is_set():
+                kill_reason = Reason.STOPPED
                 break
             for key, _ in sel.select(timeout=min(deadline - now, _COUNTER_INTERVAL)):
                 fd = int(key.fd)
