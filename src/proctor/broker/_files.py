@@ -1,0 +1,359 @@
+"""Objects in a tenant's buckets, read and written through the broker.
+
+A bucket is a directory under the run's ``buckets_dir``; an object is a file
+under it, named by a key such as ``reports/2026/churn.md``. Every call is
+decided by Cedar (``file.read`` / ``file.write`` on the Bucket, the key and
+size in context) and recorded with the object's SHA-256 and size.
+
+Keys are checked before any path is built: segments of ``[A-Za-z0-9._-]``
+that do not start with a dot (so no ``.``, ``..``, hidden or temporary
+names), no empty segment, no leading ``/``, at most 1,024 characters. Paths
+are then walked one directory at a time from an open directory descriptor
+with ``O_NOFOLLOW``, so a symbolic link anywhere under the bucket (even one
+swapped in during the call) is refused rather than followed, and nothing
+outside the bucket can be named at all.
+
+A write is staged in a temporary file beside its target and fsync'd; the
+event is recorded; only then is the file renamed into place and the
+directory fsync'd. If the ledger cannot record the event, the temporary file
+is removed: readers never see an object whose write is not in the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
+from proctor.policy import Decision, Entity, EntityRef
+
+#: Largest object a run may read or write, by default.
+MAX_OBJECT_BYTES = 64 * 1024 * 1024
+MAX_KEY_LENGTH = 1024
+_MAX_DEPTH = 32
+_BUCKET_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")  # as governance registers them
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,254}$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_CHUNK = 1024 * 1024
+
+
+class ObjectNotFound(BrokerError):
+    """The key names no object in the bucket."""
+
+    code = "not_found"
+    status = 404
+
+
+class ObjectTooLarge(BadCall):
+    """The object is larger than the per-object cap."""
+
+    code = "too_large"
+    status = 413
+
+
+class _Unsafe(Exception):
+    """The path under the bucket is not plain directories and a regular file."""
+
+
+class _Missing(Exception):
+    pass
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def check_key(key: object) -> str:
+    """``key`` if it is an acceptable object key; :class:`BadCall` if not."""
+    if not isinstance(key, str) or not key:
+        raise BadCall("files: the key must be a non-empty string")
+    if len(key) > MAX_KEY_LENGTH:
+        raise BadCall(f"files: the key is longer than {MAX_KEY_LENGTH} characters")
+    parts = key.split("/")
+    if len(parts) > _MAX_DEPTH:
+        raise BadCall(f"files: the key is deeper than {_MAX_DEPTH} levels")
+    for part in parts:
+        if not _SEGMENT_RE.match(part):
+            raise BadCall(
+                "files: each part of a key is letters, digits, '.', '_' or '-', "
+                "does not start with '.', and parts are separated by single '/'"
+            )
+    return key
+
+
+def check_bucket(bucket: object) -> str:
+    if not isinstance(bucket, str) or not _BUCKET_RE.match(bucket):
+        raise BadCall("files: a bucket name is a lowercase letter, then letters, digits or _")
+    return bucket
+
+
+def _printable(value: object) -> str:
+    """A name for an event about a refused call; only checked names are kept whole."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= MAX_KEY_LENGTH:
+        return value
+    return "?"
+
+
+# -- the filesystem side (runs in a worker thread) --------------------------------
+
+
+def _open_dirs(root: Path, bucket: str, parents: list[str], *, create: bool) -> int:
+    """A descriptor for the key's directory, walked from the bucket without
+    following a symbolic link at any step."""
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for i, name in enumerate([bucket, *parents]):
+            nxt = _open_dir_at(fd, name, create=create and i > 0)  # buckets are registered
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dir_at(fd: int, name: str, *, create: bool) -> int:
+    try:
+        try:
+            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise _Missing from None
+            with contextlib.suppress(FileExistsError):  # another write made it meanwhile
+                os.mkdir(name, 0o700, dir_fd=fd)
+            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError as exc:
+        # ELOOP: a symbolic link; ENOTDIR: a file where a directory should be.
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _Unsafe from None
+        raise
+
+
+def _read(root: Path, bucket: str, key: str, max_bytes: int) -> bytes:
+    *parents, name = key.split("/")
+    dir_fd = _open_dirs(root, bucket, parents, create=False)
+    try:
+        try:
+            # O_NONBLOCK: a FIFO planted in a bucket must not hang the broker.
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
+            )
+        except FileNotFoundError:
+            raise _Missing from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise _Unsafe from None
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Unsafe
+        if st.st_size > max_bytes:
+            raise _TooLarge
+        chunks, total = [], 0
+        while chunk := os.read(fd, _CHUNK):
+            total += len(chunk)
+            if total > max_bytes:  # grew while we read
+                raise _TooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Staged:
+    """A written, fsync'd temporary file waiting for its event to be recorded."""
+
+    dir_fd: int
+    temp: str
+    name: str
+
+    def commit(self) -> None:
+        try:
+            os.replace(self.temp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            os.fsync(self.dir_fd)
+        finally:
+            os.close(self.dir_fd)
+
+    def discard(self) -> None:
+        try:
+            os.unlink(self.temp, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.dir_fd)
+
+
+def _stage(root: Path, bucket: str, key: str, data: bytes) -> _Staged:
+    *parents, name = key.split("/")
+    dir_fd = _open_dirs(root, bucket, parents, create=True)
+    try:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                raise _Unsafe
+        # Keys never start with '.', so no key can name a temporary file.
+        temp = f".tmp-{secrets.token_hex(8)}"
+        fd = os.open(
+            temp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dir_fd,
+        )
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(temp, dir_fd=dir_fd)
+            raise
+        os.close(fd)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return _Staged(dir_fd, temp, name)
+
+
+# -- the handlers ----------------------------------------------------------------------
+
+
+def _reason(decision: Decision) -> str:
+    if decision.allowed:
+        return "permitted by " + ", ".join(decision.policies)
+    if decision.errors:
+        return "denied: policy evaluation failed"
+    if decision.policies:
+        return "denied: forbidden by " + ", ".join(decision.policies)
+    return "denied: no policy permits it"
+
+
+async def _refuse(
+    scope: RunScope, action: str, resource: str, error: BrokerError, details: Mapping[str, Any]
+) -> BrokerError:
+    """Record a call refused before or instead of a policy question; returns the error."""
+    await scope.record(
+        action,
+        resource,
+        Decision(False, (), scope.policies.version),
+        reason=f"refused: {error.message.removeprefix('files: ')}",
+        details=dict(details),
+    )
+    return error
+
+
+async def _prepare(
+    scope: RunScope, action: str, bucket: object, key: object, context: Mapping[str, Any]
+) -> tuple[str, str, Path, Decision, dict[str, Any]]:
+    """Check names, decide, record a deny. Returns what an allowed call needs."""
+    b, k = _printable(bucket), _printable(key)
+    resource = f"bucket/{b}/{k}"
+    details: dict[str, Any] = {"bucket": b, "key": k}
+    try:
+        bucket = check_bucket(bucket)
+        key = check_key(key)
+        if scope.buckets_dir is None:
+            raise CallDenied("files: this run has no buckets")
+    except BrokerError as exc:
+        raise await _refuse(scope, action, resource, exc, details) from None
+    ref = EntityRef.bucket(scope.tenant, bucket)
+    decision = scope.decide(
+        action, ref, {"key": key, **context}, (Entity.in_tenant(ref, scope.tenant),)
+    )
+    if not decision.allowed:
+        reason = _reason(decision)
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"{action} on {resource} {reason}", policies=decision.policies)
+    return bucket, key, scope.buckets_dir, decision, details
+
+
+async def read_object(
+    scope: RunScope, bucket: str, key: str, *, max_bytes: int = MAX_OBJECT_BYTES
+) -> bytes:
+    """The object's bytes, once ``file.read`` is permitted and the read recorded
+    (with its SHA-256). Raises CallDenied, BadCall, ObjectNotFound,
+    ObjectTooLarge, or CallRefused (not recorded: nothing is returned)."""
+    action = "file.read"
+    bucket, key, root, decision, details = await _prepare(scope, action, bucket, key, {})
+    resource = f"bucket/{bucket}/{key}"
+    try:
+        data = await asyncio.to_thread(_read, root, bucket, key, max_bytes)
+    except _Missing:
+        error: BrokerError = ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}")
+        raise await _refuse(scope, action, resource, error, details) from None
+    except _Unsafe:
+        error = CallDenied("files: the key names a link, a directory or a special file")
+        raise await _refuse(scope, action, resource, error, details) from None
+    except _TooLarge:
+        error = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
+        raise await _refuse(scope, action, resource, error, details) from None
+    except OSError as exc:
+        error = BrokerError(f"files: the object could not be read: {exc.strerror}")
+        raise await _refuse(scope, action, resource, error, details) from None
+    details |= {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    await scope.record(action, resource, decision, reason=_reason(decision), details=details)
+    return data
+
+
+async def write_object(
+    scope: RunScope, bucket: str, key: str, data: bytes, *, max_bytes: int = MAX_OBJECT_BYTES
+) -> dict[str, Any]:
+    """Write the object atomically once ``file.write`` is permitted; the event
+    (SHA-256, size) is durable before the object is visible. Returns
+    ``{"sha256", "bytes"}``. Raises CallDenied, BadCall, ObjectTooLarge, or
+    CallRefused (not recorded: nothing is written)."""
+    action = "file.write"
+    untrusted: object = data
+    early: BrokerError | None = None
+    size = len(untrusted) if isinstance(untrusted, bytes | bytearray | memoryview) else -1
+    if size < 0:
+        early = BadCall("files: the object must be bytes")
+    elif size > max_bytes:
+        early = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
+    if early is not None:
+        resource = f"bucket/{_printable(bucket)}/{_printable(key)}"
+        info: dict[str, Any] = {"bucket": _printable(bucket), "key": _printable(key)}
+        raise await _refuse(scope, action, resource, early, {**info, "bytes": size})
+    data = bytes(data)
+    bucket, key, root, decision, details = await _prepare(
+        scope, action, bucket, key, {"bytes": len(data)}
+    )
+    resource = f"bucket/{bucket}/{key}"
+    digest = hashlib.sha256(data).hexdigest()
+    error: BrokerError
+    try:
+        staged = await asyncio.to_thread(_stage, root, bucket, key, data)
+    except _Missing:
+        error = ObjectNotFound(f"files: no bucket {bucket!r}")
+        raise await _refuse(scope, action, resource, error, details) from None
+    except _Unsafe:
+        error = CallDenied("files: the key runs through or names a link or a non-file")
+        raise await _refuse(scope, action, resource, error, details) from None
+    except OSError as exc:
+        error = BrokerError(f"files: the object could not be written: {exc.strerror}")
+        raise await _refuse(scope, action, resource, error, details) from None
+    details |= {"bytes": len(data), "sha256": digest}
+    try:
+        await scope.record(action, resource, decision, reason=_reason(decision), details=details)
+    except BaseException:
+        await asyncio.to_thread(staged.discard)
+        raise
+    await asyncio.to_thread(staged.commit)
+    return {"sha256": digest, "bytes": len(data)}
