@@ -148,11 +148,13 @@ class EgressProxy:
         upstream_cafile: str | None = None,
         resolver: Resolver | None = None,
         connect_timeout: float = 10.0,
+        response_timeout: float = 300.0,
     ) -> None:
         self.ca_root = ca_root
         self.upstream_cafile = upstream_cafile
         self.resolver: Resolver = resolver or system_resolver
         self.connect_timeout = connect_timeout
+        self.response_timeout = response_timeout
         self._cas: dict[str, TenantCA] = {}
         self._upstream_ctx: ssl.SSLContext | None = None
 
@@ -273,25 +275,28 @@ class EgressProxy:
             await _close(up_writer)
             return
         others = {b.placeholder: b.name for b in scope.secrets.values() if b not in bindings}
+        # Responses are parsed too, only to know where each ends: the request
+        # side queues each request's method (HEAD has no body), then None when
+        # the guest is done or a BrokerError to answer in order after the
+        # responses already owed.
+        queue: asyncio.Queue[str | BrokerError | None] = asyncio.Queue()
         requests = asyncio.create_task(
-            self._inject_requests(scope, admitted, bindings, others, guest, up_writer, outcome)
+            self._inject_requests(
+                scope, admitted, bindings, others, guest, up_writer, outcome, queue
+            )
         )
-        responses = asyncio.create_task(_relay_to_tls(up_reader, guest))
+        responses = asyncio.create_task(_relay_responses_tls(up_reader, guest, queue, outcome))
         done, _ = await asyncio.wait({requests, responses}, return_when=asyncio.FIRST_COMPLETED)
-        # The guest is done sending: let the last responses drain, briefly.
-        if (
-            requests in done
-            and not responses.done()
-            and requests.exception() is None
-            and requests.result()
-        ):
-            await asyncio.wait({responses}, timeout=self.connect_timeout)
+        if requests in done and not responses.done():
+            await asyncio.wait({responses}, timeout=self.response_timeout)
         for task in (requests, responses):
             if not task.done():
                 task.cancel()
         await asyncio.gather(requests, responses, return_exceptions=True)
-        if responses.done() and not responses.cancelled() and responses.exception() is None:
-            outcome.bytes_down = responses.result()
+        while not queue.empty():
+            item = queue.get_nowait()
+            if isinstance(item, BrokerError):
+                await _send_error_tls(guest, item)
         await guest.close()
         await _close(up_writer)
 
@@ -304,8 +309,27 @@ class EgressProxy:
         guest: TlsStream,
         up_writer: asyncio.StreamWriter,
         outcome: _Outcome,
-    ) -> bool:
-        """Forward the guest's requests with the secrets' headers; False if one was refused."""
+        queue: asyncio.Queue[str | BrokerError | None],
+    ) -> None:
+        """Forward the guest's requests with the secrets' headers, until EOF or a refusal."""
+        try:
+            await self._inject_loop(
+                scope, admitted, bindings, others, guest, up_writer, outcome, queue
+            )
+        finally:
+            queue.put_nowait(None)
+
+    async def _inject_loop(
+        self,
+        scope: RunScope,
+        admitted: _Admitted,
+        bindings: list[SecretBinding],
+        others: Mapping[str, str],
+        guest: TlsStream,
+        up_writer: asyncio.StreamWriter,
+        outcome: _Outcome,
+        queue: asyncio.Queue[str | BrokerError | None],
+    ) -> None:
         host = admitted.host
         authority = {host.display, f"{host.display}:{admitted.port}"}
         scanner = _Scanner(others)
@@ -313,10 +337,10 @@ class EgressProxy:
             try:
                 head = await guest.readuntil(b"\r\n\r\n", _MAX_HEAD)
             except asyncio.IncompleteReadError:
-                return True
+                return
             except asyncio.LimitOverrunError:
-                await _send_error_tls(guest, BadCall("request head too large"))
-                return False
+                queue.put_nowait(BadCall("request head too large"))
+                return
             try:
                 method, target, headers = _parse_request_head(head)
                 if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
@@ -343,9 +367,10 @@ class EgressProxy:
                     await _record_refusal(
                         scope, "secret.use", admitted.resource, exc, SECRET_BINDING_RULE
                     )
-                await _send_error_tls(guest, exc)
-                return False
+                queue.put_nowait(exc)
+                return
             out_headers = _inject_headers(headers, bindings)
+            queue.put_nowait(method)
             up_writer.write(_serialize_head(f"{method} {target} HTTP/1.1", out_headers))
             outcome.requests += 1
             outcome.bytes_up += len(head)
@@ -357,10 +382,10 @@ class EgressProxy:
                 await _record_refusal(
                     scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE
                 )
-                await _send_error_tls(guest, refusal)
-                return False
+                queue.put_nowait(refusal)
+                return
             except (asyncio.IncompleteReadError, BadCall):
-                return False
+                return
 
     # -- absolute-form HTTP -------------------------------------------------
 
@@ -979,12 +1004,38 @@ async def _relay(
     return total
 
 
-async def _relay_to_tls(src: asyncio.StreamReader, dst: TlsStream) -> int:
-    total = 0
-    while data := await src.read(_CHUNK):
-        total += len(data)
-        await dst.write(data)
-    return total
+async def _relay_responses_tls(
+    up: asyncio.StreamReader,
+    guest: TlsStream,
+    queue: asyncio.Queue[str | BrokerError | None],
+    outcome: _Outcome,
+) -> None:
+    """Relay one response per queued request, in order, untouched; end at None."""
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        if isinstance(item, BrokerError):
+            await _send_error_tls(guest, item)
+            return
+        while True:
+            head = await up.readuntil(b"\r\n\r\n")
+            first, headers = _parse_head_lines(head)
+            parts = first.split(" ", 2)
+            if len(parts) < 2 or not parts[1].isdigit():
+                raise UpstreamFailed("the upstream sent a malformed status line")
+            status = int(parts[1])
+            await guest.write(head)
+            outcome.bytes_down += len(head)
+            if not 100 <= status < 200:
+                break
+        outcome.status = status
+
+        async def put(chunk: bytes) -> None:
+            outcome.bytes_down += len(chunk)
+            await guest.write(chunk)
+
+        await _walk_body(up, _response_framing(item, status, headers), put)
 
 
 # -- answers to the guest -----------------------------------------------------
