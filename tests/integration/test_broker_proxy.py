@@ -636,7 +636,8 @@ def test_placeholder_over_plain_http_to_its_own_host_is_refused(env: Env) -> Non
         [f"127.0.0.1:{env.http.port}"], secrets=["crm_token"], bindings=[_binding("127.0.0.1")]
     )
     status, _, body = env.raw(
-        f"GET http://127.0.0.1:{env.http.port}/ HTTP/1.1\r\nAuthorization: {PLACEHOLDER}\r\n\r\n".encode()
+        f"GET http://127.0.0.1:{env.http.port}/ HTTP/1.1\r\n"
+        f"Authorization: {PLACEHOLDER}\r\n\r\n".encode()
     )
     assert status == 403
     assert "only inside TLS" in json.loads(body)["message"]
