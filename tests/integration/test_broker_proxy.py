@@ -349,6 +349,13 @@ class Env:
 
 @pytest.fixture
 def env(ledger_env: LedgerEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    yield from proxy_env(ledger_env, tmp_path, monkeypatch)
+
+
+def proxy_env(
+    ledger_env: LedgerEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Env]:
+    """Upstreams, a proxy and its harness; shared with the SSRF suite."""
     for var in ("no_proxy", "NO_PROXY", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.delenv(var, raising=False)
     ledger_env.ledger.create_log(
