@@ -424,11 +424,11 @@ def _egress_entry(entry: str) -> str:
     try:
         host, port = split_host_port(entry)
         wildcard = host.startswith("*.")
+        if "*" in (host[2:] if wildcard else host):
+            raise UsageError(f"{where}: '*' is allowed only as a whole first label ('*.domain')")
         name = normalize_host(host[2:] if wildcard else host)
     except PolicyError as exc:
         raise UsageError(f"{where}: {exc.message}", hint=exc.hint) from exc
-    if "*" in host and not wildcard:
-        raise UsageError(f"{where}: '*' is allowed only as a whole first label ('*.domain')")
     if ":" in name:
         name = f"[{name}]"
     if wildcard:
