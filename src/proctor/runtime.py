@@ -15,11 +15,24 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from proctor.errors import AlreadyExists, NotInitialized, UsageError
-from proctor.governance import KeyRing, Policies, Resources, Tenants
+from proctor.governance import (
+    Approvals,
+    ControlPlane,
+    Deployments,
+    KeyRing,
+    Policies,
+    Principals,
+    Resources,
+    Tenants,
+)
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
-from proctor.store import Store, open_store
+from proctor.store import Conn, Store, open_store
+
+if TYPE_CHECKING:
+    from proctor.broker import Broker
 
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
@@ -128,6 +141,13 @@ class Runtime:
         self.tenants = Tenants(store, self.ledger)
         self.policies = Policies(store, self.ledger)
         self.resources = Resources(store, self.ledger, self.keys, home / "buckets")
+        self.principals = Principals(store, self.ledger)
+        self.control = ControlPlane(self.ledger)
+        from proctor.governance._artifacts import Artifacts
+
+        self.artifacts = Artifacts(store, self.ledger, home / "blobs")
+        self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
+        self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
 
     @classmethod
     def open(cls, home: Path | None = None) -> Runtime:
@@ -146,6 +166,63 @@ class Runtime:
         if tenant != SYSTEM_LOG:
             self.tenants.get(tenant)
         return tenant
+
+    # -- egress -----------------------------------------------------------------
+
+    def egress_ranges(self, tenant: str) -> tuple[str, ...]:
+        """Special-purpose address ranges the tenant's runs may reach anyway (for
+        services on the runtime's own loopback, such as the demo's stand-in API)."""
+        with self.store.read() as conn:
+            row = conn.query_one(
+                "SELECT value FROM meta WHERE key = ?", (f"egress_ranges:{tenant}",)
+            )
+        return tuple(json.loads(row[0])) if row else ()
+
+    def allow_egress_range(self, tenant: str, cidr: str, actor: Actor) -> tuple[str, ...]:
+        import ipaddress
+
+        try:
+            network = str(ipaddress.ip_network(cidr, strict=True))
+        except ValueError as exc:
+            raise UsageError(f"{cidr!r} is not an address range: {exc}") from exc
+        ranges = tuple(sorted({*self.egress_ranges(tenant), network}))
+
+        def upsert(conn: Conn) -> None:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE"
+                " SET value = excluded.value",
+                (f"egress_ranges:{tenant}", json.dumps(list(ranges))),
+            )
+
+        self.ledger.append(
+            tenant,
+            EventDraft(actor, "egress.range.allow", f"range/{network}", reason="allowed",
+                       details={"ranges": list(ranges)}),
+            hook=upsert,
+        )  # fmt: skip
+        return ranges
+
+    def egress_ca_pem(self, tenant: str) -> bytes:
+        from proctor.broker._mitm import TenantCA
+
+        return TenantCA(self.home / "ca" / tenant, tenant).ca_pem()
+
+    def make_broker(self, upstream_cafile: str | None = None) -> Broker:
+        """The broker for this runtime's runs, with every real handler."""
+        from proctor.broker import Broker, Handlers
+        from proctor.broker._files import read_object, write_object
+        from proctor.broker._proxy import EgressProxy
+        from proctor.broker._sql import handle_sql
+
+        proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
+        handlers = Handlers(
+            sql=handle_sql,
+            read_object=read_object,
+            write_object=write_object,
+            connect=proxy.handle_connect,
+            forward=proxy.handle_forward,
+        )
+        return Broker(handlers, self.keys.derive("proctor/broker-tokens/v1"))
 
     def close(self) -> None:
         self.ledger.close()

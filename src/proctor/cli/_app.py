@@ -7,8 +7,10 @@ import typer
 from rich.table import Table
 
 from proctor import __version__
+from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
 from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
@@ -32,6 +34,8 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(secret_app, name="secret")
 app.add_typer(bucket_app, name="bucket")
+app.add_typer(artifact_app, name="artifact")
+register_governance(app, tenant_app)
 
 
 @app.command()

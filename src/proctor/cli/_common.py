@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 
 from proctor.errors import UsageError
+from proctor.governance import Principal
+from proctor.ledger import Actor
 from proctor.runtime import Runtime, default_home
 
 console = Console(highlight=False, soft_wrap=True)
@@ -42,3 +44,22 @@ def parse_time(value: str | None, flag: str) -> str | None:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=UTC)
     return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="PROCTOR_TOKEN",
+        help="Your principal's token [default: act as the local operator]",
+        show_default=False,
+    ),
+]
+
+
+def acting(rt: Runtime, token: str | None) -> tuple[Actor, Principal | None]:
+    """Who is acting: the principal the token names, or the local operator."""
+    if token:
+        principal = rt.principals.authenticate(token)
+        return principal.actor, principal
+    return rt.operator, None

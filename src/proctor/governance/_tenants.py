@@ -66,6 +66,27 @@ class Tenants:
         )
         return Tenant(name, created_at, actor.id, "active")
 
+    def set_frozen(self, name: str, frozen: bool, actor: Actor, reason: str = "") -> Tenant:
+        """Freeze (every run stopped, every call refused) or unfreeze a tenant."""
+        tenant = self.get(name)
+        status = "frozen" if frozen else "active"
+        if tenant.status == status:
+            raise UsageError(f"tenant {name!r} is {status} already")
+
+        def update(conn: Conn) -> None:
+            conn.execute("UPDATE tenants SET status = ? WHERE name = ?", (status, name))
+
+        action = "tenant.freeze" if frozen else "tenant.unfreeze"
+        self._ledger.append(
+            name,
+            EventDraft(actor, action, f"tenant/{name}", reason=reason or status),
+            hook=update,
+        )
+        self._ledger.append(
+            SYSTEM_LOG, EventDraft(actor, action, f"tenant/{name}", reason=reason or status)
+        )
+        return self.get(name)
+
     def find(self, name: str) -> Tenant | None:
         with self._store.read() as conn:
             row = conn.query_one(

@@ -1,6 +1,19 @@
-"""Runs: starting sandboxes whose only way out is the broker (the supervisor,
-schedules and services come with the governance issue)."""
+"""Runs: sandboxes whose only way out is the broker, the supervisor that starts
+them and keeps services up, and the answer to "what ran here at time T?"."""
 
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
+from proctor.lifecycle._history import what_ran
+from proctor.lifecycle._serve import Server
+from proctor.lifecycle._supervisor import RunRecord, RunRefused, Runs, Supervisor
 
-__all__ = ["GUEST_SOCKET", "brokered_spec", "run_brokered"]
+__all__ = [
+    "GUEST_SOCKET",
+    "RunRecord",
+    "RunRefused",
+    "Runs",
+    "Server",
+    "Supervisor",
+    "brokered_spec",
+    "run_brokered",
+    "what_ran",
+]

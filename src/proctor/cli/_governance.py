@@ -1,0 +1,453 @@
+"""Principals, approvals, deployments, runs, freeze and history on the command line."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    acting,
+    console,
+    open_runtime,
+    parse_time,
+)
+from proctor.cli._units import parse_duration
+from proctor.errors import UsageError
+from proctor.governance import ROLES, Principal
+from proctor.policy import EntityRef
+from proctor.runtime import Runtime
+
+principal_app = typer.Typer(help="People and service accounts of a tenant.", no_args_is_help=True)
+approval_app = typer.Typer(help="Approvals of artifacts.", no_args_is_help=True)
+quorum_app = typer.Typer(help="How many approvals production needs.", no_args_is_help=True)
+deployment_app = typer.Typer(help="Deployments and their versions.", no_args_is_help=True)
+runs_app = typer.Typer(help="Run history and logs.", no_args_is_help=True)
+egress_app = typer.Typer(help="Egress settings of a tenant.", no_args_is_help=True)
+
+
+def _authorize(
+    rt: Runtime, principal: Principal | None, action: str, resource: EntityRef, tenant: str,
+    event_resource: str,
+) -> None:  # fmt: skip
+    """Cedar decides for principals; the local operator owns the runtime (recorded as such)."""
+    if principal is not None:
+        rt.control.authorize(principal, action, resource, tenant, event_resource=event_resource)
+
+
+def _emit(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+
+
+# -- principals ----------------------------------------------------------------
+
+
+@principal_app.command("create")
+def principal_create(
+    tenant: TenantOpt,
+    name: str,
+    role: Annotated[list[str], typer.Option("--role", help=f"One of {', '.join(ROLES)}")],
+    service: Annotated[bool, typer.Option(help="A service account, not a person")] = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Create a principal; its token is printed once and never again."""
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        actor, who = acting(rt, token)
+        _authorize(rt, who, "principal.create", EntityRef.user(tenant, name), tenant,
+                   f"principal/{tenant}/{name}")  # fmt: skip
+        p, secret = rt.principals.create(tenant, name, "service" if service else "user", role,
+                                         actor)  # fmt: skip
+    console.print(f"created {p.kind} [bold]{p.id}[/] with roles {', '.join(p.roles)}")
+    console.print("token (shown once; keep it safe):")
+    sys.stdout.write(secret + "\n")
+
+
+@principal_app.command("list")
+def principal_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        rows = rt.principals.list(tenant)
+    table = Table("principal", "kind", "roles", "disabled")
+    for p in rows:
+        table.add_row(p.name, p.kind, ", ".join(p.roles), "yes" if p.disabled else "")
+    console.print(table)
+
+
+@principal_app.command("rotate")
+def principal_rotate(tenant: TenantOpt, name: str, home: HomeOpt = None) -> None:
+    """Issue a new token (the old one stops working)."""
+    with open_runtime(home) as rt:
+        secret = rt.principals.rotate(tenant, name, rt.operator)
+    sys.stdout.write(secret + "\n")
+
+
+# -- approvals -------------------------------------------------------------------
+
+
+def _principal(rt: Runtime, token: str | None, what: str) -> Principal:
+    _, principal = acting(rt, token)
+    if principal is None:
+        raise UsageError(
+            f"{what} must come from a tenant principal, not the local operator",
+            hint="pass --token (or set PROCTOR_TOKEN) of an approver",
+        )
+    return principal
+
+
+def approve(
+    digest: str,
+    tenant: TenantOpt,
+    expires: Annotated[str, typer.Option(help="How long it stands, e.g. 30d")] = "30d",
+    comment: Annotated[str, typer.Option(help="What you checked")] = "",
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Approve an artifact: its digest, capabilities and purpose, until it expires."""
+    from datetime import timedelta
+
+    lifetime = timedelta(seconds=parse_duration(expires, "--expires"))
+    with open_runtime(home) as rt:
+        principal = _principal(rt, token, "an approval")
+        full = rt.artifacts.get(tenant, digest).digest
+        a = rt.approvals.grant(tenant, full, principal, expires=lifetime, comment=comment)
+    console.print(f"approval [bold]{a.id}[/] of {a.digest} by {a.principal}, until {a.expires_at}")
+
+
+def reject(
+    digest: str,
+    tenant: TenantOpt,
+    comment: Annotated[str, typer.Option(help="Why")] = "",
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Reject an artifact: production runs of it are blocked until this is revoked."""
+    with open_runtime(home) as rt:
+        principal = _principal(rt, token, "a rejection")
+        full = rt.artifacts.get(tenant, digest).digest
+        a = rt.approvals.reject(tenant, full, principal, comment)
+    console.print(f"rejection [bold]{a.id}[/] of {a.digest} by {a.principal}")
+
+
+@approval_app.command("revoke")
+def approval_revoke(
+    approval_id: str, tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
+    """Revoke an approval: the next run is refused, a running service is stopped."""
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        a = rt.approvals.revoke(tenant, approval_id, actor, principal)
+    console.print(f"approval {a.id} revoked at {a.revoked_at}")
+
+
+@approval_app.command("list")
+def approval_list(
+    tenant: TenantOpt,
+    digest: Annotated[str, typer.Option(help="Artifact digest")],
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    with open_runtime(home) as rt:
+        full = rt.artifacts.get(tenant, digest).digest
+        rows = rt.approvals.for_artifact(tenant, full)
+    if as_json:
+        _emit([a.as_json() for a in rows])
+        return
+    table = Table("approval", "decision", "by", "at", "expires", "revoked")
+    for a in rows:
+        table.add_row(a.id, a.decision, a.principal, a.created_at, a.expires_at or "",
+                      a.revoked_at or "")  # fmt: skip
+    console.print(table)
+
+
+@quorum_app.command("set")
+def quorum_set(
+    tenant: TenantOpt,
+    required: Annotated[int, typer.Option(help="Approvals needed")] = 1,
+    role: Annotated[list[str] | None, typer.Option(help="Roles that count")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        _authorize(rt, principal, "policy.set", EntityRef.tenant(tenant), tenant,
+                   f"tenant/{tenant}")  # fmt: skip
+        rule = rt.approvals.set_quorum(tenant, required, role or [], actor)
+    console.print(f"production in {tenant} needs {rule.required} approval(s) from "
+                  f"{' or '.join(rule.roles)}")  # fmt: skip
+
+
+# -- deployments -----------------------------------------------------------------
+
+
+def deploy(
+    tenant: TenantOpt,
+    digest: Annotated[
+        str | None, typer.Argument(help="Artifact digest (or a unique prefix)")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Deployment name")] = None,
+    env: Annotated[str, typer.Option(help="sandbox or production")] = "sandbox",
+    mode: Annotated[str, typer.Option(help="job, service or schedule")] = "job",
+    every: Annotated[str | None, typer.Option(help="Interval of a schedule, e.g. 1h")] = None,
+    instruction: Annotated[str, typer.Option(help="The documented instruction")] = "",
+    reference: Annotated[str, typer.Option(help="A ticket or change reference")] = "",
+    rollback: Annotated[str | None, typer.Option(help="Deployment to roll back")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Deploy an approved artifact (production needs a quorum), or --rollback NAME."""
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        if rollback is not None:
+            versions = rt.deployments.versions(tenant, rollback)
+            if len(versions) < 2:
+                raise UsageError(f"deployment {rollback!r} has no earlier version")
+            current = versions[-1]
+            previous = next((v for v in reversed(versions[:-1]) if v.digest != current.digest),
+                            None)  # fmt: skip
+            if previous is None:
+                raise UsageError(f"deployment {rollback!r} has no earlier artifact")
+            _authorize(
+                rt,
+                principal,
+                "deployment.rollback",
+                EntityRef.deployment(tenant, rollback),
+                tenant,
+                f"deployment/{rollback}",
+            )
+            artifact = rt.artifacts.get(tenant, previous.digest)
+            dep = rt.deployments.deploy(
+                tenant, artifact, rollback, environment=previous.environment,
+                mode=previous.mode, every_seconds=previous.every_seconds,
+                instruction=previous.instruction, reference=previous.reference, actor=actor,
+                rollback_of=previous.version,
+            )  # fmt: skip
+        else:
+            if digest is None or name is None:
+                raise UsageError("give DIGEST and --name (or --rollback NAME)")
+            artifact = rt.artifacts.get(tenant, digest)
+            _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name),
+                       tenant, f"deployment/{name}")  # fmt: skip
+            dep = rt.deployments.deploy(
+                tenant, artifact, name, environment=env, mode=mode,
+                every_seconds=parse_duration(every, "--every") if every else None,
+                instruction=instruction, reference=reference, actor=actor,
+            )  # fmt: skip
+    approved = f", approved by {', '.join(dep.approvals)}" if dep.approvals else ""
+    console.print(
+        f"deployed [bold]{dep.name}[/] v{dep.version}: {dep.digest[:19]}… to "
+        f"{dep.environment} as a {dep.mode}{approved}"
+    )
+
+
+@deployment_app.command("list")
+def deployment_list(tenant: TenantOpt, as_json: JsonOpt = False, home: HomeOpt = None) -> None:
+    with open_runtime(home) as rt:
+        rows = rt.deployments.current(tenant)
+    if as_json:
+        _emit([d.as_json() for d in rows])
+        return
+    table = Table("deployment", "v", "env", "mode", "status", "artifact", "approvals")
+    for d in rows:
+        table.add_row(d.name, str(d.version), d.environment, d.mode, d.status, d.digest[:19],
+                      ", ".join(d.approvals))  # fmt: skip
+    console.print(table)
+
+
+@deployment_app.command("stop")
+def deployment_stop(tenant: TenantOpt, name: str, token: TokenOpt = None,
+                    home: HomeOpt = None) -> None:  # fmt: skip
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name), tenant,
+                   f"deployment/{name}")  # fmt: skip
+        rt.deployments.set_status(tenant, name, "stopped", actor, "stopped by request")
+    console.print(f"deployment {name} stopped")
+
+
+# -- runs ----------------------------------------------------------------------------
+
+
+def run(
+    name: str,
+    tenant: TenantOpt,
+    backend: Annotated[str | None, typer.Option(help="gvisor or bubblewrap")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Run a job deployment now; stream its output; exit with its exit code."""
+    from proctor.lifecycle import Supervisor
+
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        _authorize(rt, principal, "run.start", EntityRef.deployment(tenant, name), tenant,
+                   f"deployment/{name}")  # fmt: skip
+        with rt.make_broker() as broker:
+            sup = Supervisor(rt, broker, backend)
+            out, err = sys.stdout.buffer, sys.stderr.buffer
+
+            def to_out(data: bytes) -> None:
+                out.write(data)
+                out.flush()
+
+            def to_err(data: bytes) -> None:
+                err.write(data)
+                err.flush()
+
+            record = sup.start(tenant, name, actor, on_stdout=to_out, on_stderr=to_err)
+    print(f"run {record.id}: {record.status} ({record.reason}, exit {record.exit_code})",
+          file=sys.stderr)  # fmt: skip
+    raise typer.Exit(record.exit_code if record.exit_code is not None else 1)
+
+
+@runs_app.command("list")
+def runs_list(
+    tenant: TenantOpt,
+    deployment: Annotated[str | None, typer.Option(help="Only this deployment")] = None,
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    from proctor.lifecycle import Runs
+
+    with open_runtime(home) as rt:
+        rows = Runs(rt).all(tenant, deployment)
+    if as_json:
+        _emit([r.as_json() for r in rows])
+        return
+    table = Table("run", "deployment", "v", "env", "status", "reason", "exit", "started", "ended")
+    for r in rows:
+        table.add_row(r.id, r.deployment, str(r.version), r.environment, r.status,
+                      r.reason or "", "" if r.exit_code is None else str(r.exit_code),
+                      r.started_at, r.ended_at or "")  # fmt: skip
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(
+    run_id: str,
+    tenant: TenantOpt,
+    logs: Annotated[bool, typer.Option(help="Print the run's output too")] = False,
+    home: HomeOpt = None,
+) -> None:
+    from proctor.lifecycle import Runs
+
+    with open_runtime(home) as rt:
+        record = Runs(rt).get(tenant, run_id)
+        run_dir = rt.home / "runs" / run_id
+    _emit(record.as_json())
+    if logs:
+        for name in ("stdout.log", "stderr.log"):
+            path = run_dir / name
+            if path.exists():
+                sys.stdout.write(f"--- {name}\n")
+                sys.stdout.write(path.read_text(errors="replace"))
+
+
+def serve(
+    backend: Annotated[str | None, typer.Option(help="gvisor or bubblewrap")] = None,
+    home: HomeOpt = None,
+) -> None:
+    """The long-running runtime: services kept up, schedules fired, runs supervised."""
+    from proctor.lifecycle import Server, Supervisor
+
+    with open_runtime(home) as rt, rt.make_broker() as broker:
+        server = Server(Supervisor(rt, broker, backend))
+        signal.signal(signal.SIGTERM, lambda *_: server.stop())
+        signal.signal(signal.SIGINT, lambda *_: server.stop())
+        console.print(f"serving {rt.home} (pid {server.supervisor.supervisor_id})")
+        server.serve()
+
+
+# -- tenants: freeze, history, egress ---------------------------------------------
+
+
+def freeze(name: str, unfreeze: bool, token: str | None, home: Path | None) -> None:
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        action = "tenant.unfreeze" if unfreeze else "tenant.freeze"
+        _authorize(rt, principal, action, EntityRef.tenant(name), name, f"tenant/{name}")
+        t = rt.tenants.set_frozen(name, not unfreeze, actor)
+    console.print(f"tenant {t.name} is {t.status}")
+
+
+@egress_app.command("allow-range")
+def egress_allow_range(
+    tenant: TenantOpt,
+    cidr: Annotated[str, typer.Argument(help="e.g. 127.0.0.1/32")],
+    home: HomeOpt = None,
+) -> None:
+    """Let runs reach a special-purpose range (loopback, private) the proxy refuses by default."""
+    with open_runtime(home) as rt:
+        ranges = rt.allow_egress_range(tenant, cidr, rt.operator)
+    console.print(f"{tenant} may reach: {', '.join(ranges)}")
+
+
+def history(
+    tenant: TenantOpt,
+    at: Annotated[str, typer.Option(help="ISO 8601 time")],
+    window: Annotated[str, typer.Option(help="Runs this close to --at count too")] = "1h",
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """What ran here at time T: deployments in force, runs, digests, policies, approvers, data."""
+    from proctor.lifecycle import what_ran
+
+    when = parse_time(at, "--at")
+    assert when is not None
+    with open_runtime(home) as rt:
+        report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
+    if as_json:
+        _emit(report)
+        return
+    _print_history(report)
+
+
+def _print_history(report: dict[str, Any]) -> None:
+    console.print(f"[bold]{report['tenant']}[/] at {report['at']}"
+                  f" (policy {report['policy_version'][:19]}…)")  # fmt: skip
+    table = Table("deployment", "v", "env", "mode", "artifact", "approved by", "instruction")
+    for d in report["deployments"]:
+        table.add_row(
+            d["name"], str(d["version"]), d["environment"], d["mode"], d["artifact"][:19],
+            ", ".join(d["approved_by"]), d["instruction"],
+        )  # fmt: skip
+    console.print(table)
+    table = Table("run", "deployment", "status", "started", "ended", "data", "hosts", "denied")
+    for r in report["runs"]:
+        table.add_row(r["id"], r["deployment"], r["status"], r["started_at"],
+                      r["ended_at"] or "", ", ".join(r["data"]), ", ".join(r["hosts"]),
+                      str(r["denied"]))  # fmt: skip
+    console.print(table)
+
+
+def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
+    app.add_typer(principal_app, name="principal")
+    app.add_typer(approval_app, name="approval")
+    app.add_typer(quorum_app, name="quorum")
+    app.add_typer(deployment_app, name="deployment")
+    app.add_typer(runs_app, name="runs")
+    app.add_typer(egress_app, name="egress")
+    app.command()(approve)
+    app.command()(reject)
+    app.command()(deploy)
+    app.command()(run)
+    app.command()(serve)
+    app.command()(history)
+
+    @tenant_app.command("freeze")
+    def tenant_freeze(name: str, token: TokenOpt = None, home: HomeOpt = None) -> None:
+        """Stop every run of the tenant and refuse every call until unfreeze."""
+        freeze(name, False, token, home)
+
+    @tenant_app.command("unfreeze")
+    def tenant_unfreeze(name: str, token: TokenOpt = None, home: HomeOpt = None) -> None:
+        freeze(name, True, token, home)

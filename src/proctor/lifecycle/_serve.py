@@ -1,0 +1,144 @@
+"""``proctor serve``: keep services up, fire schedules, stop what loses its footing.
+
+One loop, once a second, reads the store (so a `proctor deploy`, `freeze` or
+`approval revoke` made by another process takes effect here): a service whose
+run ended is restarted with exponential backoff, and stopped for good after too
+many failures in a window (a crash loop, recorded); a schedule fires when its
+interval has passed since its last start; a frozen tenant's runs are stopped.
+Each run watches its own approvals (see Supervisor). On start, runs that a
+previous, dead supervisor left 'running' are recorded as interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from proctor.errors import ProctorError
+from proctor.governance import Deployment
+from proctor.ledger import Actor
+from proctor.lifecycle._supervisor import RunRecord, Supervisor
+
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
+
+
+@dataclass
+class _Slot:
+    tenant: str
+    name: str
+    version: int = 0
+    thread: threading.Thread | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    failures: deque[float] = field(default_factory=deque)
+    next_start: float = 0.0
+    last_start: float | None = None
+    last: RunRecord | None = None
+    attempt: int = 0
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+class Server:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        *,
+        tick: float = 1.0,
+        crash_limit: int = 5,
+        crash_window: float = 300.0,
+        backoff: tuple[float, ...] = BACKOFF,
+    ) -> None:
+        self.supervisor = supervisor
+        self.rt = supervisor.rt
+        self.tick_seconds = tick
+        self.crash_limit = crash_limit
+        self.crash_window = crash_window
+        self.backoff = backoff
+        self.actor = Actor("runtime", f"supervisor:{supervisor.supervisor_id}")
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        self.supervisor.mark_interrupted(self.actor)
+        try:
+            while not self._stop.is_set():
+                # A failed tick (a busy store, say) is tried again at the next one.
+                with contextlib.suppress(ProctorError):
+                    self.tick()
+                self._stop.wait(self.tick_seconds)
+        finally:
+            for slot in self._slots.values():
+                slot.cancel.set()
+            for slot in self._slots.values():
+                if slot.thread is not None:
+                    slot.thread.join(timeout=30)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for tenant in self.rt.tenants.list():
+            deployments = {d.name: d for d in self.rt.deployments.current(tenant.name)}
+            for name, dep in deployments.items():
+                slot = self._slots.setdefault((tenant.name, name), _Slot(tenant.name, name))
+                if tenant.status == "frozen" or dep.status != "active":
+                    slot.cancel.set()
+                    continue
+                if slot.running and slot.version != dep.version:
+                    slot.cancel.set()  # a new version was deployed: replace the old run
+                    continue
+                if slot.running:
+                    continue
+                if dep.mode == "service":
+                    self._service(slot, dep, now)
+                elif dep.mode == "schedule":
+                    self._schedule(slot, dep, now)
+
+    def _launch(self, slot: _Slot, dep: Deployment) -> None:
+        slot.cancel = threading.Event()
+        slot.version = dep.version
+        slot.attempt += 1
+        slot.last_start = time.monotonic()
+
+        def body() -> None:
+            try:
+                slot.last = self.supervisor.start(
+                    slot.tenant, slot.name, self.actor, cancel=slot.cancel, attempt=slot.attempt
+                )
+            except ProctorError:
+                slot.last = None  # refused and recorded by the supervisor
+
+        slot.thread = threading.Thread(target=body, name=f"run-{slot.name}", daemon=True)
+        slot.thread.start()
+
+    def _service(self, slot: _Slot, dep: Deployment, now: float) -> None:
+        if slot.thread is not None:  # it ran before and has ended
+            slot.thread = None
+            ok = slot.last is not None and slot.last.status in ("succeeded", "stopped")
+            if not ok:
+                slot.failures.append(now)
+                while slot.failures and now - slot.failures[0] > self.crash_window:
+                    slot.failures.popleft()
+                if len(slot.failures) >= self.crash_limit:
+                    self.rt.deployments.set_status(
+                        slot.tenant, slot.name, "stopped", self.actor,
+                        f"crash loop: {len(slot.failures)} failures in "
+                        f"{self.crash_window:.0f} s",
+                    )  # fmt: skip
+                    return
+                delay = self.backoff[min(len(slot.failures) - 1, len(self.backoff) - 1)]
+                slot.next_start = now + delay
+        if now >= slot.next_start:
+            self._launch(slot, dep)
+
+    def _schedule(self, slot: _Slot, dep: Deployment, now: float) -> None:
+        every = dep.every_seconds or 0.0
+        slot.thread = None
+        if slot.last_start is None or now - slot.last_start >= every:
+            self._launch(slot, dep)

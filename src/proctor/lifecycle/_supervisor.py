@@ -1,0 +1,427 @@
+"""Runs: start a deployment's artifact in a sandbox whose only way out is the broker.
+
+Every run start re-checks what made the deployment legitimate: the tenant is not
+frozen, the deployment is active, and for production the artifact still has a
+quorum of valid approvals (revoked or expired ones do not count). The run gets
+its workload identity, the tenant's policy plus the permits its approved
+capabilities imply, and only the datasets, secrets and buckets it was approved
+for. ``run.start`` is durable before the sandbox starts and ``run.end`` records
+how it ended; a run the ledger cannot record does not start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proctor.broker import Broker, DatasetBinding, RunScope, SecretBinding
+from proctor.errors import NotFound, ProctorError
+from proctor.governance import ApprovalRequired, Deployment
+from proctor.ledger import Actor, EventDraft, utc_now
+from proctor.lifecycle._brokered import run_brokered
+from proctor.policy import capability_policies
+from proctor.runtime import Runtime
+from proctor.sandbox import Limits, SandboxResult, get_driver
+from proctor.store import Conn
+
+_SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+_WATCH_INTERVAL = 0.5
+
+
+class RunRefused(ProctorError):
+    """The run may not start now: frozen tenant, inactive deployment, no quorum."""
+
+    exit_code = 5
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    tenant: str
+    deployment: str
+    version: int
+    digest: str
+    environment: str
+    workload: str
+    approvals: tuple[str, ...]
+    backend: str
+    platform: str | None
+    status: str  # running | succeeded | failed | stopped | interrupted
+    reason: str | None
+    exit_code: int | None
+    attempt: int
+    limits: dict[str, Any]
+    output_digest: str | None
+    started_at: str
+    ended_at: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+_COLUMNS = (
+    "id, tenant, deployment, version, digest, environment, workload, approvals, backend,"
+    " platform, status, reason, exit_code, attempt, limits, output_digest, started_at, ended_at"
+)
+
+
+def _row(r: tuple[Any, ...]) -> RunRecord:
+    return RunRecord(
+        str(r[0]), str(r[1]), str(r[2]), int(r[3]), str(r[4]), str(r[5]), str(r[6]),
+        tuple(json.loads(r[7])), str(r[8]), None if r[9] is None else str(r[9]), str(r[10]),
+        None if r[11] is None else str(r[11]), None if r[12] is None else int(r[12]),
+        int(r[13]), json.loads(r[14]), None if r[15] is None else str(r[15]), str(r[16]),
+        None if r[17] is None else str(r[17]),
+    )  # fmt: skip
+
+
+def _limits(manifest_limits: Any) -> Limits:
+    base = Limits()
+    return Limits(
+        memory_bytes=manifest_limits.memory_bytes or base.memory_bytes,
+        pids=manifest_limits.pids or base.pids,
+        cpu=manifest_limits.cpu or base.cpu,
+        wall_seconds=manifest_limits.wall_seconds or base.wall_seconds,
+        output_bytes=manifest_limits.output_bytes or base.output_bytes,
+    )
+
+
+class Runs:
+    """The run history kept in the store."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self._rt = rt
+
+    def get(self, tenant: str, run_id: str) -> RunRecord:
+        with self._rt.store.read() as conn:
+            r = conn.query_one(
+                f"SELECT {_COLUMNS} FROM runs WHERE id = ? AND tenant = ?",  # noqa: S608
+                (run_id, tenant),
+            )
+        if r is None:
+            raise NotFound(f"no run {run_id!r} in tenant {tenant!r}")
+        return _row(r)
+
+    def all(
+        self, tenant: str, deployment: str | None = None, status: str | None = None
+    ) -> list[RunRecord]:
+        clauses, params = ["tenant = ?"], [tenant]
+        if deployment is not None:
+            clauses.append("deployment = ?")
+            params.append(deployment)
+        if status is not None:
+            clauses.append("status = ?")
+            params.append(status)
+        with self._rt.store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE {' AND '.join(clauses)}"  # noqa: S608
+                " ORDER BY started_at",
+                params,
+            )
+        return [_row(r) for r in rows]
+
+    def between(self, tenant: str, start: str, end: str) -> list[RunRecord]:
+        """Runs that were in progress at some point in [start, end]."""
+        with self._rt.store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND started_at <= ?"  # noqa: S608
+                " AND (ended_at IS NULL OR ended_at >= ?) ORDER BY started_at",
+                (tenant, end, start),
+            )
+        return [_row(r) for r in rows]
+
+
+class Supervisor:
+    """Starts runs; ``serve`` (see _serve.py) keeps services and schedules going."""
+
+    def __init__(self, rt: Runtime, broker: Broker, backend: str | None = None) -> None:
+        self.rt = rt
+        self.broker = broker
+        self.driver = get_driver(backend)
+        self.runs = Runs(rt)
+        self.supervisor_id = f"{os.uname().nodename}:{os.getpid()}"
+
+    def _ca_dir(self, tenant: str, pem: bytes) -> Path:
+        directory = self.rt.home / "ca-bundles" / tenant
+        directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+        system = _SYSTEM_BUNDLE.read_bytes() if _SYSTEM_BUNDLE.exists() else b""
+        bundle = directory / "bundle.pem"
+        tmp = directory / "bundle.pem.tmp"
+        tmp.write_bytes(system + b"\n" + pem)
+        tmp.chmod(0o644)
+        tmp.replace(bundle)
+        return directory
+
+    def _refuse(self, tenant: str, actor: Actor, deployment: str, reason: str,
+                artifact: str | None = None) -> RunRefused:  # fmt: skip
+        self.rt.ledger.append(
+            tenant,
+            EventDraft(actor, "run.start", f"deployment/{deployment}", decision="deny",
+                       reason=reason, deployment=deployment, artifact=artifact),
+        )  # fmt: skip
+        return RunRefused(f"run of {deployment} refused: {reason}")
+
+    def check_startable(
+        self, tenant: str, name: str, actor: Actor
+    ) -> tuple[Deployment, Any, tuple[str, ...]]:
+        rt = self.rt
+        t = rt.tenants.get(tenant)
+        if t.status == "frozen":
+            raise self._refuse(tenant, actor, name, "the tenant is frozen")
+        dep = rt.deployments.get(tenant, name)
+        if dep.status != "active":
+            raise self._refuse(tenant, actor, name, f"the deployment is {dep.status}")
+        artifact = rt.artifacts.get(tenant, dep.digest)
+        approvals: tuple[str, ...] = ()
+        if dep.environment == "production":
+            try:
+                approvals = tuple(a.id for a in rt.approvals.require_quorum(tenant, artifact))
+            except ApprovalRequired as exc:
+                raise self._refuse(tenant, actor, name, exc.message, dep.digest) from exc
+        else:
+            rt.deployments.check_synthetic(tenant, artifact)
+        return dep, artifact, approvals
+
+    def start(
+        self,
+        tenant: str,
+        name: str,
+        actor: Actor,
+        *,
+        on_stdout: Callable[[bytes], object] | None = None,
+        on_stderr: Callable[[bytes], object] | None = None,
+        cancel: threading.Event | None = None,
+        attempt: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> RunRecord:
+        rt = self.rt
+        dep, artifact, approvals = self.check_startable(tenant, name, actor)
+        manifest = artifact.manifest
+        run_id = "r-" + os.urandom(6).hex()
+        workload = (
+            f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/deployment/{name}/run/{run_id}"
+        )
+        caps = manifest.capabilities
+        permits = capability_policies(tenant, name, caps)
+        policies = rt.policies.compiled(tenant, permits)
+        datasets = {
+            d.name: DatasetBinding(d.name, d.kind, d.location, d.synthetic)
+            for d in rt.resources.datasets(tenant)
+            if d.name in caps.get("datasets", {})
+        }
+        secrets = {
+            s.name: SecretBinding(
+                s.name, rt.resources.secret_value(tenant, s.name), s.hosts, s.header, s.template
+            )
+            for s in rt.resources.secrets(tenant)
+            if s.name in caps.get("secrets", [])
+        }
+        limits = _limits(manifest.limits)
+        limits_doc = {
+            "memory_bytes": limits.memory_bytes, "pids": limits.pids, "cpu": str(limits.cpu),
+            "wall_seconds": str(limits.wall_seconds), "output_bytes": limits.output_bytes,
+        }  # fmt: skip
+        scope = RunScope(
+            tenant=tenant,
+            run_id=run_id,
+            workload=workload,
+            deployment=name,
+            artifact=dep.digest,
+            approvals=approvals,
+            environment=dep.environment,
+            policies=policies,
+            ledger=rt.ledger,
+            datasets=datasets,
+            secrets=secrets,
+            buckets_dir=rt.resources.bucket_dir(tenant),
+            lineage_key=rt.keys.lineage_key(tenant),
+            allowed_ranges=rt.egress_ranges(tenant),
+        )
+        started_at = utc_now()
+
+        def insert(conn: Conn) -> None:
+            conn.execute(
+                f"INSERT INTO runs ({_COLUMNS}, supervisor) VALUES"  # noqa: S608
+                " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id, tenant, name, dep.version, dep.digest, dep.environment, workload,
+                    json.dumps(list(approvals)), self.driver.name, None, "running", None, None,
+                    attempt, json.dumps(limits_doc), None, started_at, None, self.supervisor_id,
+                ),
+            )  # fmt: skip
+
+        rt.ledger.append(
+            tenant,
+            EventDraft(
+                actor, "run.start", f"run/{run_id}", reason="started", deployment=name,
+                run=run_id, artifact=dep.digest, approvals=approvals,
+                details={
+                    "workload": workload, "environment": dep.environment,
+                    "version": dep.version, "backend": self.driver.name,
+                    "policy_version": policies.version, "limits": limits_doc,
+                    "attempt": attempt, "purpose": artifact.purpose,
+                },
+            ),
+            hook=insert,
+        )  # fmt: skip
+        run_dir = rt.home / "runs" / run_id
+        run_dir.mkdir(parents=True, mode=0o700)
+        code = run_dir / "code"
+        out_hash = hashlib.sha256()
+        result: SandboxResult | None = None
+        failure: str | None = None
+        with (
+            (run_dir / "stdout.log").open("wb") as out_log,
+            (run_dir / "stderr.log").open("wb") as err_log,
+        ):
+
+            def to_out(data: bytes) -> None:
+                out_hash.update(data)
+                out_log.write(data)
+                out_log.flush()
+                if on_stdout is not None:
+                    on_stdout(data)
+
+            def to_err(data: bytes) -> None:
+                err_log.write(data)
+                err_log.flush()
+                if on_stderr is not None:
+                    on_stderr(data)
+
+            stop = cancel or threading.Event()
+            finished = threading.Event()
+            watcher = threading.Thread(
+                target=self._watch, args=(tenant, dep, artifact, stop, finished), daemon=True
+            )
+            try:
+                watcher.start()
+                rt.artifacts.materialize(tenant, dep.digest, code)
+                ca_dir = None
+                if secrets:
+                    ca_dir = self._ca_dir(tenant, self.broker_ca_pem(tenant))
+                result = run_brokered(
+                    self.broker, scope, self.driver, tuple(manifest.entrypoint),
+                    code_dir=code, limits=limits, ca_dir=ca_dir, env=env,
+                    on_stdout=to_out, on_stderr=to_err, cancel=stop,
+                )  # fmt: skip
+            except ProctorError as exc:
+                failure = exc.message
+            finally:
+                finished.set()
+                shutil.rmtree(code, ignore_errors=True)
+        return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest())
+
+    def _watch(
+        self,
+        tenant: str,
+        dep: Deployment,
+        artifact: Any,
+        stop: threading.Event,
+        finished: threading.Event,
+    ) -> None:
+        """While a run lasts, stop it as soon as it loses its footing: the tenant is
+        frozen, the deployment stopped, or (production) its quorum is gone."""
+        while not finished.wait(_WATCH_INTERVAL) and not stop.is_set():
+            try:
+                frozen = self.rt.tenants.get(tenant).status == "frozen"
+                if frozen or self.rt.deployments.get(tenant, dep.name).status == "stopped":
+                    stop.set()
+                elif dep.environment == "production":
+                    self.rt.approvals.require_quorum(tenant, artifact)
+            except ApprovalRequired:
+                stop.set()
+            except ProctorError:
+                continue  # a store hiccup is not a reason to kill a run
+
+    def broker_ca_pem(self, tenant: str) -> bytes:
+        return self.rt.egress_ca_pem(tenant)
+
+    def _finish(
+        self, tenant: str, run_id: str, actor: Actor, dep: Deployment,
+        result: SandboxResult | None, failure: str | None, output: str,
+    ) -> RunRecord:  # fmt: skip
+        if result is None:
+            status, reason, code, platform = "failed", f"start failed: {failure}", None, None
+        else:
+            reason = result.reason.value
+            code, platform = result.exit_code, result.platform
+            if result.reason.value == "stopped":
+                status = "stopped"
+            elif result.reason.value == "exit" and result.exit_code == 0:
+                status = "succeeded"
+            else:
+                status = "failed"
+        ended_at = utc_now()
+
+        def update(conn: Conn) -> None:
+            conn.execute(
+                "UPDATE runs SET status = ?, reason = ?, exit_code = ?, platform = ?,"
+                " output_digest = ?, ended_at = ? WHERE id = ?",
+                (status, reason, code, platform, f"sha256:{output}", ended_at, run_id),
+            )
+
+        details: dict[str, Any] = {"status": status, "exit_code": code, "platform": platform,
+                                   "output_digest": f"sha256:{output}"}  # fmt: skip
+        if result is not None:
+            details.update(
+                duration_ms=round(result.duration_seconds * 1000),
+                stdout_bytes=result.stdout_bytes,
+                stderr_bytes=result.stderr_bytes,
+                memory_peak_bytes=result.memory_peak_bytes,
+            )
+        self.rt.ledger.append(
+            tenant,
+            EventDraft(actor, "run.end", f"run/{run_id}", reason=reason, deployment=dep.name,
+                       run=run_id, artifact=dep.digest, details=details),
+            hook=update,
+        )  # fmt: skip
+        return self.runs.get(tenant, run_id)
+
+    def mark_interrupted(self, actor: Actor) -> list[RunRecord]:
+        """Runs left 'running' by a supervisor that is gone: record them as interrupted."""
+        with self.rt.store.read() as conn:
+            rows = conn.query(
+                "SELECT id, tenant, deployment, digest, supervisor FROM runs"
+                " WHERE status = 'running'"
+            )
+        marked = []
+        for run_id, tenant, name, digest, supervisor in rows:
+            if supervisor == self.supervisor_id:
+                continue
+            host, _, pid = str(supervisor).rpartition(":")
+            if host == os.uname().nodename and pid.isdigit() and _alive(int(pid)):
+                continue
+
+            def update(conn: Conn, run_id: str = str(run_id)) -> None:
+                conn.execute(
+                    "UPDATE runs SET status = 'interrupted', reason = 'supervisor died',"
+                    " ended_at = ? WHERE id = ? AND status = 'running'",
+                    (utc_now(), run_id),
+                )
+
+            self.rt.ledger.append(
+                str(tenant),
+                EventDraft(actor, "run.end", f"run/{run_id}", reason="interrupted: supervisor died",
+                           deployment=str(name), run=str(run_id), artifact=str(digest),
+                           details={"status": "interrupted"}),
+                hook=update,
+            )  # fmt: skip
+            marked.append(self.runs.get(str(tenant), str(run_id)))
+        return marked
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
