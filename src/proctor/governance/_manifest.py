@@ -193,7 +193,7 @@ def parse_manifest(source: bytes | str) -> Manifest:
         raise UsageError(f"{MANIFEST_FILE} is not valid TOML: {exc}") from exc
     _known(MANIFEST_FILE, data, _TOP_KEYS)
     artifact = _table("artifact", data.get("artifact"), required=True)
-    _known("[artifact]", artifact, ("name", "entrypoint", "purpose"))
+    _known("artifact", artifact, ("name", "entrypoint", "purpose"))
     name = _parse_name(artifact.get("name"))
     entrypoint = _parse_entrypoint(artifact.get("entrypoint"))
     purpose = _parse_purpose(artifact.get("purpose"))
@@ -242,10 +242,10 @@ def check_entrypoint(manifest: Manifest, files: Collection[str]) -> None:
 def _must_ship(path: str, what: str, files: Collection[str]) -> None:
     normal = posixpath.normpath(path)
     if normal.startswith("../") or normal == "..":
-        raise UsageError(f"[artifact].entrypoint: {what} {path!r} is outside the artifact")
+        raise UsageError(f"artifact.entrypoint: {what} {path!r} is outside the artifact")
     if normal not in files:
         raise UsageError(
-            f"[artifact].entrypoint: {what} {path!r} is not a file of the artifact",
+            f"artifact.entrypoint: {what} {path!r} is not a file of the artifact",
             hint="relative paths are resolved against /code, where the artifact is mounted",
         )
 
@@ -274,7 +274,10 @@ def _known(where: str, table: Mapping[str, Any], keys: Collection[str]) -> None:
 def _table(where: str, value: Any, *, required: bool = False) -> dict[str, Any]:
     if value is None:
         if required:
-            raise UsageError(f"{MANIFEST_FILE}: the [{where}] table is missing")
+            raise UsageError(
+                f"{MANIFEST_FILE} has no {where} table",
+                hint=f"add an {where} table: name, entrypoint and purpose (docs/artifacts.md)",
+            )
         return {}
     if not isinstance(value, dict):
         raise UsageError(f"{where} must be a table, not {_type_name(value)}")
@@ -299,10 +302,10 @@ def _string_list(where: str, value: Any) -> list[str]:
 
 
 def _parse_name(value: Any) -> str:
-    name = _string("[artifact].name", value)
+    name = _string("artifact.name", value)
     if not _ARTIFACT_NAME_RE.match(name):
         raise UsageError(
-            f"[artifact].name {name!r} is not a valid artifact name",
+            f"artifact.name {name!r} is not a valid artifact name",
             hint="1 to 64 lowercase letters, digits, '.', '_' or '-', starting and ending"
             " with a letter or digit",
         )
@@ -312,38 +315,38 @@ def _parse_name(value: Any) -> str:
 def _parse_entrypoint(value: Any) -> tuple[str, ...]:
     if value is None:
         raise UsageError(
-            "[artifact].entrypoint is missing", hint='for example: ["python3", "main.py"]'
+            "artifact.entrypoint is missing", hint='for example: ["python3", "main.py"]'
         )
     if isinstance(value, str):
         raise UsageError(
-            "[artifact].entrypoint must be an array of strings (argv), not a string",
+            "artifact.entrypoint must be an array of strings (argv), not a string",
             hint=f"write {value.split()!r}: no shell parses it",
         )
-    argv = _string_list("[artifact].entrypoint", value)
+    argv = _string_list("artifact.entrypoint", value)
     if not argv:
-        raise UsageError("[artifact].entrypoint must not be empty")
+        raise UsageError("artifact.entrypoint must not be empty")
     for i, arg in enumerate(argv):
         if "\x00" in arg:
-            raise UsageError(f"[artifact].entrypoint[{i}] contains a NUL character")
+            raise UsageError(f"artifact.entrypoint[{i}] contains a NUL character")
     if not argv[0]:
-        raise UsageError("[artifact].entrypoint[0] (the program) must not be empty")
+        raise UsageError("artifact.entrypoint[0] (the program) must not be empty")
     return tuple(argv)
 
 
 def _parse_purpose(value: Any) -> str:
     if value is None:
         raise UsageError(
-            "[artifact].purpose is missing",
+            "artifact.purpose is missing",
             hint="state the purpose of processing, e.g. 'Monthly churn report for the"
             " retention team'; approvers and auditors read it",
         )
-    purpose = _string("[artifact].purpose", value).strip()
+    purpose = _string("artifact.purpose", value).strip()
     if not purpose:
-        raise UsageError("[artifact].purpose must not be empty: it is the purpose of processing")
+        raise UsageError("artifact.purpose must not be empty: it is the purpose of processing")
     if len(purpose) > MAX_PURPOSE:
-        raise UsageError(f"[artifact].purpose is longer than {MAX_PURPOSE} characters")
+        raise UsageError(f"artifact.purpose is longer than {MAX_PURPOSE} characters")
     if not all(c.isprintable() or c in "\n\t" for c in purpose):
-        raise UsageError("[artifact].purpose contains control characters")
+        raise UsageError("artifact.purpose contains control characters")
     return purpose
 
 
@@ -371,19 +374,19 @@ def _parse_datasets(value: Any) -> dict[str, Any]:
     datasets = _table("datasets", value)
     out: dict[str, Any] = {}
     for ds_name, raw_ds in datasets.items():
-        where = f"[datasets.{ds_name}]"
+        where = f"datasets.{ds_name}"
         _resource_name(where, "dataset", ds_name)
         spec = _table(where, raw_ds)
         _known(where, spec, ("tables",))
-        tables = _table(f"[datasets.{ds_name}.tables]", spec.get("tables"))
+        tables = _table(f"datasets.{ds_name}.tables", spec.get("tables"))
         if not tables:
             raise UsageError(
                 f"{where} names no tables",
-                hint=f"add [datasets.{ds_name}.tables.<table>] with columns = [...] and access",
+                hint=f"add datasets.{ds_name}.tables.<table> with columns = [...] and access",
             )
         out_tables: dict[str, Any] = {}
         for table, raw_grant in tables.items():
-            twhere = f"[datasets.{ds_name}.tables.{table}]"
+            twhere = f"datasets.{ds_name}.tables.{table}"
             if not table or "/" in table or not table.isprintable():
                 raise UsageError(f"{twhere}: invalid table name {table!r}")
             grant = _table(twhere, raw_grant)
@@ -407,16 +410,16 @@ def _parse_datasets(value: Any) -> dict[str, Any]:
 
 def _parse_egress(value: Any) -> list[str]:
     egress = _table("egress", value)
-    _known("[egress]", egress, ("hosts",))
+    _known("egress", egress, ("hosts",))
     if "hosts" not in egress:
         return []
-    entries = _string_list("[egress].hosts", egress["hosts"])
+    entries = _string_list("egress.hosts", egress["hosts"])
     return sorted({_egress_entry(e) for e in entries})
 
 
 def _egress_entry(entry: str) -> str:
     """``host:port`` with the host normalized and the port explicit."""
-    where = f"[egress].hosts: {entry!r}"
+    where = f"egress.hosts: {entry!r}"
     if "://" in entry or "/" in entry:
         raise UsageError(
             f"{where} is not a host", hint="write host or host:port, no scheme or path"
@@ -438,19 +441,19 @@ def _egress_entry(entry: str) -> str:
 
 def _parse_secrets(value: Any) -> list[str]:
     secrets = _table("secrets", value)
-    _known("[secrets]", secrets, ("names",))
+    _known("secrets", secrets, ("names",))
     if "names" not in secrets:
         return []
-    names = _string_list("[secrets].names", secrets["names"])
-    return sorted({_resource_name("[secrets].names", "secret", n) for n in names})
+    names = _string_list("secrets.names", secrets["names"])
+    return sorted({_resource_name("secrets.names", "secret", n) for n in names})
 
 
 def _parse_buckets(value: Any) -> dict[str, str]:
     buckets = _table("buckets", value)
     out: dict[str, str] = {}
     for name, access in buckets.items():
-        _resource_name("[buckets]", "bucket", name)
-        out[name] = _access(f"[buckets].{name}", access)
+        _resource_name("buckets", "bucket", name)
+        out[name] = _access(f"buckets.{name}", access)
     return out
 
 
@@ -489,20 +492,20 @@ def _parse_duration(where: str, value: Any) -> float:
 
 def _parse_limits(value: Any) -> RunLimits:
     limits = _table("limits", value)
-    _known("[limits]", limits, ("memory", "timeout", "pids", "cpu", "output"))
+    _known("limits", limits, ("memory", "timeout", "pids", "cpu", "output"))
     memory = timeout = pids = cpu = output = None
     if "memory" in limits:
-        memory = _parse_size("[limits].memory", limits["memory"])
+        memory = _parse_size("limits.memory", limits["memory"])
         if memory < 8 * MiB:
-            raise UsageError("[limits].memory is below the 8M an interpreter needs")
+            raise UsageError("limits.memory is below the 8M an interpreter needs")
     if "timeout" in limits:
-        timeout = _parse_duration("[limits].timeout", limits["timeout"])
+        timeout = _parse_duration("limits.timeout", limits["timeout"])
         if timeout > MAX_TIMEOUT_SECONDS:
-            raise UsageError("[limits].timeout is longer than 7 days")
+            raise UsageError("limits.timeout is longer than 7 days")
     if "pids" in limits:
         raw = limits["pids"]
         if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
-            raise UsageError(f"[limits].pids must be a positive integer, not {raw!r}")
+            raise UsageError(f"limits.pids must be a positive integer, not {raw!r}")
         pids = raw
     if "cpu" in limits:
         raw = limits["cpu"]
@@ -512,42 +515,42 @@ def _parse_limits(value: Any) -> RunLimits:
             cpu = math.nan
         if not 0.01 <= cpu <= 1024:
             raise UsageError(
-                f"[limits].cpu must be a number of CPUs between 0.01 and 1024, not {raw!r}"
+                f"limits.cpu must be a number of CPUs between 0.01 and 1024, not {raw!r}"
             )
     if "output" in limits:
-        output = _parse_size("[limits].output", limits["output"])
+        output = _parse_size("limits.output", limits["output"])
     return RunLimits(memory, timeout, pids, cpu, output)
 
 
 def _parse_lifecycle(value: Any) -> Lifecycle:
     lifecycle = _table("lifecycle", value)
-    _known("[lifecycle]", lifecycle, ("mode", "every", "restart"))
-    mode = _string("[lifecycle].mode", lifecycle.get("mode", "job"))
+    _known("lifecycle", lifecycle, ("mode", "every", "restart"))
+    mode = _string("lifecycle.mode", lifecycle.get("mode", "job"))
     if mode not in MODES:
         raise UsageError(
-            f"[lifecycle].mode: unknown mode {mode!r}", hint="one of " + ", ".join(MODES)
+            f"lifecycle.mode: unknown mode {mode!r}", hint="one of " + ", ".join(MODES)
         )
     every = None
     if mode == "schedule":
         if "every" not in lifecycle:
             raise UsageError(
-                "[lifecycle].every is missing: a schedule needs an interval", hint='e.g. "1h"'
+                "lifecycle.every is missing: a schedule needs an interval", hint='e.g. "1h"'
             )
-        every = _parse_duration("[lifecycle].every", lifecycle["every"])
+        every = _parse_duration("lifecycle.every", lifecycle["every"])
         if every < MIN_EVERY_SECONDS:
-            raise UsageError("[lifecycle].every must be at least 1s")
+            raise UsageError("lifecycle.every must be at least 1s")
     elif "every" in lifecycle:
-        raise UsageError(f'[lifecycle].every applies only to mode = "schedule", not {mode!r}')
+        raise UsageError(f'lifecycle.every applies only to mode = "schedule", not {mode!r}')
     restart = None
     if mode == "service":
-        restart = _string("[lifecycle].restart", lifecycle.get("restart", "on-failure"))
+        restart = _string("lifecycle.restart", lifecycle.get("restart", "on-failure"))
         if restart not in RESTART_POLICIES:
             raise UsageError(
-                f"[lifecycle].restart: unknown restart policy {restart!r}",
+                f"lifecycle.restart: unknown restart policy {restart!r}",
                 hint="one of " + ", ".join(RESTART_POLICIES),
             )
     elif "restart" in lifecycle:
-        raise UsageError(f'[lifecycle].restart applies only to mode = "service", not {mode!r}')
+        raise UsageError(f'lifecycle.restart applies only to mode = "service", not {mode!r}')
     return Lifecycle(mode, every, restart)
 
 
