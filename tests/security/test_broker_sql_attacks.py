@@ -355,3 +355,14 @@ def test_non_mapping_request_is_refused(env: Env) -> None:
     with pytest.raises(BrokerError):
         asyncio.run(handle_sql(env.scope, ["SELECT email FROM customers"]))  # type: ignore[arg-type]
     assert last_event(env.ledger)["decision"] == "deny"
+
+
+def test_reused_connections_decide_every_call(env: Env) -> None:
+    """Read connections are pooled; each call is still compiled afresh under the
+    authorizer and decided, whatever ran on that connection before."""
+    for _ in range(3):
+        assert sql(env.scope, "SELECT name FROM customers WHERE id = 1")["rows"] == [
+            ["Ada Lovelace"]
+        ]
+        assert last_event(env.ledger)["details"]["tables"][0]["decision"] == "allow"
+        refused(env, "SELECT email FROM customers WHERE id = 1")

@@ -42,7 +42,15 @@ from typing import Any
 
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
-from proctor.policy import Decision, Entity
+from proctor.policy import (
+    CedarValue,
+    Decision,
+    Entity,
+    EntityRef,
+    EntitySet,
+    Request,
+    decide,
+)
 
 #: Longest statement text accepted from a guest.
 MAX_SQL_LENGTH = 100_000
@@ -239,7 +247,15 @@ def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connecti
     mode = "rw" if write else "ro"
     uri = f"{Path(path).resolve().as_uri()}?mode={mode}"
     conn = sqlite3.connect(
-        uri, uri=True, isolation_level=None, check_same_thread=False, timeout=busy_timeout
+        uri,
+        uri=True,
+        isolation_level=None,
+        check_same_thread=False,
+        timeout=busy_timeout,
+        # Every statement is compiled afresh under the authorizer (SQLite also
+        # expires prepared statements when the authorizer changes); a cache
+        # would only hide that.
+        cached_statements=0,
     )
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_LENGTH)
@@ -250,6 +266,60 @@ def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connecti
     if not write:
         conn.execute("PRAGMA query_only = ON")
     return conn
+
+
+class _ReadPool:
+    """Read-only connections to one dataset for one run, reused across its calls:
+    opening one and setting it up costs about as much as a small query."""
+
+    _KEEP = 4
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        # Row keys by table, valid for one schema version (PRAGMA schema_version).
+        self._keys: dict[str, list[str] | None] = {}
+        self._keys_version = -1
+
+    def take(self, busy_timeout: float) -> sqlite3.Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return _connect(self.location, write=False, busy_timeout=busy_timeout)
+
+    def give(self, conn: sqlite3.Connection) -> None:
+        conn.set_authorizer(None)
+        conn.set_progress_handler(None, 0)
+        if conn.in_transaction:
+            conn.close()  # a read-only statement left a transaction: do not reuse
+            return
+        with self._lock:
+            if len(self._idle) < self._KEEP:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def row_key(self, conn: sqlite3.Connection, table: str) -> list[str] | None:
+        version = int(conn.execute("PRAGMA schema_version").fetchone()[0])
+        with self._lock:
+            if version != self._keys_version:
+                self._keys, self._keys_version = {}, version
+            if table in self._keys:
+                return self._keys[table]
+        key = _row_key(conn, table)
+        with self._lock:
+            self._keys[table] = key
+        return key
+
+
+def _read_pool(scope: RunScope, binding: DatasetBinding) -> _ReadPool:
+    # Kept on the scope so the connections live and die with the run.
+    pools: dict[str, _ReadPool] = scope.__dict__.setdefault("_sql_read_pools", {})
+    pool = pools.get(binding.location)
+    if pool is None:
+        pool = pools.setdefault(binding.location, _ReadPool(binding.location))
+    return pool
 
 
 def _columns_of(conn: sqlite3.Connection, table: str) -> list[str]:
@@ -288,8 +358,11 @@ class _Statement:
     """One guest statement on one dataset, from compile to commit. Not thread-safe;
     used by one worker thread at a time."""
 
-    def __init__(self, binding: DatasetBinding, sql: str, params: Any, deadline: float) -> None:
+    def __init__(
+        self, binding: DatasetBinding, pool: _ReadPool, sql: str, params: Any, deadline: float
+    ) -> None:
         self.binding = binding
+        self.pool = pool
         self.sql = sql
         self.params = params
         self.deadline = deadline
@@ -318,9 +391,7 @@ class _Statement:
             return self._analyse()
 
     def _analyse(self) -> _Accesses:
-        self.conn = conn = _connect(
-            self.binding.location, write=False, busy_timeout=self._busy_timeout()
-        )
+        self.conn = conn = self.pool.take(self._busy_timeout())
         conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
         accesses = _Accesses()
         conn.set_authorizer(accesses.collect)
@@ -442,7 +513,7 @@ class _Statement:
         if accesses.functions & _AGGREGATE_FUNCTIONS:
             return None, None, None
         (table,) = accesses.reads
-        key = _row_key(conn, table)
+        key = self.pool.row_key(conn, table)
         if key is None:
             return None, None, None
         variant = keyed_variant(self.sql, table, key)
@@ -490,15 +561,15 @@ class _Statement:
 
     def close(self) -> None:
         with self.lock:
-            for conn in (self.conn, self.write_conn):
-                if conn is None:
-                    continue
+            if self.conn is not None:
+                self.pool.give(self.conn)
+            if self.write_conn is not None:
                 try:
-                    conn.set_progress_handler(None, 0)
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
+                    self.write_conn.set_progress_handler(None, 0)
+                    if self.write_conn.in_transaction:
+                        self.write_conn.execute("ROLLBACK")
                 finally:
-                    conn.close()
+                    self.write_conn.close()
             self.conn = self.write_conn = None
 
 
@@ -688,16 +759,36 @@ def _decide(
     for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
         columns = tuple(sorted(c for c in cols if c))
         try:
-            entity = Entity.table(scope.tenant, dataset, table, synthetic=binding.synthetic)
+            ref, entities = _table_entities(scope, dataset, binding, table)
         except PolicyError:
             # A table whose name cannot be a policy resource cannot be permitted.
             denied = Decision(False, (), scope.policies.version, ("unnameable table",))
             grants.append(_Grant(table, action, columns, denied))
             continue
-        context = {"dataset": dataset, "columns": list(columns), "row_limit": scope.row_limit}
-        decision = scope.decide(action, entity.uid, context, (entity,))
-        grants.append(_Grant(table, action, columns, decision))
+        context: dict[str, CedarValue] = {
+            "dataset": dataset,
+            "columns": list(columns),
+            "row_limit": scope.row_limit,
+        }
+        request = Request(scope.principal, action, ref, context)
+        grants.append(_Grant(table, action, columns, decide(scope.policies, request, entities)))
     return grants
+
+
+def _table_entities(
+    scope: RunScope, dataset: str, binding: DatasetBinding, table: str
+) -> tuple[EntityRef, EntitySet]:
+    """The run's entities plus this Table, parsed once per run and table: adding
+    an entity costs about what a decision does (docs/policy.md)."""
+    cache: dict[tuple[str, str], tuple[EntityRef, EntitySet]]
+    cache = scope.__dict__.setdefault("_sql_table_entities", {})
+    hit = cache.get((dataset, table))
+    if hit is None:
+        entity = Entity.table(scope.tenant, dataset, table, synthetic=binding.synthetic)
+        hit = (entity.uid, scope.entities().with_added([entity]))
+        if len(cache) < 1024:  # a statement can name tables that do not exist
+            cache[(dataset, table)] = hit
+    return hit
 
 
 def _deny_reason(denied: Sequence[_Grant]) -> str:
@@ -749,12 +840,18 @@ async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, A
         raise
 
     deadline = time.monotonic() + scope.statement_timeout
-    stmt = _Statement(binding, sql, params, deadline)
+    stmt = _Statement(binding, _read_pool(scope, binding), sql, params, deadline)
     details = {**base, "synthetic": binding.synthetic}
     try:
         return await _handle(scope, stmt, dataset, binding, details)
     finally:
-        await asyncio.to_thread(stmt.close)
+        # Returning a read connection to the pool is cheap: do it here unless a
+        # worker still holds the statement (a cancelled call), then wait off-loop.
+        if stmt.write_conn is None and stmt.lock.acquire(blocking=False):
+            stmt.lock.release()
+            stmt.close()
+        else:
+            await asyncio.to_thread(stmt.close)
 
 
 async def _handle(
@@ -764,12 +861,20 @@ async def _handle(
     binding: DatasetBinding,
     details: dict[str, Any],
 ) -> dict[str, Any]:
-    def compile_and_decide() -> tuple[_Accesses, list[_Grant]]:
+    def compile_decide_read() -> tuple[_Accesses, list[_Grant], _Outcome | BaseException | None]:
+        # One trip to a worker thread for the common case: a permitted read runs
+        # at once; its event is recorded below, before anything is answered.
         accesses = stmt.analyse()
-        return accesses, _decide(scope, dataset, binding, accesses)
+        grants = _decide(scope, dataset, binding, accesses)
+        if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
+            return accesses, grants, None
+        try:
+            return accesses, grants, stmt.run_read(accesses, scope.row_limit)
+        except (_TimedOut, sqlite3.Error) as exc:
+            return accesses, grants, exc
 
     try:
-        accesses, grants = await asyncio.to_thread(compile_and_decide)
+        accesses, grants, read = await asyncio.to_thread(compile_decide_read)
     except _Refused as exc:
         refused_action = "sql.write" if exc.write else "sql.select"
         await _record_refusal(scope, refused_action, f"dataset/{dataset}", exc.reason, details)
@@ -802,8 +907,11 @@ async def _handle(
     try:
         if accesses.is_write:
             outcome = await asyncio.to_thread(stmt.run_write, accesses)
+        elif isinstance(read, BaseException):
+            raise read
         else:
-            outcome = await asyncio.to_thread(stmt.run_read, accesses, scope.row_limit)
+            assert read is not None
+            outcome = read
     except _TimedOut:
         details["outcome"] = "timeout"
         await scope.record(action, resource, decision, reason=reason, details=details)
