@@ -35,7 +35,7 @@ def _json(value: Any) -> None:
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
-            return f"{n / scale:.1f} {unit}"
+            return f"{n / scale:.1f}".removesuffix(".0") + f" {unit}"
     return f"{n} B"
 
 
@@ -151,7 +151,11 @@ def artifact_list(tenant: TenantOpt, as_json: JsonOpt = False, home: HomeOpt = N
         for a in rows:
             _json(a.to_json())
         return
-    table = Table("digest", "name", "files", "size", "submitted", "by", "purpose")
+    table = Table()
+    for column in ("digest", "name", "files", "size", "submitted", "by"):
+        table.add_column(column, no_wrap=True)
+    # The purpose is the long one: it gives way first, cut rather than wrapped.
+    table.add_column("purpose", no_wrap=True, overflow="ellipsis", max_width=32)
     for a in rows:
         table.add_row(
             a.digest[:19],
