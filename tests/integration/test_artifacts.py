@@ -576,3 +576,23 @@ def test_cli_refusals(acme: Path, tmp_path: Path) -> None:
     assert res.code == 2 and "no artifact deadbeef" in res.err
     res = artifact_cli("submit", "-t", "nobody", str(d), home=acme, check=False)
     assert res.code == 2 and "unknown tenant 'nobody'" in res.err
+
+
+@pytest.mark.parametrize("path", ["../evil.py", "/tmp/evil.py", "lib/../../evil.py", "run.py/x"])
+def test_materialize_refuses_tampered_paths_in_the_store(
+    arts: Artifacts, ledger_env: LedgerEnv, tmp_path: Path, path: str
+) -> None:
+    d = make_artifact(tmp_path / "a")
+    (d / "run.py").symlink_to("main.py")
+    a = arts.submit("acme", d, OPERATOR)
+    main = next(f for f in arts.files("acme", a.digest) if f.path == "main.py")
+    with ledger_env.store.write() as conn:
+        conn.execute(
+            "INSERT INTO artifact_files (digest, path, mode, sha256, size, link)"
+            " VALUES (?, ?, 420, ?, ?, NULL)",
+            (a.digest, path, main.sha256, main.size),
+        )
+    with pytest.raises(VerificationFailed, match="stored artifact path"):
+        arts.materialize("acme", a.digest, tmp_path / "code")
+    assert not (tmp_path / "code").exists()
+    assert not (tmp_path / "evil.py").exists()

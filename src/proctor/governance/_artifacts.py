@@ -346,33 +346,40 @@ class _Walk:
                 continue
             rel = f"{prefix}{name}"
             _check_name(rel)
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                try:
-                    self.dirs.add(rel)
-                    self._dir(sub, rel + "/", depth + 1)
-                finally:
-                    os.close(sub)
-            elif stat.S_ISLNK(st.st_mode):
-                self._count(rel)
-                target = os.readlink(name, dir_fd=fd)
-                if target.startswith("/"):
-                    raise UsageError(
-                        f"{rel}: the symlink points to the absolute path {target!r}",
-                        hint="only relative links to files inside the artifact are kept",
-                    )
-                if not target or "\x00" in target:
-                    raise UsageError(f"{rel}: invalid symlink target {target!r}")
-                self.links[rel] = target
-            elif stat.S_ISREG(st.st_mode):
-                self._count(rel)
-                self._file(fd, name, rel, st)
-            else:
+            try:
+                self._entry(fd, name, rel, depth)
+            except OSError as exc:
+                # Unreadable, or removed while being read: the user's to fix, not a crash.
+                raise UsageError(f"cannot read {rel}: {exc.strerror}") from exc
+
+    def _entry(self, fd: int, name: str, rel: str, depth: int) -> None:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            try:
+                self.dirs.add(rel)
+                self._dir(sub, rel + "/", depth + 1)
+            finally:
+                os.close(sub)
+        elif stat.S_ISLNK(st.st_mode):
+            self._count(rel)
+            target = os.readlink(name, dir_fd=fd)
+            if target.startswith("/"):
                 raise UsageError(
-                    f"{rel} is a {_kind(st.st_mode)}: only regular files, directories and"
-                    " symlinks inside the directory can be part of an artifact"
+                    f"{rel}: the symlink points to the absolute path {target!r}",
+                    hint="only relative links to files inside the artifact are kept",
                 )
+            if not target or "\x00" in target:
+                raise UsageError(f"{rel}: invalid symlink target {target!r}")
+            self.links[rel] = target
+        elif stat.S_ISREG(st.st_mode):
+            self._count(rel)
+            self._file(fd, name, rel, st)
+        else:
+            raise UsageError(
+                f"{rel} is a {_kind(st.st_mode)}: only regular files, directories and"
+                " symlinks inside the directory can be part of an artifact"
+            )
 
     def _count(self, rel: str) -> None:
         if len(self.files) + len(self.links) >= self.max_files:
@@ -745,6 +752,7 @@ class Artifacts:
         """
         artifact = self.get(tenant, digest)
         files = self.files(tenant, artifact.digest)
+        _check_tree(files)
         if dest.exists() or dest.is_symlink():
             raise UsageError(f"{dest} exists already; materialize into a new directory")
         tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
@@ -819,6 +827,26 @@ class Artifacts:
             tofile="/dev/null" if fb is None else f"b/{path}",
         )
         return FileChange(path, change, fa, fb, diff="".join(_terminated(lines)))
+
+
+def _check_tree(files: builtins.list[ArtifactFile]) -> None:
+    """Refuse stored paths that would write outside ``dest`` or through a link.
+
+    The walk never records such paths; this guards against rows changed in
+    the store, so that materializing can never write where it should not.
+    """
+    links = {f.path for f in files if f.link is not None}
+    for f in files:
+        parts = f.path.split("/")
+        if (
+            f.path.startswith("/")
+            or posixpath.normpath(f.path) != f.path
+            or any(p in ("", ".", "..") for p in parts)
+        ):
+            raise VerificationFailed(f"stored artifact path {f.path!r} is not a safe relative path")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in links:
+                raise VerificationFailed(f"stored artifact path {f.path!r} goes through a link")
 
 
 class _FileSet:
