@@ -203,16 +203,20 @@ class Runtime:
         return ranges
 
     def egress_ca_pem(self, tenant: str) -> bytes:
-        from proctor.broker._mitm import TenantCA
+        from proctor.broker import TenantCA
 
         return TenantCA(self.home / "ca" / tenant, tenant).ca_pem()
 
     def make_broker(self, upstream_cafile: str | None = None) -> Broker:
         """The broker for this runtime's runs, with every real handler."""
-        from proctor.broker import Broker, Handlers
-        from proctor.broker._files import read_object, write_object
-        from proctor.broker._proxy import EgressProxy
-        from proctor.broker._sql import handle_sql
+        from proctor.broker import (
+            Broker,
+            EgressProxy,
+            Handlers,
+            handle_sql,
+            read_object,
+            write_object,
+        )
 
         proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
         handlers = Handlers(

@@ -6,6 +6,16 @@ workload, decided by Cedar, recorded in the ledger before it is answered, and
 refused if the ledger cannot record it.
 """
 
+from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
+from proctor.broker._files import (
+    MAX_OBJECT_BYTES,
+    ObjectNotFound,
+    ObjectTooLarge,
+    read_object,
+    write_object,
+)
+from proctor.broker._mitm import CAError, TenantCA
+from proctor.broker._proxy import SECRET_BINDING_RULE, EgressProxy, system_resolver
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
@@ -16,16 +26,32 @@ from proctor.broker._scope import (
     SecretBinding,
 )
 from proctor.broker._server import Broker, Handlers, RunChannel
+from proctor.broker._sql import StatementTimeout, handle_sql
 
 __all__ = [
+    "MAX_OBJECT_BYTES",
+    "SECRET_BINDING_RULE",
+    "SPECIAL_ADDRESS_RULE",
     "BadCall",
     "Broker",
     "BrokerError",
+    "CAError",
     "CallDenied",
     "CallRefused",
     "DatasetBinding",
+    "EgressDenied",
+    "EgressProxy",
     "Handlers",
+    "ObjectNotFound",
+    "ObjectTooLarge",
     "RunChannel",
     "RunScope",
     "SecretBinding",
+    "StatementTimeout",
+    "TenantCA",
+    "UpstreamFailed",
+    "handle_sql",
+    "read_object",
+    "system_resolver",
+    "write_object",
 ]
