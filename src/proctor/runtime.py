@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from proctor.errors import AlreadyExists, NotInitialized, UsageError
 from proctor.governance import (
     Approvals,
+    Artifacts,
     ControlPlane,
     Deployments,
     KeyRing,
@@ -143,8 +144,6 @@ class Runtime:
         self.resources = Resources(store, self.ledger, self.keys, home / "buckets")
         self.principals = Principals(store, self.ledger)
         self.control = ControlPlane(self.ledger)
-        from proctor.governance._artifacts import Artifacts
-
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")
         self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)

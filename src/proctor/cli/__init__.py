@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from proctor.errors import ProctorError
 
@@ -16,9 +17,10 @@ def main() -> None:
         app()
     except ProctorError as exc:
         err = Console(stderr=True, highlight=False, soft_wrap=True)
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        # Messages quote user input and TOML keys ("[artifact]"): never markup.
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", markup=True)
         if exc.hint:
-            err.print(f"[dim]hint:[/] {exc.hint}", markup=True)
+            err.print(f"[dim]hint:[/] {escape(exc.hint)}", markup=True)
         sys.exit(exc.exit_code)
 
 

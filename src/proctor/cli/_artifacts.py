@@ -11,8 +11,17 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from proctor.cli._common import HomeOpt, JsonOpt, TenantOpt, console, open_runtime
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    acting,
+    console,
+    open_runtime,
+)
 from proctor.governance._artifacts import Artifact, ArtifactDiff, Artifacts
+from proctor.policy import EntityRef
 from proctor.runtime import Runtime
 
 artifact_app = typer.Typer(
@@ -23,9 +32,18 @@ artifact_app = typer.Typer(
 DigestArg = Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix of the hex")]
 
 
-def _artifacts(rt: Runtime) -> Artifacts:
-    # Until the runtime carries an Artifacts of its own.
-    return Artifacts(rt.store, rt.ledger, rt.home / "blobs")
+def _artifacts(rt: Runtime, token: str | None, tenant: str, action: str) -> Artifacts:
+    """The runtime's artifacts, once Cedar has let the caller's principal do ``action``."""
+    _, principal = acting(rt, token)
+    if principal is not None:
+        rt.control.authorize(
+            principal,
+            action,
+            EntityRef.tenant(tenant),
+            tenant,
+            event_resource=f"tenant/{tenant}/artifacts",
+        )
+    return rt.artifacts
 
 
 def _json(value: Any) -> None:
@@ -98,12 +116,15 @@ def artifact_submit(
     tenant: TenantOpt,
     directory: Annotated[Path, typer.Argument(help="The artifact's directory (with proctor.toml)")],
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """Validate the manifest, store the files content-addressed, record the submission."""
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
-        artifact = _artifacts(rt).submit(tenant, directory, rt.operator)
+        author, _ = acting(rt, token)
+        arts = _artifacts(rt, token, tenant, "artifact.submit")
+        artifact = arts.submit(tenant, directory, author)
     if as_json:
         _json(artifact.to_json())
         return
@@ -120,11 +141,12 @@ def artifact_show(
     digest: DigestArg,
     files: Annotated[bool, typer.Option("--files", help="List the files too")] = False,
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """An artifact's manifest: purpose, entrypoint, capabilities, limits, lifecycle."""
     with open_runtime(home) as rt:
-        arts = _artifacts(rt)
+        arts = _artifacts(rt, token, tenant, "artifact.read")
         artifact = arts.get(tenant, digest)
         entries = arts.files(tenant, artifact.digest)
     if as_json:
@@ -142,11 +164,13 @@ def artifact_show(
 
 
 @artifact_app.command("list")
-def artifact_list(tenant: TenantOpt, as_json: JsonOpt = False, home: HomeOpt = None) -> None:
+def artifact_list(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
     """The tenant's artifacts, oldest first."""
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
-        rows = _artifacts(rt).list(tenant)
+        rows = _artifacts(rt, token, tenant, "artifact.read").list(tenant)
     if as_json:
         for a in rows:
             _json(a.to_json())
@@ -236,11 +260,12 @@ def artifact_diff(
     old: Annotated[str, typer.Argument(help="The approved (older) artifact's digest")],
     new: Annotated[str, typer.Argument(help="The newer artifact's digest")],
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """What changed: capabilities first (what an approver must see), then the code."""
     with open_runtime(home) as rt:
-        d = _artifacts(rt).diff(tenant, old, new)
+        d = _artifacts(rt, token, tenant, "artifact.read").diff(tenant, old, new)
     if as_json:
         _json(d.to_json())
         return

@@ -9,6 +9,15 @@ from proctor.governance._approvals import (
     ArtifactInfo,
     QuorumRule,
 )
+from proctor.governance._artifacts import (
+    Artifact,
+    ArtifactDiff,
+    ArtifactFile,
+    Artifacts,
+    CapabilityChange,
+    FileChange,
+    artifact_digest,
+)
 from proctor.governance._control import ControlDenied, ControlPlane, role_policy
 from proctor.governance._deployments import (
     ENVIRONMENTS,
@@ -18,6 +27,15 @@ from proctor.governance._deployments import (
     SyntheticOnly,
 )
 from proctor.governance._keys import KeyRing
+from proctor.governance._manifest import (
+    Lifecycle,
+    Manifest,
+    RunLimits,
+    capabilities_hash,
+    check_entrypoint,
+    load_manifest,
+    parse_manifest,
+)
 from proctor.governance._policies import Policies, PolicyVersion
 from proctor.governance._principals import (
     KINDS,
@@ -38,24 +56,38 @@ __all__ = [
     "Approval",
     "ApprovalRequired",
     "Approvals",
+    "Artifact",
+    "ArtifactDiff",
+    "ArtifactFile",
     "ArtifactInfo",
+    "Artifacts",
     "AuthenticationFailed",
+    "CapabilityChange",
     "ControlDenied",
     "ControlPlane",
     "Dataset",
     "Deployment",
     "Deployments",
+    "FileChange",
     "KeyRing",
+    "Lifecycle",
+    "Manifest",
     "Policies",
     "PolicyVersion",
     "Principal",
     "Principals",
     "QuorumRule",
     "Resources",
+    "RunLimits",
     "Secret",
     "SyntheticOnly",
     "Tenant",
     "Tenants",
+    "artifact_digest",
+    "capabilities_hash",
+    "check_entrypoint",
+    "load_manifest",
+    "parse_manifest",
     "role_policy",
     "validate_tenant_name",
 ]
