@@ -417,9 +417,9 @@ def _parse_egress(value: Any) -> list[str]:
     return sorted({_egress_entry(e) for e in entries})
 
 
-def _egress_entry(entry: str) -> str:
+def _egress_entry(entry: str, field: str = "egress.hosts") -> str:
     """``host:port`` with the host normalized and the port explicit."""
-    where = f"egress.hosts: {entry!r}"
+    where = f"{field}: {entry!r}"
     if "://" in entry or "/" in entry:
         raise UsageError(
             f"{where} is not a host", hint="write host or host:port, no scheme or path"
@@ -561,3 +561,8 @@ def _normalize_capabilities(capabilities: dict[str, Any]) -> dict[str, Any]:
         "secrets": list(capabilities.get("secrets", [])),
         "buckets": capabilities.get("buckets", {}),
     }
+
+
+def egress_entry(entry: str, field: str) -> str:
+    """Normalize an egress entry (``host[:port]``, ``*.domain``) the way manifests do."""
+    return _egress_entry(entry, field)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.governance._keys import KeyRing
+from proctor.governance._manifest import egress_entry
 from proctor.ledger import Actor, EventDraft, Ledger, TxHook, utc_now
-from proctor.policy import normalize_host
 from proctor.store import Conn, Store
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -139,7 +139,7 @@ class Resources:
             raise UsageError(f"invalid header name {header!r}")
         if not hosts:
             raise UsageError("bind the secret to at least one host")
-        norm = tuple(sorted({normalize_host(h) for h in hosts}))
+        norm = tuple(sorted({egress_entry(h, '--host') for h in hosts}))
         sealed = self._keys.seal(value)
 
         def upsert(conn: Conn) -> None:
