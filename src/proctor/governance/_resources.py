@@ -139,7 +139,7 @@ class Resources:
             raise UsageError(f"invalid header name {header!r}")
         if not hosts:
             raise UsageError("bind the secret to at least one host")
-        norm = tuple(sorted({egress_entry(h, '--host') for h in hosts}))
+        norm = tuple(sorted({egress_entry(h, "--host") for h in hosts}))
         sealed = self._keys.seal(value)
 
         def upsert(conn: Conn) -> None:
