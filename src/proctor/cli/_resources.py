@@ -114,9 +114,9 @@ def dataset_add(
 def dataset_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
     with open_runtime(home) as rt:
         rows = rt.resources.datasets(tenant)
-    table = Table("dataset", "kind", "synthetic")
+    table = Table("dataset", "kind", "synthetic", "twin of")
     for ds in rows:
-        table.add_row(ds.name, ds.kind, "yes" if ds.synthetic else "no")
+        table.add_row(ds.name, ds.kind, "yes" if ds.synthetic else "no", ds.twin_of or "")
     console.print(table)
 
 

@@ -80,14 +80,15 @@ class Deployments:
         self._resources = resources
 
     def check_synthetic(self, tenant: str, artifact: WithCapabilities) -> None:
-        synthetic = {d.name for d in self._resources.datasets(tenant) if d.synthetic}
-        wanted = set(artifact.capabilities.get("datasets", {}))
-        real = sorted(wanted - synthetic)
+        wanted = sorted(artifact.capabilities.get("datasets", {}))
+        bound = self._resources.for_environment(tenant, wanted, "sandbox")
+        real = [name for name in wanted if name not in bound]
         if real:
             raise SyntheticOnly(
-                f"a sandbox deployment may only use synthetic datasets; "
-                f"{', '.join(real)} is not marked synthetic",
-                hint="deploy to production (with approvals), or use a synthetic dataset",
+                f"a sandbox deployment may only use synthetic data; {', '.join(real)} is "
+                "neither marked synthetic nor has a synthetic twin",
+                hint="register one with `proctor dataset add --synthetic --twin-of NAME`, "
+                "or deploy to production (with approvals)",
             )
 
     def deploy(

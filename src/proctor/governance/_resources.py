@@ -35,6 +35,7 @@ class Dataset:
     kind: str
     location: str
     synthetic: bool
+    twin_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,23 @@ class Resources:
     # -- datasets -----------------------------------------------------------
 
     def add_dataset(
-        self, tenant: str, name: str, path: Path, actor: Actor, *, synthetic: bool = False
+        self,
+        tenant: str,
+        name: str,
+        path: Path,
+        actor: Actor,
+        *,
+        synthetic: bool = False,
+        twin_of: str | None = None,
     ) -> Dataset:
+        """Register a dataset; ``twin_of`` makes it the synthetic stand-in of a real one."""
         _check_name("dataset", name)
+        if twin_of is not None:
+            if not synthetic:
+                raise UsageError("only a synthetic dataset can be a twin (add --synthetic)")
+            real = {d.name: d for d in self.datasets(tenant)}.get(twin_of)
+            if real is None or real.synthetic:
+                raise UsageError(f"--twin-of: {twin_of!r} is not a real dataset of {tenant!r}")
         path = path.resolve()
         try:
             db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -89,10 +104,14 @@ class Resources:
                 "SELECT 1 FROM datasets WHERE tenant = ? AND name = ?", (tenant, name)
             ):
                 raise AlreadyExists(f"dataset {name!r} exists already in tenant {tenant!r}")
+            if twin_of is not None and conn.query_one(
+                "SELECT 1 FROM datasets WHERE tenant = ? AND twin_of = ?", (tenant, twin_of)
+            ):
+                raise AlreadyExists(f"dataset {twin_of!r} has a synthetic twin already")
             conn.execute(
-                "INSERT INTO datasets (tenant, name, kind, location, synthetic, created_at)"
-                " VALUES (?, ?, 'sqlite', ?, ?, ?)",
-                (tenant, name, str(path), int(synthetic), utc_now()),
+                "INSERT INTO datasets (tenant, name, kind, location, synthetic, created_at,"
+                " twin_of) VALUES (?, ?, 'sqlite', ?, ?, ?, ?)",
+                (tenant, name, str(path), int(synthetic), utc_now(), twin_of),
             )
 
         # The location is the runtime's business; the event names the dataset only.
@@ -101,19 +120,44 @@ class Resources:
             actor,
             "dataset.register",
             f"dataset/{name}",
-            {"kind": "sqlite", "synthetic": synthetic},
+            {"kind": "sqlite", "synthetic": synthetic, "twin_of": twin_of},
             insert,
         )
-        return Dataset(tenant, name, "sqlite", str(path), synthetic)
+        return Dataset(tenant, name, "sqlite", str(path), synthetic, twin_of)
 
     def datasets(self, tenant: str) -> list[Dataset]:
         with self._store.read() as conn:
             rows = conn.query(
-                "SELECT name, kind, location, synthetic FROM datasets WHERE tenant = ?"
+                "SELECT name, kind, location, synthetic, twin_of FROM datasets WHERE tenant = ?"
                 " ORDER BY name",
                 (tenant,),
             )
-        return [Dataset(tenant, str(r[0]), str(r[1]), str(r[2]), bool(r[3])) for r in rows]
+        return [
+            Dataset(tenant, str(r[0]), str(r[1]), str(r[2]), bool(r[3]),
+                    None if r[4] is None else str(r[4]))
+            for r in rows
+        ]  # fmt: skip
+
+    def for_environment(
+        self, tenant: str, names: list[str], environment: str
+    ) -> dict[str, Dataset]:
+        """The datasets a run binds under the names its manifest uses: in the sandbox
+        environment only synthetic data (a real dataset's synthetic twin stands in)."""
+        all_sets = self.datasets(tenant)
+        by_name = {d.name: d for d in all_sets}
+        twins = {d.twin_of: d for d in all_sets if d.twin_of}
+        out: dict[str, Dataset] = {}
+        for name in names:
+            ds = by_name.get(name)
+            if ds is None:
+                continue
+            if environment == "sandbox" and not ds.synthetic:
+                twin = twins.get(name)
+                if twin is None:
+                    continue
+                ds = twin
+            out[name] = ds
+        return out
 
     # -- secrets ------------------------------------------------------------
 

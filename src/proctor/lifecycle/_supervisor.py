@@ -212,9 +212,10 @@ class Supervisor:
         permits = capability_policies(tenant, name, caps)
         policies = rt.policies.compiled(tenant, permits)
         datasets = {
-            d.name: DatasetBinding(d.name, d.kind, d.location, d.synthetic)
-            for d in rt.resources.datasets(tenant)
-            if d.name in caps.get("datasets", {})
+            name: DatasetBinding(name, d.kind, d.location, d.synthetic)
+            for name, d in rt.resources.for_environment(
+                tenant, sorted(caps.get("datasets", {})), dep.environment
+            ).items()
         }
         secrets = {
             s.name: SecretBinding(

@@ -189,4 +189,9 @@ SQLITE_MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX runs_by_deployment ON runs (tenant, deployment, started_at)",
     ],
+    # 4: a dataset may be the synthetic twin of a real one: sandbox runs of an
+    # artifact that names the real dataset read the twin instead.
+    [
+        "ALTER TABLE datasets ADD COLUMN twin_of TEXT",
+    ],
 ]
