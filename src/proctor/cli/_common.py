@@ -37,6 +37,8 @@ def parse_time(value: str | None, flag: str) -> str | None:
     """An ISO 8601 date or time, as the ledger's fixed-width UTC string."""
     if value is None:
         return None
+    if value == "now":
+        return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     try:
         dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as exc:

@@ -1,112 +1,257 @@
+"""``proctor demo``: the main job, end to end, told as a person would want to read it.
+
+An AI-written churn report (examples/churn-report) runs first in the sandbox
+environment on a synthetic twin of the customer database, is refused in
+production until someone other than its author approves it, then runs on the
+real data: the calls it was approved for go through, the ones it was not (the
+email column, an unapproved host, the cloud metadata address) are refused by
+policy and recorded. Then the audit trail, offline verification, tamper
+detection, and "what ran here today?".
+"""
+
 from __future__ import annotations
 
+import contextlib
 import json
+import random
+import re
 import shutil
 import sqlite3
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
 
 from proctor.cli._common import console
-from proctor.errors import VerificationFailed
-from proctor.ledger import (
-    Actor,
-    EventDraft,
-    Verifier,
-    leaf_hash,
-    open_checkpoint,
-    verify_export,
-    verify_inclusion,
-)
+from proctor.errors import ProctorError, VerificationFailed
+from proctor.ledger import Verifier, utc_now, verify_export
+from proctor.lifecycle import Supervisor, what_ran
 from proctor.runtime import Runtime, init_home
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "churn-report"
+COUNTRIES = ["DE", "FR", "NL", "US", "GB", "ES", "IT", "SE"]
+PLANS = {"free": (0, 0), "starter": (19, 49), "pro": (99, 299), "enterprise": (900, 4000)}
+FIRST = ["Ada", "Alan", "Grace", "Linus", "Edsger", "Barbara", "Ken", "Radia", "Tim", "Frances"]
+LAST = ["Lovelace", "Turing", "Hopper", "Torvalds", "Dijkstra", "Liskov", "Thompson", "Perlman"]
+
+
+def make_customers(path: Path, n: int, seed: int) -> None:
+    """A customer database made on the fly: name, email, country, plan, monthly revenue."""
+    rng = random.Random(seed)
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, email TEXT NOT NULL,"
+        " country TEXT NOT NULL, plan TEXT NOT NULL, mrr REAL NOT NULL)"
+    )
+    rows = []
+    for i in range(1, n + 1):
+        first, last = rng.choice(FIRST), rng.choice(LAST)
+        plan = rng.choices(list(PLANS), weights=[40, 30, 22, 8])[0]
+        low, high = PLANS[plan]
+        mrr = round(rng.uniform(low, high) * (0.3 if rng.random() < 0.15 else 1.0), 2)
+        rows.append((i, f"{first} {last}", f"{first}.{last}{i}@example.com".lower(),
+                     rng.choice(COUNTRIES), plan, mrr))  # fmt: skip
+    db.executemany("INSERT INTO customers VALUES (?, ?, ?, ?, ?, ?)", rows)
+    db.commit()
+    db.close()
+
+
+class _Enrichment(BaseHTTPRequestHandler):
+    """The stand-in third party: takes aggregates, answers with market benchmarks."""
+
+    protocol_version = "HTTP/1.1"
+    received: list[dict[str, Any]] = []  # noqa: RUF012 - shared by design, one demo at a time
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        with contextlib.suppress(ValueError):
+            _Enrichment.received.append(json.loads(body))
+        answer = json.dumps({"market_churn_rate": 0.061, "source": "enrichment API (demo)"})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer.encode())
+
+
+def _step(n: int, text: str) -> None:
+    console.print()
+    console.print(f"[bold cyan]{n}.[/] [bold]{text}[/]")
+
+
+def _out(prefix: str) -> Any:
+    buf = bytearray()
+
+    def sink(data: bytes) -> None:
+        buf.extend(data)
+        while b"\n" in buf:
+            line, _, rest = bytes(buf).partition(b"\n")
+            buf[:] = rest
+            console.print(f"   [dim]{prefix}[/] {escape(line.decode(errors='replace'))}")
+
+    return sink
 
 
 def run_demo(home: Path | None) -> None:
-    """The story so far: a ledger that proves what happened and catches tampering."""
-    home = home or Path(tempfile.mkdtemp(prefix="proctor-demo-"))
-    console.rule("[bold]Proctor demo: the audit ledger")
-    config = init_home(home)
-    console.print(f"1. [bold]proctor init[/] made {home} (trust domain {config.trust_domain})")
-    with Runtime.open(home) as rt:
-        console.print(f"   verifier key: {rt.ledger.vkey()}")
-        rt.tenants.create("acme", rt.operator)
-        console.print("2. tenant [bold]acme[/] created; its log is", rt.ledger.origin("acme"))
-        workload = Actor("workload", "spiffe://proctor.local/tenant/acme/deployment/churn/run/r1")
-        calls = [
-            ("sql.select", "dataset/crm/table/customers", "allow", "columns id, plan"),
-            ("sql.select", "dataset/crm/table/customers", "deny", "column email not approved"),
-            ("http.request", "host/api.enrich.example:443", "allow", "host approved"),
-            ("http.request", "host/169.254.169.254:80", "deny", "metadata address"),
-            ("file.write", "bucket/reports/churn.md", "allow", "bucket approved"),
-        ]
-        last = None
-        for action, resource, decision, reason in calls:
-            last = rt.ledger.append(
-                "acme",
-                EventDraft(
-                    workload,
-                    action,
-                    resource,
-                    decision="allow" if decision == "allow" else "deny",
-                    reason=reason,
-                    deployment="churn",
-                    run="r1",
-                ),
-            )
-        assert last is not None
-        console.print(f"3. {len(calls)} calls recorded, each durable before it was answered")
-        for data in rt.ledger.entries("acme"):
-            ev = json.loads(data)
-            mark = "[green]allow[/]" if ev["decision"] == "allow" else "[red]deny [/]"
+    home = home or Path(tempfile.mkdtemp(prefix="proctor-demo-")) / "home"
+    work = home.parent
+    work.mkdir(parents=True, exist_ok=True)
+    # The story reads best wide; a pipe (make demo | less) gets 120 columns too.
+    console.width = max(console.width, 120)
+    console.rule("[bold]Proctor: a churn report an AI wrote, run on real customer data")
+
+    _step(1, "proctor init, a tenant, two people, the data")
+    init_home(home)
+    rt = Runtime.open(home)
+    try:
+        _story(rt, home, work)
+    finally:
+        rt.close()
+    console.rule()
+    console.print(f"The home is kept at [bold]{home}[/]; go on exploring it:")
+    console.print(f"  export PROCTOR_HOME={home}")
+    console.print("  proctor audit events -t acme; proctor runs list -t acme; "
+                  "proctor history -t acme --at now")  # fmt: skip
+
+
+def _story(rt: Runtime, home: Path, work: Path) -> None:
+    op = rt.operator
+    rt.tenants.create("acme", op)
+    dev, _ = rt.principals.create("acme", "dev", "user", ["developer"], op)
+    alice, _ = rt.principals.create("acme", "alice", "user", ["approver"], op)
+    make_customers(work / "customers.db", 10_000, seed=1)
+    make_customers(work / "customers-synthetic.db", 10_000, seed=2)
+    rt.resources.add_dataset("acme", "crm", work / "customers.db", op)
+    rt.resources.add_dataset("acme", "crm_synthetic", work / "customers-synthetic.db", op,
+                             synthetic=True, twin_of="crm")  # fmt: skip
+    rt.resources.add_bucket("acme", "reports", op)
+    api = ThreadingHTTPServer(("127.0.0.1", 0), _Enrichment)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    api_host = f"127.0.0.1:{api.server_address[1]}"
+    enrich_url = f"http://{api_host}/v1/churn-benchmarks"
+    # The stand-in third party lives on this machine's loopback, which the proxy
+    # refuses by default: allow exactly that address, nothing more.
+    rt.allow_egress_range("acme", "127.0.0.1/32", op)
+    console.print("   tenant [bold]acme[/]; [bold]dev[/] (developer) and [bold]alice[/] (approver)")
+    console.print("   10,000 customers (name, email, country, plan, revenue), and a synthetic twin")
+    console.print(f"   the 'enrichment API', a third party, listens at {enrich_url}")
+
+    _step(2, "dev submits the artifact an AI agent wrote (examples/churn-report)")
+    code = work / "churn-report"
+    shutil.copytree(EXAMPLE, code)
+    manifest = (code / "proctor.toml").read_text()
+    (code / "proctor.toml").write_text(re.sub(r'hosts = \[".*?"\]', f'hosts = ["{api_host}"]',
+                                              manifest))  # fmt: skip
+    for p in [code, *code.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    art = rt.artifacts.submit("acme", code, dev.actor)
+    console.print(f"   digest  {art.digest}")
+    console.print(f"   purpose {escape(art.purpose)}")
+    console.print("   asks for: crm.customers (id, country, plan, mrr) read; "
+                  f"egress {api_host}; bucket reports write")  # fmt: skip
+
+    with rt.make_broker() as broker:
+        sup = Supervisor(rt, broker)
+        env = {"ENRICH_URL": enrich_url}
+        _step(3, "the build loop: a sandbox deployment, on the synthetic twin (no approval)")
+        rt.deployments.deploy("acme", art, "churn-sandbox", environment="sandbox", mode="job",
+                              instruction="try the churn report on synthetic data",
+                              actor=dev.actor)  # fmt: skip
+        rec = sup.start("acme", "churn-sandbox", dev.actor, on_stdout=_out("sandbox |"), env=env)
+        console.print(f"   run {rec.id}: [green]{rec.status}[/] on {sup.driver.name}")
+
+        _step(4, "production without approval: refused")
+        try:
+            rt.deployments.deploy("acme", art, "churn", environment="production", mode="job",
+                                  instruction="x", actor=dev.actor)  # fmt: skip
+        except ProctorError as exc:
+            console.print(f"   [red]refused[/]: {escape(exc.message)}")
+        try:
+            rt.approvals.grant("acme", art.digest, dev)
+        except ProctorError as exc:
             console.print(
-                f"   #{ev['seq']} {mark} {ev['action']:13} {ev['resource']:34} {ev['reason']}"
+                f"   dev approving their own code: [red]refused[/]: {escape(exc.message)}"
             )
-        head = rt.ledger.head("acme")
-        cp = open_checkpoint(head.checkpoint, rt.signer.verifier, head.origin)
-        proof = rt.ledger.inclusion_proof("acme", 2)
-        event = next(rt.ledger.entries("acme", 2, 3))
-        verify_inclusion(2, proof.size, leaf_hash(event), proof.hashes, cp.root)
+
+        _step(5, "alice (approver) reviews and approves the exact digest")
+        note = "reads 4 non-personal columns; posts aggregates only"
+        approval = rt.approvals.grant("acme", art.digest, alice, comment=note)
+        dep = rt.deployments.deploy(
+            "acme", art, "churn", environment="production", mode="job",
+            instruction="Monthly churn-risk report for the retention team (instruction of "
+            "the controller, ticket RET-142)", reference="RET-142", actor=dev.actor,
+        )  # fmt: skip
         console.print(
-            f"4. inclusion proof of event #2 in the signed tree of size {cp.size}: "
-            f"{len(proof.hashes)} hashes, [green]checked[/]"
+            f"   approval {approval.id} by {approval.principal}, until {approval.expires_at}"
         )
-        console.print("   signed checkpoint:")
-        for line in head.checkpoint.rstrip("\n").split("\n"):
-            console.print(f"     {line}")
-        report = rt.ledger.verify("acme")
-        console.print(f"5. [bold]proctor audit verify[/]: [green]ok[/], {report.size} events")
-        export = home / "export-acme"
-        rt.ledger.export("acme", export)
-        vkey = rt.ledger.vkey()
+        console.print(
+            f"   deployment churn v{dep.version} to production, approved by {approval.id}"
+        )
+
+        _step(6, "the production run, on the real customers")
+        rec = sup.start("acme", "churn", dev.actor, on_stdout=_out("prod |"), env=env)
+        console.print(f"   run {rec.id}: [green]{rec.status}[/] (exit {rec.exit_code}) as")
+        console.print(f"   {rec.workload}")
+        console.print(f"   the enrichment API received {len(_Enrichment.received)} request(s): "
+                      "aggregates only")  # fmt: skip
+
+    _step(7, "the report it wrote (bucket reports/churn.md)")
+    report = (rt.resources.bucket_dir("acme") / "reports" / "churn.md").read_text()
+    for line in report.splitlines()[:14]:
+        console.print(f"   [dim]|[/] {escape(line)}")
+
+    _step(8, "the audit trail of that run")
+    table = Table("seq", "action", "resource", "decision", "policies / reason", expand=False)
+    for raw in rt.ledger.entries("acme"):
+        ev = json.loads(raw)
+        if ev.get("run") != rec.id:
+            continue
+        style = "green" if ev["decision"] == "allow" else "bold red"
+        why = ", ".join(ev["policies"]) or ev["reason"]
+        table.add_row(str(ev["seq"]), ev["action"], escape(ev["resource"][:40]),
+                      f"[{style}]{ev['decision']}[/]", escape(why[:48]))  # fmt: skip
+    console.print(table)
+
+    _step(9, "verification: by the runtime, and offline by an auditor with the key alone")
+    report_v = rt.ledger.verify("acme")
+    console.print(f"   proctor audit verify: [green]ok[/], {report_v.size} events, "
+                  f"{report_v.checkpoints} signed checkpoints")  # fmt: skip
+    export = home.parent / "acme-log"
+    rt.ledger.export("acme", export)
+    vkey = rt.ledger.vkey()
     verify_export(export, Verifier.parse(vkey))
-    console.print(f"6. exported to {export} and verified offline with the key alone: [green]ok[/]")
-    tampered = home / "tampered-acme"
+    console.print(f"   export {export} verified offline with {vkey[:40]}…: [green]ok[/]")
+    tampered = home.parent / "acme-log-tampered"
     shutil.copytree(export, tampered)
-    lines = (tampered / "events.jsonl").read_bytes().split(b"\n")
-    lines[2] = (
-        lines[2]
-        .replace(b'"decision":"deny"', b'"decision":"allow"')
-        .replace(b"column email not approved", b"column email approved!!!")
-    )
-    lines[1] = lines[1].replace(b'"decision":"deny"', b'"decision":"allow"')
-    (tampered / "events.jsonl").write_bytes(b"\n".join(lines))
+    raw_events = (tampered / "events.jsonl").read_bytes().split(b"\n")
+    for i, event in enumerate(raw_events):
+        if b'"decision":"deny"' in event:
+            raw_events[i] = event.replace(b'"decision":"deny"', b'"decision":"allow"')
+            break
+    (tampered / "events.jsonl").write_bytes(b"\n".join(raw_events))
     try:
         verify_export(tampered, Verifier.parse(vkey))
     except VerificationFailed as exc:
-        console.print(f"7. a copy with a denied call rewritten as allowed: [red]rejected[/]: {exc}")
+        console.print(f"   a copy with one refusal rewritten as allowed: [red]rejected[/]: "
+                      f"{escape(exc.message)}")  # fmt: skip
     else:
-        raise VerificationFailed("the tampered copy verified; the ledger is broken")
-    db = sqlite3.connect(home / "proctor.db")
-    with db:
-        db.execute("DELETE FROM ledger_entries WHERE log = 'acme' AND seq = 3")
-    db.close()
-    with Runtime.open(home) as rt:
-        try:
-            rt.ledger.verify("acme")
-        except VerificationFailed as exc:
-            console.print(f"8. an event deleted from the store: [red]rejected[/]: {exc}")
-        else:
-            raise VerificationFailed("the deletion went unnoticed; the ledger is broken")
-    console.rule()
-    console.print(
-        f"home kept at {home}; explore it with: PROCTOR_HOME={home} proctor audit events -t acme"
-    )
+        raise VerificationFailed("the tampered copy verified: the ledger is broken")
+
+    _step(10, "what ran here today?")
+    answer = what_ran(rt, "acme", utc_now(), 24 * 3600)
+    for d in answer["deployments"]:
+        approvers = ", ".join(d["approved_by"]) or "nobody (sandbox, synthetic data)"
+        console.print(f"   deployment {d['name']} v{d['version']} ({d['environment']}): "
+                      f"{d['artifact'][:19]}…, approved by {approvers}")  # fmt: skip
+    for r in answer["runs"]:
+        console.print(f"   run {r['id']} of {r['deployment']}: {r['status']}; data "
+                      f"{escape('; '.join(r['data']))}; hosts {', '.join(r['hosts'])}; "
+                      f"{r['denied']} refused")  # fmt: skip
+    console.print(f"   policy version in force: {answer['policy_version'][:23]}…")

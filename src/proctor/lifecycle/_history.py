@@ -59,8 +59,10 @@ def what_ran(rt: Runtime, tenant: str, at: str, window: float = 3600.0) -> dict[
                 denied += 1
                 continue
             if ev["action"] in ("sql.select", "sql.write"):
-                cols = ev["details"].get("columns", {})
-                data.add(f"{ev['resource']} {json.dumps(cols, sort_keys=True)}")
+                dataset = ev["details"].get("dataset", "?")
+                for t in ev["details"].get("tables", []):
+                    cols = ",".join(t.get("columns", []))
+                    data.add(f"{dataset}.{t.get('table')}({cols})")
             elif ev["action"] == "http.request":
                 hosts.add(ev["resource"])
             elif ev["action"] in ("file.read", "file.write"):
