@@ -17,11 +17,11 @@ from proctor.cli._common import (
     TenantOpt,
     TokenOpt,
     acting,
+    authorize_read,
     console,
     open_runtime,
 )
 from proctor.governance._artifacts import Artifact, ArtifactDiff, Artifacts
-from proctor.policy import EntityRef
 from proctor.runtime import Runtime
 
 artifact_app = typer.Typer(
@@ -34,15 +34,7 @@ DigestArg = Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix
 
 def _artifacts(rt: Runtime, token: str | None, tenant: str, action: str) -> Artifacts:
     """The runtime's artifacts, once Cedar has let the caller's principal do ``action``."""
-    _, principal = acting(rt, token)
-    if principal is not None:
-        rt.control.authorize(
-            principal,
-            action,
-            EntityRef.tenant(tenant),
-            tenant,
-            event_resource=f"tenant/{tenant}/artifacts",
-        )
+    authorize_read(rt, token, tenant, action)
     return rt.artifacts
 
 

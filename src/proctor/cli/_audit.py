@@ -8,7 +8,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from proctor.cli._common import HomeOpt, JsonOpt, TenantOpt, console, open_runtime, parse_time
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    authorize_read,
+    console,
+    open_runtime,
+    parse_time,
+)
 from proctor.errors import UsageError, VerificationFailed
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier, verify_export
 
@@ -27,12 +36,16 @@ def events(
     since: Annotated[str | None, typer.Option(help="ISO 8601 start (inclusive)")] = None,
     until: Annotated[str | None, typer.Option(help="ISO 8601 end (exclusive)")] = None,
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """List a log's events; with --json, the canonical bytes exactly as hashed."""
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
     with open_runtime(home) as rt:
         log = rt.log_name(tenant)
+        if token is not None and log == SYSTEM_LOG:
+            raise UsageError("the system log is the operator's; principals read their tenant's")
+        authorize_read(rt, token, log, "audit.read")
         if as_json:
             out = sys.stdout.buffer
             for data in rt.ledger.events_between(log, start, end):

@@ -65,3 +65,28 @@ def acting(rt: Runtime, token: str | None) -> tuple[Actor, Principal | None]:
         principal = rt.principals.authenticate(token)
         return principal.actor, principal
     return rt.operator, None
+
+
+def authorize_read(rt: Runtime, token: str | None, tenant: str, action: str) -> None:
+    """Reads are decided too: a principal sees only its own tenant (and only what its
+    roles allow). The local operator owns the runtime and sees everything."""
+    _, principal = acting(rt, token)
+    if principal is None:
+        return
+    from proctor.policy import EntityRef
+
+    # Each action applies to one entity type (the schema says which); "*" stands for
+    # "all of them in this tenant", which the tenant parent makes decidable.
+    resources = {
+        "artifact.read": EntityRef.artifact(tenant, "*"),
+        "artifact.submit": EntityRef.artifact(tenant, "*"),
+        "deployment.read": EntityRef.deployment(tenant, "*"),
+        "run.read": EntityRef.workload(f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/*"),
+    }
+    rt.control.authorize(
+        principal,
+        action,
+        resources.get(action, EntityRef.tenant(tenant)),
+        tenant,
+        event_resource=f"tenant/{tenant}",
+    )

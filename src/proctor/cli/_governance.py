@@ -17,6 +17,7 @@ from proctor.cli._common import (
     TenantOpt,
     TokenOpt,
     acting,
+    authorize_read,
     console,
     open_runtime,
     parse_time,
@@ -250,8 +251,11 @@ def deploy(
 
 
 @deployment_app.command("list")
-def deployment_list(tenant: TenantOpt, as_json: JsonOpt = False, home: HomeOpt = None) -> None:
+def deployment_list(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "deployment.read")
         rows = rt.deployments.current(tenant)
     if as_json:
         _emit([d.as_json() for d in rows])
@@ -314,11 +318,13 @@ def runs_list(
     tenant: TenantOpt,
     deployment: Annotated[str | None, typer.Option(help="Only this deployment")] = None,
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     from proctor.lifecycle import Runs
 
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "run.read")
         rows = Runs(rt).all(tenant, deployment)
     if as_json:
         _emit([r.as_json() for r in rows])
@@ -336,11 +342,13 @@ def runs_show(
     run_id: str,
     tenant: TenantOpt,
     logs: Annotated[bool, typer.Option(help="Print the run's output too")] = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     from proctor.lifecycle import Runs
 
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "run.read")
         record = Runs(rt).get(tenant, run_id)
         run_dir = rt.home / "runs" / run_id
     _emit(record.as_json())
@@ -396,6 +404,7 @@ def history(
     at: Annotated[str, typer.Option(help="ISO 8601 time")],
     window: Annotated[str, typer.Option(help="Runs this close to --at count too")] = "1h",
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """What ran here at time T: deployments in force, runs, digests, policies, approvers, data."""
@@ -404,6 +413,7 @@ def history(
     when = parse_time(at, "--at")
     assert when is not None
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
         report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
     if as_json:
         _emit(report)

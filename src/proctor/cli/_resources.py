@@ -11,7 +11,15 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from proctor.cli._common import HomeOpt, JsonOpt, TenantOpt, console, open_runtime
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    authorize_read,
+    console,
+    open_runtime,
+)
 from proctor.errors import UsageError
 from proctor.policy import evaluate_request
 
@@ -111,8 +119,9 @@ def dataset_add(
 
 
 @dataset_app.command("list")
-def dataset_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+def dataset_list(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.resources.datasets(tenant)
     table = Table("dataset", "kind", "synthetic", "twin of")
     for ds in rows:
@@ -150,8 +159,9 @@ def secret_set(
 
 
 @secret_app.command("list")
-def secret_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+def secret_list(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.resources.secrets(tenant)
     table = Table("secret", "hosts", "header")
     for s in rows:

@@ -1,0 +1,284 @@
+"""Issue 5 end to end: the CLI as a user drives it, real sandboxes, the real broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proctor.lifecycle import Runs, Server, Supervisor
+from proctor.sandbox import backends
+from tests.conftest import PROCTOR, run_cli
+from tests.e2e.conftest_gov import Gov, build_gov
+
+pytestmark = pytest.mark.sandbox
+BACKEND = "bubblewrap" if any(b.name == "bubblewrap" and b.available for b in backends()) else None
+
+JOB = """
+import proctor_guest
+rows = proctor_guest.sql("crm", "SELECT id, country FROM customers WHERE id <= 5")["rows"]
+print("read", len(rows), "rows")
+"""
+CAPS = """
+[datasets.crm.tables.customers]
+columns = ["id", "country"]
+access = "read"
+"""
+
+
+@pytest.fixture
+def gov(tmp_path: Path) -> Iterator[Gov]:
+    if BACKEND is None:
+        pytest.skip("bubblewrap does not work here")
+    g = build_gov(tmp_path)
+    # Another principal who both writes and approves: separation of duties applies.
+    g.people["carol"] = g.rt.principals.create("acme", "carol", "user",
+                                               ["developer", "approver"], g.op)  # fmt: skip
+    yield g
+    g.rt.close()
+
+
+def cli(gov: Gov, *args: str, who: str | None = None, check: bool = True) -> Any:
+    full = list(args)
+    if who is not None:
+        full += ["--token", gov.token(who)]
+    return run_cli(*full, home=gov.home, check=check)
+
+
+def submit(gov: Gov, who: str = "dev", main: str = JOB, caps: str = CAPS, name: str = "job") -> str:
+    art = gov.artifact_dir(name, main, caps)
+    out = cli(gov, "artifact", "submit", str(art), "-t", "acme", "--json", who=who).out
+    return str(json.loads(out)["digest"])
+
+
+def events(gov: Gov, tenant: str = "acme") -> list[dict[str, Any]]:
+    return [json.loads(e) for e in gov.rt.ledger.entries(tenant)]
+
+
+def deploy(gov: Gov, digest: str, name: str = "job", env: str = "production",
+           mode: str = "job", check: bool = True, **extra: str) -> Any:  # fmt: skip
+    args = ["deploy", digest, "-t", "acme", "--name", name, "--env", env, "--mode", mode,
+            "--instruction", "nightly job (RET-1)"]  # fmt: skip
+    for k, v in extra.items():
+        args += [f"--{k}", v]
+    return cli(gov, *args, who="dev", check=check)
+
+
+def test_approval_rules_are_enforced_and_a_changed_byte_needs_a_new_approval(gov: Gov) -> None:
+    digest = submit(gov)
+    res = deploy(gov, digest, check=False)
+    assert res.code == 5 and "0 valid approval(s)" in res.err
+    # The author may not approve (carol holds both roles: policy forbids it).
+    own = submit(gov, who="carol", main=JOB + "\n# carol's\n")
+    res = cli(gov, "approve", own, "-t", "acme", who="carol", check=False)
+    assert res.code == 5 and "separation-of-duties" in res.err
+    # A developer has no approving role; another tenant's approver is not ours.
+    assert cli(gov, "approve", digest, "-t", "acme", who="dev", check=False).code == 5
+    res = cli(gov, "approve", digest, "-t", "acme", who="globex-alice", check=False)
+    assert res.code == 5 and "globex/alice may not approval.grant" in res.err
+    # Without a token nobody approves: the operator is not a tenant principal.
+    assert "must come from a tenant principal" in cli(gov, "approve", digest, "-t", "acme",
+                                                      check=False).err  # fmt: skip
+    # Expired: an approval of one second no longer counts.
+    cli(gov, "approve", digest, "-t", "acme", "--expires", "1s", who="alice")
+    time.sleep(1.2)
+    assert deploy(gov, digest, check=False).code == 5
+    cli(gov, "approve", digest, "-t", "acme", who="bob")
+    out = deploy(gov, digest).out
+    assert "approved by apr_" in out
+    res = cli(gov, "run", "job", "-t", "acme", "--backend", BACKEND, who="dev", check=False)
+    assert res.code == 0 and "read 5 rows" in res.out
+    # Revoked: the next run is refused, and the refusal is recorded.
+    bob = [a for a in gov.rt.approvals.for_artifact("acme", digest) if a.principal == "acme/bob"]
+    cli(gov, "approval", "revoke", bob[0].id, "-t", "acme", who="root")
+    res = cli(gov, "run", "job", "-t", "acme", "--backend", BACKEND, who="dev", check=False)
+    assert res.code == 5 and "0 valid approval(s)" in res.err
+    refused = [e for e in events(gov) if e["action"] == "run.start" and e["decision"] == "deny"]
+    assert refused and refused[-1]["deployment"] == "job"
+    # One changed byte: a new digest that needs approval again.
+    changed = submit(gov, main=JOB.replace("<= 5", "<= 6"))
+    assert changed != digest
+    assert deploy(gov, changed, check=False).code == 5
+
+
+def test_rollback_goes_back_to_the_previous_approved_version(gov: Gov) -> None:
+    first = submit(gov)
+    second = submit(gov, main=JOB + "\nprint('v2')\n")
+    for d in (first, second):
+        cli(gov, "approve", d, "-t", "acme", who="alice")
+        deploy(gov, d)
+    cli(gov, "deploy", "-t", "acme", "--rollback", "job", who="dev")
+    versions = gov.rt.deployments.versions("acme", "job")
+    assert [(v.version, v.digest) for v in versions] == [(1, first), (2, second), (3, first)]
+    assert events(gov)[-1]["action"] == "deployment.rollback"
+
+
+CRASHER = """
+import os, signal
+print("up", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_crashing_service_is_restarted_then_stopped_as_a_crash_loop(gov: Gov) -> None:
+    digest = submit(gov, main=CRASHER, caps="", name="svc")
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="sandbox", mode="service", instruction="svc",
+                              actor=gov.op)  # fmt: skip
+    with gov.rt.make_broker() as broker:
+        server = Server(Supervisor(gov.rt, broker, BACKEND), tick=0.1, backoff=(0.1,),
+                        crash_limit=3, crash_window=60)  # fmt: skip
+        t = threading.Thread(target=server.serve)
+        t.start()
+        deadline = time.monotonic() + 60
+        while gov.rt.deployments.get("acme", "svc").status == "active":
+            assert time.monotonic() < deadline, "the crash loop was never stopped"
+            time.sleep(0.1)
+        server.stop()
+        t.join()
+    starts = [e for e in events(gov) if e["action"] == "run.start" and e["deployment"] == "svc"]
+    assert [e["details"]["attempt"] for e in starts] == [1, 2, 3]
+    ends = [e for e in events(gov) if e["action"] == "run.end" and e["deployment"] == "svc"]
+    assert all(e["details"]["status"] == "failed" for e in ends)
+    stopped = [e for e in events(gov) if e["action"] == "deployment.stopped"]
+    assert "crash loop" in stopped[-1]["reason"]
+
+
+SLEEPER = """
+import time
+print("serving", flush=True)
+time.sleep(600)
+"""
+
+
+def _serve(gov: Gov) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PROCTOR_HOME=str(gov.home))
+    return subprocess.Popen([PROCTOR, "serve", "--backend", str(BACKEND)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def _wait(cond: Any, what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_serve_killed_and_restarted_marks_interrupted_runs_and_resumes(gov: Gov) -> None:
+    digest = submit(gov, main=SLEEPER, caps="", name="svc")
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="sandbox", mode="service", instruction="svc",
+                              actor=gov.op)  # fmt: skip
+    runs = Runs(gov.rt)
+    first = _serve(gov)
+    try:
+        old = _wait(lambda: runs.all("acme", "svc", "running"), "the service to run")[0]
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = _serve(gov)
+        try:
+            _wait(lambda: runs.get("acme", old.id).status == "interrupted", "interrupted")
+            new = _wait(lambda: runs.all("acme", "svc", "running"), "the service to resume")[0]
+            assert new.id != old.id
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=60) == 0
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+    assert runs.get("acme", new.id).status == "stopped"
+    ends = [e for e in events(gov) if e["action"] == "run.end" and e["run"] == old.id]
+    assert ends[0]["reason"] == "interrupted: supervisor died"
+
+
+def test_freeze_stops_everything_until_unfreeze(gov: Gov) -> None:
+    digest = submit(gov, main=SLEEPER, caps="", name="svc")
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="sandbox", mode="service", instruction="svc",
+                              actor=gov.op)  # fmt: skip
+    runs = Runs(gov.rt)
+    serve = _serve(gov)
+    try:
+        running = _wait(lambda: runs.all("acme", "svc", "running"), "the service")[0]
+        cli(gov, "tenant", "freeze", "acme", who="root")
+        _wait(lambda: runs.get("acme", running.id).status == "stopped", "the freeze to stop it")
+        res = cli(gov, "run", "svc", "-t", "acme", "--backend", str(BACKEND), who="dev",
+                  check=False)  # fmt: skip
+        assert res.code == 5 and "frozen" in res.err
+        time.sleep(1.5)
+        assert runs.all("acme", "svc", "running") == [], "a frozen tenant's service stays down"
+        cli(gov, "tenant", "unfreeze", "acme", who="root")
+        _wait(lambda: runs.all("acme", "svc", "running"), "the service to come back")
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    actions = [e["action"] for e in events(gov)]
+    assert "tenant.freeze" in actions and "tenant.unfreeze" in actions
+
+
+def test_history_at_a_past_time_gives_that_time(gov: Gov) -> None:
+    first = submit(gov)
+    cli(gov, "approve", first, "-t", "acme", who="alice")
+    deploy(gov, first)
+    cli(gov, "run", "job", "-t", "acme", "--backend", str(BACKEND), who="dev")
+    then = gov.rt.deployments.get("acme", "job").created_at
+    time.sleep(0.05)
+    second = submit(gov, main=JOB + "\nprint('v2')\n")
+    cli(gov, "approve", second, "-t", "acme", who="bob")
+    deploy(gov, second)
+    past = json.loads(cli(gov, "history", "-t", "acme", "--at", then, "--json",
+                          "--window", "0s").out)  # fmt: skip
+    now = json.loads(cli(gov, "history", "-t", "acme", "--at", "now", "--json").out)
+    assert [d["artifact"] for d in past["deployments"]] == [first]
+    assert past["deployments"][0]["approved_by"] == ["acme/alice"]
+    assert [d["artifact"] for d in now["deployments"]] == [second]
+    run = now["runs"][0]
+    assert run["data"] == ["crm.customers(country,id)"] and run["status"] == "succeeded"
+
+
+def test_nothing_of_one_tenant_is_visible_or_usable_from_another(gov: Gov) -> None:
+    digest = submit(gov)
+    cli(gov, "approve", digest, "-t", "acme", who="alice")
+    deploy(gov, digest)
+    for args in (
+        ["artifact", "show", digest, "-t", "acme"],
+        ["artifact", "list", "-t", "acme"],
+        ["runs", "list", "-t", "acme"],
+        ["audit", "events", "-t", "acme"],
+        ["dataset", "list", "-t", "acme"],
+        ["secret", "list", "-t", "acme"],
+        ["deployment", "list", "-t", "acme"],
+        ["run", "job", "-t", "acme"],
+        ["approve", digest, "-t", "acme"],
+    ):
+        res = cli(gov, *args, who="globex-root", check=False)
+        assert res.code == 5, (args, res.err)
+        assert digest not in res.out
+    # A globex artifact that names acme's dataset gets nothing: it is not globex's.
+    gdigest = json.loads(run_cli("artifact", "submit", str(gov.artifact_dir("g", JOB, CAPS)),
+                                 "-t", "globex", "--json", "--token", gov.token("globex-dev"),
+                                 home=gov.home).out)["digest"]  # fmt: skip
+    res = run_cli("deploy", gdigest, "-t", "globex", "--name", "g", "--env", "sandbox",
+                  "--instruction", "x", "--token", gov.token("globex-dev"), home=gov.home,
+                  check=False)  # fmt: skip
+    assert res.code == 5 and "crm" in res.err
+    # globex's log holds globex's own attempts (naming what it asked for, denied),
+    # never anything of acme's: no approvals, runs, datasets or deployments.
+    acme_ids = [a.id for a in gov.rt.approvals.for_artifact("acme", digest)]
+    for ev in events(gov, "globex"):
+        raw = json.dumps(ev)
+        assert not any(i in raw for i in acme_ids)
+        assert "crm.db" not in raw
+        if digest in raw:
+            assert ev["decision"] == "deny" and ev["actor"]["id"] == "globex/root"
