@@ -282,3 +282,15 @@ def test_nothing_of_one_tenant_is_visible_or_usable_from_another(gov: Gov) -> No
         assert "crm.db" not in raw
         if digest in raw:
             assert ev["decision"] == "deny" and ev["actor"]["id"] == "globex/root"
+
+
+def test_sandbox_runs_of_a_digest_are_shown_beside_its_approvals(gov: Gov) -> None:
+    digest = submit(gov, main="print('hello from the build loop')\n", caps="", name="try")
+    deploy(gov, digest, name="try", env="sandbox")
+    res = cli(gov, "run", "try", "-t", "acme", "--backend", str(BACKEND), who="dev")
+    assert "hello from the build loop" in res.out
+    run_id = Runs(gov.rt).of_artifact("acme", digest)[0].id
+    listing = cli(gov, "approval", "list", "-t", "acme", "--digest", digest, who="alice").out
+    assert run_id in listing and "succeeded" in listing
+    approved = cli(gov, "approve", digest, "-t", "acme", who="alice").out
+    assert run_id in approved

@@ -122,6 +122,7 @@ def approve(
         full = rt.artifacts.get(tenant, digest).digest
         a = rt.approvals.grant(tenant, full, principal, expires=lifetime, comment=comment)
     console.print(f"approval [bold]{a.id}[/] of {a.digest} by {a.principal}, until {a.expires_at}")
+    _print_build_loop(home, tenant, a.digest)
 
 
 def reject(
@@ -155,9 +156,12 @@ def approval_list(
     tenant: TenantOpt,
     digest: Annotated[str, typer.Option(help="Artifact digest")],
     as_json: JsonOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
+    """An artifact's approvals and rejections, beside its sandbox runs."""
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "artifact.read")
         full = rt.artifacts.get(tenant, digest).digest
         rows = rt.approvals.for_artifact(tenant, full)
     if as_json:
@@ -167,6 +171,23 @@ def approval_list(
     for a in rows:
         table.add_row(a.id, a.decision, a.principal, a.created_at, a.expires_at or "",
                       a.revoked_at or "")  # fmt: skip
+    console.print(table)
+    _print_build_loop(home, tenant, full)
+
+
+def _print_build_loop(home: Path | None, tenant: str, digest: str) -> None:
+    """The promotion path: what this very digest did in the sandbox, beside its approvals."""
+    from proctor.lifecycle import Runs
+
+    with open_runtime(home) as rt:
+        runs = [r for r in Runs(rt).of_artifact(tenant, digest) if r.environment == "sandbox"]
+    if not runs:
+        console.print("no sandbox run of this digest yet")
+        return
+    table = Table("sandbox run", "deployment", "status", "exit", "started")
+    for r in runs:
+        table.add_row(r.id, r.deployment, r.status, "" if r.exit_code is None else str(r.exit_code),
+                      r.started_at)  # fmt: skip
     console.print(table)
 
 

@@ -127,6 +127,16 @@ class Runs:
             )
         return [_row(r) for r in rows]
 
+    def of_artifact(self, tenant: str, digest: str) -> list[RunRecord]:
+        """Every run of one digest: how it behaved in the build loop is part of its review."""
+        with self._rt.store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND digest = ?"  # noqa: S608
+                " ORDER BY started_at",
+                (tenant, digest),
+            )
+        return [_row(r) for r in rows]
+
     def between(self, tenant: str, start: str, end: str) -> list[RunRecord]:
         """Runs that were in progress at some point in [start, end]."""
         with self._rt.store.read() as conn:
