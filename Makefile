@@ -27,6 +27,8 @@ bench: setup
 	$(PY) bench/ledger.py
 	$(PY) bench/sandbox.py
 	$(PY) bench/policy.py
+	$(PY) bench/broker_sql.py
+	$(PY) bench/broker_proxy.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
