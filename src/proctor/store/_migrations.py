@@ -194,4 +194,18 @@ SQLITE_MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE datasets ADD COLUMN twin_of TEXT",
     ],
+    # 5: the subprocessor register (GDPR Art. 28(2)/(4)): who the tenant's data may
+    # be sent to, for what, from where, and the hosts each one serves.
+    [
+        """CREATE TABLE subprocessors (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            location TEXT NOT NULL,
+            hosts TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+    ],
 ]
