@@ -21,6 +21,7 @@ from proctor.errors import ProctorError
 from proctor.governance import Deployment
 from proctor.ledger import Actor
 from proctor.lifecycle._supervisor import RunRecord, Supervisor
+from proctor.sandbox import reap_orphans
 
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 
@@ -67,6 +68,9 @@ class Server:
         self._stop.set()
 
     def serve(self) -> None:
+        # What a killed predecessor left running goes first: its sandboxes, then the
+        # record of its runs.
+        reap_orphans()
         self.supervisor.mark_interrupted(self.actor)
         try:
             while not self._stop.is_set():

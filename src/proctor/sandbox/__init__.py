@@ -11,6 +11,7 @@ before returning.
 """
 
 from proctor.sandbox._bubblewrap import BubblewrapDriver
+from proctor.sandbox._cgroup import reap_orphans
 from proctor.sandbox._driver import (
     DRIVER_NAMES,
     CapturedRun,
@@ -55,5 +56,6 @@ __all__ = [
     "WarmPool",
     "backends",
     "get_driver",
+    "reap_orphans",
     "run_captured",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -106,6 +108,13 @@ class RunCgroup:
         self.v2 = layout.v2 / name if layout.v2 is not None else None
         self._created: list[Path] = []
 
+    @classmethod
+    def existing(cls, layout: CgroupLayout, name: str) -> RunCgroup:
+        """A run's cgroup made by another (perhaps dead) process, to kill and remove."""
+        cgroup = cls(layout, name)
+        cgroup._created = [d for d in cgroup.directories if d.exists()]
+        return cgroup
+
     @property
     def directories(self) -> list[Path]:
         dirs = list(self.v1.values())
@@ -113,8 +122,11 @@ class RunCgroup:
             dirs.append(self.v2)
         return dirs
 
-    def create(self, *, memory_bytes: int, pids: int, cpu: float) -> None:
+    def create(
+        self, *, memory_bytes: int, pids: int, cpu: float, workdir: Path | None = None
+    ) -> None:
         try:
+            _register(self.name, workdir)
             self._create(memory_bytes=memory_bytes, pids=pids, cpu=cpu)
         except OSError as exc:
             self.remove()
@@ -235,9 +247,65 @@ class RunCgroup:
                         ) from exc
                     time.sleep(0.01)
         self._created.clear()
+        _unregister(self.name)
 
 
 @functools.cache
 def layout() -> CgroupLayout:
     """The machine's layout, detected once per process (it does not change under us)."""
     return detect()
+
+
+#: Which process owns each live sandbox, so that a supervisor restarted after a
+#: crash can find and remove what its dead predecessor left running. On tmpfs:
+#: a reboot clears it, as it clears the cgroups it describes.
+REGISTRY = Path(os.environ.get("PROCTOR_SANDBOX_REGISTRY", "/run/proctor-sandboxes"))
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22 (starttime) after the parenthesised command name, which may hold spaces.
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _register(name: str, workdir: Path | None) -> None:
+    REGISTRY.mkdir(mode=0o700, parents=True, exist_ok=True)
+    pid = os.getpid()
+    entry = {"pid": pid, "start": _start_time(pid), "workdir": str(workdir or "")}
+    (REGISTRY / name).write_text(json.dumps(entry))
+
+
+def _unregister(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (REGISTRY / name).unlink()
+
+
+def reap_orphans() -> list[str]:
+    """Kill and remove every sandbox whose owning process is gone; returns their names.
+
+    A process that died with SIGKILL never ran its clean-up: its sandbox may still
+    be running (runsc does not die with its parent), holding its cgroup and temp
+    directory. The owner is matched by pid and start time, so a reused pid is not
+    mistaken for the owner.
+    """
+    reaped: list[str] = []
+    if not REGISTRY.is_dir():
+        return reaped
+    for path in sorted(REGISTRY.iterdir()):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(entry["pid"])) == entry.get("start"):
+            continue  # its owner is alive: not ours to touch
+        cgroup = RunCgroup.existing(layout(), path.name)
+        cgroup.kill()
+        cgroup.remove()
+        if entry.get("workdir"):
+            shutil.rmtree(entry["workdir"], ignore_errors=True)
+        _unregister(path.name)
+        reaped.append(path.name)
+    return reaped

@@ -279,6 +279,7 @@ class GVisorDriver:
                 memory_bytes=limits.memory_bytes + spec.scratch_bytes + _MEMORY_OVERHEAD,
                 pids=_BASE_TASKS + _TASKS_PER_GUEST_PID * limits.pids,
                 cpu=limits.cpu,
+                workdir=workdir,
             )
             container_id = f"proctor-{run_id}"
             argv = [

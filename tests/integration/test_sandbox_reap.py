@@ -1,0 +1,58 @@
+"""A supervisor killed with SIGKILL leaves its sandboxes running; the next one reaps them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from proctor.sandbox import backends, reap_orphans
+
+pytestmark = pytest.mark.sandbox
+WORKING = [b.name for b in backends() if b.available]
+
+OWNER = """
+import sys
+from proctor.sandbox import SandboxSpec, get_driver
+print("starting", flush=True)
+get_driver(sys.argv[1]).run(SandboxSpec(argv=("python3", "-c", "import time; time.sleep(300)")))
+"""
+
+
+@pytest.mark.parametrize("backend", WORKING)
+def test_sandboxes_of_a_dead_owner_are_killed_and_removed(backend: str, tmp_path: Path) -> None:
+    registry = Path(os.environ.get("PROCTOR_SANDBOX_REGISTRY", "/run/proctor-sandboxes"))
+    before = set(registry.iterdir()) if registry.is_dir() else set()
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, backend], stdout=subprocess.PIPE)
+    assert owner.stdout is not None and owner.stdout.readline() == b"starting\n"
+    deadline = time.monotonic() + 30
+    while True:
+        mine = (set(registry.iterdir()) if registry.is_dir() else set()) - before
+        if mine:
+            break
+        assert time.monotonic() < deadline, "the sandbox never registered"
+        time.sleep(0.05)
+    (entry,) = mine
+    cgroups = [p for p in Path("/sys/fs/cgroup").glob(f"*/{entry.name}") if p.is_dir()]
+    time.sleep(0.5)  # let the guest start
+    assert reap_orphans() == [] or entry.exists(), "a live owner's sandbox is never reaped"
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    survivors = [p for c in cgroups if (c / "cgroup.procs").exists()
+                 for p in (c / "cgroup.procs").read_text().split()]  # fmt: skip
+    if backend == "gvisor":
+        assert survivors, "runsc outlives its parent: this is what reaping is for"
+    reaped = reap_orphans()
+    assert entry.name in reaped
+    assert not entry.exists()
+    assert not any(c.exists() for c in cgroups), "the run's cgroups are gone"
+    for pid in survivors:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        )
