@@ -1,0 +1,205 @@
+"""The PostgreSQL twin of every SQLite migration: same tables, columns and keys.
+
+Migration N is ``POSTGRES_MIGRATIONS[N - 1]`` and matches
+``SQLITE_MIGRATIONS[N - 1]`` (a test compares the two). Types: ``BLOB`` is
+``BYTEA``, ``INTEGER`` is ``BIGINT`` (SQLite's integers are 64-bit), ``REAL``
+is ``DOUBLE PRECISION``; ``WITHOUT ROWID`` has no counterpart (PostgreSQL
+tables are heaps with separate primary-key indexes either way). Never edit a
+released migration: append a new one to both lists.
+"""
+
+from __future__ import annotations
+
+POSTGRES_MIGRATIONS: list[list[str]] = [
+    # 1: runtime metadata, tenants, and the ledger's logs.
+    [
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE tenants (
+            name TEXT PRIMARY KEY,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'active'
+        )""",
+        """CREATE TABLE ledger_logs (
+            log TEXT PRIMARY KEY,
+            origin TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            root BYTEA NOT NULL,
+            last_time TEXT NOT NULL,
+            checkpoint TEXT NOT NULL
+        )""",
+        """CREATE TABLE ledger_entries (
+            log TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            time TEXT NOT NULL,
+            data BYTEA NOT NULL,
+            PRIMARY KEY (log, seq)
+        )""",
+        "CREATE INDEX ledger_entries_time ON ledger_entries (log, time)",
+        """CREATE TABLE ledger_tiles (
+            log TEXT NOT NULL,
+            level BIGINT NOT NULL,
+            idx BIGINT NOT NULL,
+            hashes BYTEA NOT NULL,
+            PRIMARY KEY (log, level, idx)
+        )""",
+        """CREATE TABLE ledger_checkpoints (
+            log TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            time TEXT NOT NULL,
+            note TEXT NOT NULL,
+            PRIMARY KEY (log, size)
+        )""",
+    ],
+    # 2: per-tenant policies, datasets, secrets, buckets.
+    [
+        """CREATE TABLE policies (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            version TEXT NOT NULL,
+            text TEXT NOT NULL,
+            set_at TEXT NOT NULL,
+            set_by TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            PRIMARY KEY (tenant, seq)
+        )""",
+        """CREATE TABLE datasets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            location TEXT NOT NULL,
+            synthetic BIGINT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+        """CREATE TABLE secrets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            sealed BYTEA NOT NULL,
+            hosts TEXT NOT NULL,
+            header TEXT NOT NULL,
+            template TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+        """CREATE TABLE buckets (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+    ],
+    # 3: governance: principals, artifacts, approvals, quorum rules, deployments, runs.
+    [
+        """CREATE TABLE principals (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            roles TEXT NOT NULL,
+            token_hash BYTEA NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            disabled BIGINT NOT NULL DEFAULT 0,
+            PRIMARY KEY (tenant, name)
+        )""",
+        "CREATE UNIQUE INDEX principals_token ON principals (token_hash)",
+        """CREATE TABLE artifacts (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            digest TEXT NOT NULL,
+            name TEXT NOT NULL,
+            manifest TEXT NOT NULL,
+            capabilities_hash TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            author TEXT NOT NULL,
+            submitted_at TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            PRIMARY KEY (tenant, digest)
+        )""",
+        """CREATE TABLE artifact_files (
+            digest TEXT NOT NULL,
+            path TEXT NOT NULL,
+            mode BIGINT NOT NULL,
+            sha256 TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            link TEXT,
+            PRIMARY KEY (digest, path)
+        )""",
+        """CREATE TABLE approvals (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            digest TEXT NOT NULL,
+            capabilities_hash TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            principal TEXT NOT NULL,
+            roles TEXT NOT NULL,
+            decision TEXT NOT NULL,
+            comment TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            expires_at TEXT,
+            revoked_at TEXT,
+            revoked_by TEXT,
+            seq BIGINT NOT NULL
+        )""",
+        "CREATE INDEX approvals_digest ON approvals (tenant, digest)",
+        """CREATE TABLE quorum_rules (
+            tenant TEXT PRIMARY KEY REFERENCES tenants (name),
+            required BIGINT NOT NULL,
+            roles TEXT NOT NULL
+        )""",
+        """CREATE TABLE deployments (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            digest TEXT NOT NULL,
+            environment TEXT NOT NULL,
+            mode TEXT NOT NULL,
+            every_seconds DOUBLE PRECISION,
+            instruction TEXT NOT NULL,
+            reference TEXT NOT NULL,
+            approvals TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            status TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            PRIMARY KEY (tenant, name, version)
+        )""",
+        """CREATE TABLE runs (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            deployment TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            digest TEXT NOT NULL,
+            environment TEXT NOT NULL,
+            workload TEXT NOT NULL,
+            approvals TEXT NOT NULL,
+            backend TEXT NOT NULL,
+            platform TEXT,
+            status TEXT NOT NULL,
+            reason TEXT,
+            exit_code BIGINT,
+            attempt BIGINT NOT NULL,
+            limits TEXT NOT NULL,
+            output_digest TEXT,
+            started_at TEXT NOT NULL,
+            ended_at TEXT,
+            supervisor TEXT
+        )""",
+        "CREATE INDEX runs_by_deployment ON runs (tenant, deployment, started_at)",
+    ],
+    # 4: a dataset may be the synthetic twin of a real one.
+    [
+        "ALTER TABLE datasets ADD COLUMN twin_of TEXT",
+    ],
+    # 5: the subprocessor register (GDPR Art. 28(2)/(4)).
+    [
+        """CREATE TABLE subprocessors (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            purpose TEXT NOT NULL,
+            location TEXT NOT NULL,
+            hosts TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+    ],
+]

@@ -1,0 +1,367 @@
+"""The scale-out engine: PostgreSQL through psycopg 3.
+
+Several runtime nodes (processes, machines) may open the same database. What
+SQLite gets from its single writer, this engine gets from advisory locks:
+``write(*locks)`` takes ``pg_advisory_xact_lock`` on each lock name's stable
+64-bit hash, in sorted order (so two writers can never wait on each other in a
+cycle), inside the transaction; the locks are released by its COMMIT or
+ROLLBACK. A write that names no lock is a writer of the whole database, as on
+SQLite: it takes one exclusive "database" lock that every named-lock writer
+holds shared. Under the lock, READ COMMITTED sees every earlier writer's
+commit, which is all the ledger needs (it re-reads its log's head after taking
+the lock); SERIALIZABLE would only add retries.
+
+Callers' portable SQL uses ``?`` placeholders; they become ``%s`` here, and a
+literal ``%`` becomes ``%%``. Our SQL never puts ``?`` inside a string literal:
+the translation refuses such a statement rather than guess.
+
+Durability: ``synchronous_commit = on`` on every connection, so a returned
+COMMIT is flushed to the server's WAL. Connections: one reader and one writer
+per thread, opened on first use (the ledger's writer thread keeps its own).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import ServerCursor
+
+from proctor.errors import NotInitialized, StoreError
+from proctor.store._base import Row
+from proctor.store._pg_migrations import POSTGRES_MIGRATIONS
+
+# Wait this long for another node's lock before giving up: SQLite's busy timeout.
+_LOCK_TIMEOUT = "30s"
+_DATABASE_LOCK = "proctor:database"
+_MIGRATION_LOCK = "proctor:migrations"
+
+_SQL_TOKEN = re.compile(
+    r"""
+    (?P<string>[eE]?'(?:[^']|'')*')
+    |(?P<ident>"(?:[^"]|"")*")
+    |(?P<comment>--[^\n]*|/\*.*?\*/)
+    |(?P<dollar>\$[A-Za-z_]*\$)
+    |(?P<mark>\?)
+    |(?P<percent>%)
+    |(?P<other>[^'"\-/?%$]+|.)
+    """,
+    re.S | re.X,
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def to_pg_sql(sql: str) -> str:
+    """Portable SQL (``?`` placeholders) as psycopg SQL (``%s``, ``%%``).
+
+    Raises :class:`StoreError` if a ``?`` sits inside a string literal,
+    quoted identifier or comment, or if the statement uses dollar quoting:
+    both would make the translation ambiguous, and our own SQL has neither.
+    """
+    out: list[str] = []
+    for m in _SQL_TOKEN.finditer(sql):
+        kind, text = m.lastgroup, m.group()
+        if kind == "mark":
+            out.append("%s")
+        elif kind == "percent":
+            out.append("%%")
+        elif kind == "dollar":
+            raise StoreError(f"dollar-quoted SQL is not supported by the store: {sql[:80]!r}")
+        elif kind in ("string", "ident", "comment"):
+            if "?" in text:
+                raise StoreError(
+                    f"a '?' inside a literal, identifier or comment is ambiguous: {sql[:80]!r}"
+                )
+            out.append(text.replace("%", "%%"))
+        else:
+            out.append(text)
+    return "".join(out)
+
+
+def lock_key(name: str) -> int:
+    """A lock name's stable signed 64-bit advisory lock key (the same on every node)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+def _adapt(params: Sequence[Any]) -> tuple[Any, ...]:
+    # SQLite stores a bool as 0/1 in an INTEGER column; PostgreSQL would refuse a
+    # boolean there. memoryview (a SQLite blob spelling) becomes bytes.
+    return tuple(
+        int(p) if isinstance(p, bool) else bytes(p) if isinstance(p, memoryview) else p
+        for p in params
+    )
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages and ``Store.url``."""
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{parts.username}:***@{host}" if parts.username else f"***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+_cursor_names = itertools.count()
+
+
+class _PGConn:
+    __slots__ = ("_cursors", "_db")
+
+    def __init__(self, db: psycopg.Connection[Any]) -> None:
+        self._db = db
+        self._cursors: list[ServerCursor[Any]] = []
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self._db.execute(to_pg_sql(sql), _adapt(params)).rowcount
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        batch = [_adapt(r) for r in rows]
+        if batch:
+            with self._db.cursor() as cur:
+                cur.executemany(to_pg_sql(sql), batch)
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        return self._db.execute(to_pg_sql(sql), _adapt(params)).fetchall()
+
+    def query_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        row: Row | None = self._db.execute(to_pg_sql(sql), _adapt(params)).fetchone()
+        return row
+
+    def iterate(self, sql: str, params: Sequence[Any] = (), chunk: int = 4096) -> Iterator[Row]:
+        # A server-side cursor: the result stays on the server, and other
+        # statements may run on this transaction while it is being read.
+        cur = self._db.cursor(name=f"proctor_iter_{next(_cursor_names)}")
+        self._cursors.append(cur)
+        cur.itersize = chunk
+        cur.execute(to_pg_sql(sql), _adapt(params))
+        while rows := cur.fetchmany(chunk):
+            yield from rows
+        cur.close()
+
+    def end(self) -> None:
+        """Close this transaction's cursors before it ends (an abandoned iterator
+        must not try to close its cursor later, inside another transaction)."""
+        for cur in self._cursors:
+            with suppress(psycopg.Error):
+                cur.close()
+        self._cursors.clear()
+
+
+class _Thread(threading.local):
+    reader: psycopg.Connection[Any] | None = None
+    writer: psycopg.Connection[Any] | None = None
+    reading: _PGConn | None = None
+
+
+class PostgresStore:
+    """Proctor's state in one PostgreSQL database, shared by any number of nodes."""
+
+    def __init__(self, dsn: str, *, create: bool = False) -> None:
+        self._dsn = dsn
+        self._local = _Thread()
+        self._all: list[tuple[threading.Thread, psycopg.Connection[Any]]] = []
+        self._all_lock = threading.Lock()
+        self._closed = False
+        try:
+            self._migrate(create)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def engine(self) -> str:
+        return "postgresql"
+
+    @property
+    def url(self) -> str:
+        return redact(self._dsn)
+
+    @property
+    def dsn(self) -> str:
+        """The full DSN (with any password): only for the runtime's own connections."""
+        return self._dsn
+
+    # -- connections ----------------------------------------------------------
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        try:
+            db = psycopg.connect(self._dsn, autocommit=True, application_name="proctor")
+            db.execute("SET synchronous_commit = on")
+            db.execute(f"SET lock_timeout = '{_LOCK_TIMEOUT}'")
+            db.execute("SET TIME ZONE 'UTC'")
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"cannot connect to the store {self.url}: {_first_line(exc)}",
+                hint="check that PostgreSQL is running and that the DSN, user and "
+                "database are right",
+            ) from exc
+        me = threading.current_thread()
+        with self._all_lock:
+            # Connections of threads that have ended are closed here, not leaked.
+            alive = []
+            for thread, conn in self._all:
+                if thread.is_alive():
+                    alive.append((thread, conn))
+                else:
+                    with suppress(psycopg.Error):
+                        conn.close()
+            alive.append((me, db))
+            self._all = alive
+        return db
+
+    def _usable(self, db: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
+        if db is None or db.closed or db.broken:
+            return self._connect()
+        return db
+
+    def _forget(self, db: psycopg.Connection[Any]) -> None:
+        """Drop a connection left in an unknown state (broken link, failed rollback)."""
+        with suppress(psycopg.Error):
+            db.close()
+        if self._local.reader is db:
+            self._local.reader = None
+        if self._local.writer is db:
+            self._local.writer = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    # -- transactions -----------------------------------------------------------
+
+    @contextmanager
+    def read(self) -> Iterator[_PGConn]:
+        self._check_open()
+        nested = self._local.reading
+        if nested is not None:
+            # A read inside a read on this thread shares its snapshot.
+            yield nested
+            return
+        db = self._local.reader = self._usable(self._local.reader)
+        conn = _PGConn(db)
+        try:
+            db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        except psycopg.Error as exc:
+            self._forget(db)
+            raise StoreError(f"cannot read the store {self.url}: {_first_line(exc)}") from exc
+        self._local.reading = conn
+        ok = False
+        try:
+            yield conn
+            ok = True
+        except psycopg.Error as exc:
+            raise StoreError(f"cannot read the store {self.url}: {_first_line(exc)}") from exc
+        finally:
+            self._local.reading = None
+            self._finish(db, conn, commit=ok, what="read")
+
+    @contextmanager
+    def write(self, *locks: str) -> Iterator[_PGConn]:
+        self._check_open()
+        db = self._local.writer = self._usable(self._local.writer)
+        conn = _PGConn(db)
+        keys = sorted({lock_key(name) for name in locks})
+        try:
+            db.execute("BEGIN")
+            if keys:
+                db.execute("SELECT pg_advisory_xact_lock_shared(%s)", (lock_key(_DATABASE_LOCK),))
+                for key in keys:
+                    db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+            else:
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(_DATABASE_LOCK),))
+        except psycopg.Error as exc:
+            self._finish(db, conn, commit=False, what="write")
+            raise StoreError(f"cannot write the store {self.url}: {_first_line(exc)}") from exc
+        ok = False
+        try:
+            yield conn
+            ok = True
+        except psycopg.Error as exc:
+            self._finish(db, conn, commit=False, what="write")
+            raise StoreError(f"cannot write the store {self.url}: {_first_line(exc)}") from exc
+        except BaseException:
+            self._finish(db, conn, commit=False, what="write")
+            raise
+        # The commit's failure is the write's failure: nothing was made durable.
+        self._finish(db, conn, commit=ok, what="write")
+
+    def _finish(
+        self, db: psycopg.Connection[Any], conn: _PGConn, *, commit: bool, what: str
+    ) -> None:
+        conn.end()
+        if db.closed or db.broken:
+            self._forget(db)
+            if commit:
+                raise StoreError(f"cannot {what} the store {self.url}: the connection was lost")
+            return
+        try:
+            db.execute("COMMIT" if commit else "ROLLBACK")
+        except psycopg.Error as exc:
+            self._forget(db)
+            if commit:
+                raise StoreError(f"cannot {what} the store {self.url}: {_first_line(exc)}") from exc
+
+    # -- schema -------------------------------------------------------------------
+
+    def schema_version(self) -> int:
+        with self.read() as conn:
+            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _migrate(self, create: bool) -> None:
+        with self.write() as conn:
+            # Two nodes starting at once: the second waits, then finds nothing to do.
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (lock_key(_MIGRATION_LOCK),))
+            exists = conn.query_one("SELECT to_regclass('schema_migrations') IS NOT NULL")
+            if not (exists and exists[0]):
+                if not create:
+                    raise NotInitialized(
+                        f"no Proctor store in {self.url}", hint="run `proctor init` first"
+                    )
+                conn.execute(
+                    "CREATE TABLE schema_migrations ("
+                    " version BIGINT PRIMARY KEY, applied_at TEXT NOT NULL)"
+                )
+            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
+            current = int(row[0]) if row and row[0] is not None else 0
+            latest = len(POSTGRES_MIGRATIONS)
+            if current > latest:
+                raise StoreError(
+                    f"the store {self.url} has schema version {current}, newer than this "
+                    f"Proctor understands ({latest})",
+                    hint="upgrade Proctor",
+                )
+            for version in range(current + 1, latest + 1):
+                for statement in POSTGRES_MIGRATIONS[version - 1]:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, applied_at) VALUES"
+                    " (?, to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'))",
+                    (version,),
+                )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._all_lock:
+            for _, db in self._all:
+                with suppress(psycopg.Error):
+                    db.close()
+            self._all.clear()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
