@@ -324,6 +324,8 @@ class Supervisor:
                 )  # fmt: skip
             except ProctorError as exc:
                 failure = exc.message
+            except Exception as exc:  # the run must still be closed in the record
+                failure = f"internal error: {type(exc).__name__}: {exc}"
             finally:
                 finished.set()
                 shutil.rmtree(code, ignore_errors=True)
