@@ -18,8 +18,8 @@ from proctor.ledger import Actor
 from proctor.policy import (
     Decision,
     Entity,
-    EntitySet,
     EntityRef,
+    EntitySet,
     Request,
     capability_policies,
     compile_policies,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import builtins
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,5 +194,5 @@ class Subprocessors:
         """:func:`subprocessor_forbid` for the tenant's current register."""
         return subprocessor_forbid(tenant, self.list(tenant))
 
-    def covering(self, tenant: str, host: str, port: int) -> list[Subprocessor]:
+    def covering(self, tenant: str, host: str, port: int) -> builtins.list[Subprocessor]:
         return [s for s in self.list(tenant) if any(covers(h, host, port) for h in s.hosts)]

@@ -1,0 +1,516 @@
+"""Offline verification of an evidence pack, with the verifier key alone.
+
+Cryptography first (signatures, consistency, every event's inclusion), then the
+edges of the period (nothing left out before or after), then what the issue
+asks an auditor to check on the proven events: every approval of a production
+run was granted before the run started, by someone other than the author, for
+that digest and capabilities, unexpired and unrevoked; every allowed data access
+and egress lies inside the approved capabilities. The store's records in the
+pack are then held to the events, and the derived files (OCSF, report) are
+regenerated and compared. The first failure raises, named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from proctor.errors import ProctorError, VerificationFailed
+from proctor.evidence._ocsf import ocsf_line
+from proctor.evidence._pack import PACK_FORMAT, iter_lines
+from proctor.evidence._summary import Summary, host_port
+from proctor.evidence._tree import RangeTree, decode_hashes
+from proctor.governance import capabilities_hash
+from proctor.governance._manifest import egress_entry
+from proctor.governance._subprocessors import covers
+from proctor.ledger import (
+    Verifier,
+    canonical_json,
+    leaf_hash,
+    open_checkpoint,
+    verify_consistency,
+    verify_inclusion,
+)
+from proctor.policy import policy_version
+
+_CLOCK_SLACK = 60.0  # seconds between a store row's timestamp and its event's
+
+
+@dataclass(frozen=True)
+class PackReport:
+    tenant: str
+    origin: str
+    events: int
+    context: int
+    first_seq: int
+    end_seq: int
+    end_size: int
+    production_runs: int
+    approvals_checked: int
+    accesses_checked: int
+    vkey: str
+
+
+def _fail(message: str) -> VerificationFailed:
+    return VerificationFailed(message)
+
+
+def _ts(value: str) -> float:
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
+
+
+def _read(zf: zipfile.ZipFile, name: str) -> bytes:
+    try:
+        return zf.read(name)
+    except KeyError:
+        raise _fail(f"{name}: missing from the pack") from None
+
+
+def _load(zf: zipfile.ZipFile, name: str) -> Any:
+    try:
+        return json.loads(_read(zf, name))
+    except ValueError as exc:
+        raise _fail(f"{name}: not valid JSON ({exc})") from exc
+
+
+def _check_manifest(zf: zipfile.ZipFile) -> None:
+    manifest = _load(zf, "manifest.json")
+    if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
+        raise _fail("manifest.json: not a Proctor evidence pack manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise _fail("manifest.json: no file list")
+    names = {i.filename for i in zf.infolist() if not i.is_dir()} - {"manifest.json"}
+    for extra in sorted(names - set(files)):
+        raise _fail(f"{extra}: in the pack but not in its manifest (a file was added)")
+    for name in sorted(files):
+        h = hashlib.sha256()
+        try:
+            with zf.open(name) as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except KeyError:
+            raise _fail(
+                f"{name}: listed in the manifest but missing (a file was removed)"
+            ) from None
+        if h.hexdigest() != files[name]:
+            raise _fail(f"{name}: its SHA-256 does not match the manifest (the file was altered)")
+
+
+def _parse_event(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        ev = json.loads(data)
+    except ValueError as exc:
+        raise _fail(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(ev, dict) or canonical_json(ev) != data:
+        raise _fail(f"{where}: not a canonical JSON event")
+    return ev
+
+
+def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
+    """Why an allowed event falls outside ``caps``, or None when it is inside."""
+    action = ev["action"]
+    d = ev.get("details") or {}
+    if action in ("sql.select", "sql.write"):
+        dataset = str(d.get("dataset", ""))
+        spec = (caps.get("datasets") or {}).get(dataset)
+        if spec is None:
+            return f"dataset {dataset!r} is not in the approved capabilities"
+        for t in d.get("tables") or []:
+            grant = (spec.get("tables") or {}).get(t.get("table"))
+            if grant is None:
+                return f"table {dataset}.{t.get('table')} is not approved"
+            extra = sorted(set(t.get("columns") or []) - set(grant.get("columns") or []))
+            if extra:
+                return f"columns {', '.join(extra)} of {dataset}.{t.get('table')} are not approved"
+            access = grant.get("access", "read")
+            need = "write" if t.get("action", action) == "sql.write" else "read"
+            if need not in str(access).split("-"):
+                return f"{need} access to {dataset}.{t.get('table')} is not approved ({access})"
+        return None
+    if action == "http.request":
+        host, port = host_port(ev)
+        for entry in caps.get("egress") or []:
+            try:
+                if covers(egress_entry(str(entry), "egress"), host, port):
+                    return None
+            except ProctorError:
+                continue
+        return f"egress to {host}:{port} is not in the approved capabilities"
+    if action in ("file.read", "file.write"):
+        bucket = str(d.get("bucket", ""))
+        access = (caps.get("buckets") or {}).get(bucket)
+        need = action.split(".")[1]
+        if access is None or need not in str(access).split("-"):
+            return f"{need} on bucket {bucket!r} is not approved"
+        return None
+    if action == "secret.use":
+        name = str(ev["resource"]).removeprefix("secret/")
+        if name not in (caps.get("secrets") or []):
+            return f"secret {name!r} is not approved"
+    return None
+
+
+def verify_pack(path: Path, vkey: str | None = None) -> PackReport:
+    """Verify the pack at ``path``; :class:`VerificationFailed` names the first failure.
+
+    Without ``vkey`` the pack's own ``verifier.key`` is used, which proves only
+    that the pack is consistent with itself: an auditor passes the key they hold.
+    """
+    try:
+        zf = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise _fail(f"{path}: not a readable zip ({exc})") from exc
+    with zf:
+        return _verify(zf, vkey)
+
+
+def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
+    _check_manifest(zf)
+    meta = _load(zf, "pack.json")
+    if meta.get("format") != PACK_FORMAT:
+        raise _fail("pack.json: unknown pack format")
+    tenant, origin = str(meta["tenant"]), str(meta["origin"])
+    if not origin.endswith(f"/tenant/{tenant}"):
+        raise _fail(f"pack.json: origin {origin!r} is not tenant {tenant!r}'s log")
+    key_text = vkey or _read(zf, "verifier.key").decode()
+    try:
+        verifier = Verifier.parse(key_text)
+    except ProctorError as exc:
+        raise _fail(f"verifier key: {exc.message}") from exc
+
+    # -- signatures and the tree --------------------------------------------------
+    end_cp = open_checkpoint(_read(zf, "checkpoints/end.note").decode(), verifier, origin)
+    if end_cp.size != int(meta["end_size"]):
+        raise _fail("checkpoints/end.note: its size differs from pack.json's end_size")
+    start_size = int(meta["start_size"])
+    if start_size:
+        start_cp = open_checkpoint(_read(zf, "checkpoints/start.note").decode(), verifier, origin)
+        cons = _load(zf, "proofs/consistency.json")
+        if (
+            start_cp.size != start_size
+            or cons.get("old") != start_size
+            or cons.get("new") != end_cp.size
+        ):
+            raise _fail("proofs/consistency.json: sizes do not match the checkpoints")
+        try:
+            verify_consistency(
+                start_size,
+                end_cp.size,
+                start_cp.root,
+                end_cp.root,
+                decode_hashes(cons.get("hashes"), "proofs/consistency.json"),
+            )
+        except VerificationFailed as exc:
+            raise _fail(f"proofs/consistency.json: {exc.message}") from exc
+
+    first, stop = int(meta["first_seq"]), int(meta["end_seq"])
+    summary = Summary()
+    leaves: list[bytes] = []
+    events: dict[int, dict[str, Any]] = {}  # governance and run events, by seq
+    data_events: list[dict[str, Any]] = []
+    ocsf = iter_lines(zf, "ocsf/events.ocsf.jsonl")
+    seq = first - 1
+    for data in iter_lines(zf, "events/events.jsonl"):
+        seq += 1
+        ev = _parse_event(data, f"event seq {seq}")
+        if ev.get("seq") != seq:
+            raise _fail(
+                f"event seq {seq}: found seq {ev.get('seq')!r} in its place; events were "
+                "removed, inserted or reordered"
+            )
+        if ev.get("tenant") != tenant:
+            raise _fail(f"event seq {seq}: belongs to tenant {ev.get('tenant')!r}")
+        if not str(meta["from"]) <= ev["time"] < str(meta["to"]):
+            raise _fail(f"event seq {seq}: its time {ev['time']} is outside the period")
+        leaves.append(leaf_hash(data))
+        if next(ocsf, None) != ocsf_line(ev, origin):
+            raise _fail(
+                f"ocsf/events.ocsf.jsonl: line for event seq {seq} does not match the event"
+            )
+        summary.add(ev)
+        action = ev["action"]
+        if action in (
+            "sql.select",
+            "sql.write",
+            "http.request",
+            "file.read",
+            "file.write",
+            "secret.use",
+        ):
+            if ev["decision"] == "allow":
+                data_events.append(ev)
+        elif not action.startswith("http."):
+            events[seq] = ev
+    if next(ocsf, None) is not None:
+        raise _fail("ocsf/events.ocsf.jsonl: more lines than events")
+    if seq + 1 != stop:
+        raise _fail(f"event seq {seq + 1}: missing; pack.json says the period ends before {stop}")
+    rp = _load(zf, "proofs/range.json")
+    if (rp.get("start"), rp.get("end"), rp.get("size")) != (first, stop, end_cp.size):
+        raise _fail("proofs/range.json: its range does not match the pack's events")
+    tree = RangeTree(
+        first,
+        leaves,
+        end_cp.size,
+        decode_hashes(rp.get("left"), "proofs/range.json"),
+        decode_hashes(rp.get("right"), "proofs/range.json"),
+    )
+    if tree.root() != end_cp.root:
+        raise _fail(
+            f"event seq {first} to {stop - 1}: these events and proofs/range.json do not "
+            "lead to the signed end checkpoint; an event or a proof was altered"
+        )
+    del leaves
+
+    # -- context events -------------------------------------------------------------
+    context_docs: list[dict[str, Any]] = []
+    proofs = iter_lines(zf, "proofs/context.jsonl")
+    for data in iter_lines(zf, "events/context.jsonl"):
+        ev = _parse_event(data, "context event")
+        cseq = ev.get("seq")
+        if type(cseq) is not int or ev.get("tenant") != tenant:
+            raise _fail(f"context event {cseq!r}: bad seq or tenant")
+        raw = next(proofs, None)
+        if raw is None:
+            raise _fail(f"context event seq {cseq}: no inclusion proof")
+        try:
+            p = json.loads(raw)
+            hashes = decode_hashes(p.get("hashes"), f"proof of context event {cseq}")
+            if p.get("index") != cseq or p.get("size") != end_cp.size:
+                raise _fail(f"context event seq {cseq}: its proof is for another index or size")
+            verify_inclusion(cseq, end_cp.size, leaf_hash(data), hashes, end_cp.root)
+        except ValueError as exc:
+            raise _fail(f"context event seq {cseq}: unreadable proof") from exc
+        except VerificationFailed as exc:
+            raise _fail(
+                f"context event seq {cseq}: {exc.message}; the event or its proof was altered"
+            ) from exc
+        context_docs.append(ev)
+        if first <= cseq < stop:
+            raise _fail(f"context event seq {cseq}: inside the period")
+        if cseq == first - 1 and not ev["time"] < str(meta["from"]):
+            raise _fail(f"event seq {cseq}: dated in the period but left out of it")
+        if cseq == stop and not ev["time"] >= str(meta["to"]):
+            raise _fail(f"event seq {cseq}: dated in the period but left out of it")
+        events[cseq] = ev
+    if next(proofs, None) is not None:
+        raise _fail("proofs/context.jsonl: more proofs than context events")
+    seqs = {int(e["seq"]) for e in context_docs}
+    if first > 0 and first - 1 not in seqs:
+        raise _fail(
+            f"event seq {first - 1}: the event just before the period is missing, so its "
+            "start cannot be shown complete"
+        )
+    if stop < end_cp.size and stop not in seqs:
+        raise _fail(
+            f"event seq {stop}: the event just after the period is missing, so its end "
+            "cannot be shown complete"
+        )
+
+    # -- what the proven events say ---------------------------------------------------
+    ordered = [events[s] for s in sorted(events)]
+    submits = {
+        str(e["artifact"]): e
+        for e in ordered
+        if e["action"] == "artifact.submit" and e["decision"] == "allow"
+    }
+    grants = {
+        str((e.get("details") or {}).get("approval")): e
+        for e in ordered
+        if e["action"] == "approval.grant" and e["decision"] == "allow"
+    }
+    revokes: dict[str, int] = {}
+    for e in ordered:
+        if e["action"] == "approval.revoke" and e["decision"] == "allow":
+            for a in e.get("approvals") or []:
+                revokes.setdefault(str(a), int(e["seq"]))
+    runs = {
+        str(e["run"]): e
+        for e in ordered
+        if e["action"] == "run.start" and e["decision"] == "allow" and e.get("run")
+    }
+    approvals_checked = 0
+    production = 0
+    for run_id, start in runs.items():
+        d = start.get("details") or {}
+        if d.get("environment") != "production":
+            continue
+        production += 1
+        digest = str(start.get("artifact"))
+        submit = submits.get(digest)
+        if submit is None:
+            raise _fail(
+                f"run {run_id}: the submission of its artifact {digest[:19]}… is not in the pack"
+            )
+        author = submit["actor"]["id"]
+        cited = list(start.get("approvals") or [])
+        if not cited:
+            raise _fail(f"run {run_id}: a production run with no approval")
+        for approval in cited:
+            grant = grants.get(approval)
+            if grant is None:
+                raise _fail(
+                    f"approval {approval} of run {run_id}: its approval.grant event is not "
+                    "in the pack"
+                )
+            approvals_checked += 1
+            gd = grant.get("details") or {}
+            if int(grant["seq"]) > int(start["seq"]) or grant["time"] > start["time"]:
+                raise _fail(
+                    f"approval {approval} of run {run_id}: granted at {grant['time']} "
+                    f"(seq {grant['seq']}), after the run started at {start['time']} "
+                    f"(seq {start['seq']})"
+                )
+            if grant["actor"]["id"] == author:
+                raise _fail(
+                    f"approval {approval} of run {run_id}: granted by {author}, the "
+                    "artifact's author (separation of duties)"
+                )
+            if grant.get("artifact") != digest:
+                raise _fail(f"approval {approval} of run {run_id}: approves another artifact")
+            if gd.get("capabilities_hash") != (submit.get("details") or {}).get(
+                "capabilities_hash"
+            ):
+                raise _fail(f"approval {approval} of run {run_id}: approves other capabilities")
+            expires = gd.get("expires_at")
+            if expires is not None and str(expires) <= start["time"]:
+                raise _fail(
+                    f"approval {approval} of run {run_id}: expired at {expires}, before "
+                    "the run started"
+                )
+            revoked = revokes.get(approval)
+            if revoked is not None and revoked < int(start["seq"]):
+                raise _fail(
+                    f"approval {approval} of run {run_id}: revoked (seq {revoked}) "
+                    "before the run started"
+                )
+    accesses = 0
+    for ev in data_events:
+        digest = str(ev.get("artifact"))
+        run = runs.get(str(ev.get("run")))
+        if run is not None and run.get("artifact") != digest:
+            raise _fail(
+                f"event seq {ev['seq']}: names artifact {digest[:19]}… but its run "
+                f"{ev.get('run')} runs {str(run.get('artifact'))[:19]}…"
+            )
+        submit = submits.get(digest)
+        if submit is None:
+            raise _fail(
+                f"event seq {ev['seq']}: the submission of artifact {digest[:19]}… (its "
+                "approved capabilities) is not in the pack"
+            )
+        caps = (submit.get("details") or {}).get("capabilities") or {}
+        why = _caps_allow(caps, ev)
+        if why is not None:
+            raise _fail(
+                f"event seq {ev['seq']} ({ev['action']} {ev['resource']}): allowed, but {why}"
+            )
+        accesses += 1
+
+    # -- the store's records held to the events ----------------------------------------
+    _check_records(zf, grants, submits, runs, ordered)
+
+    # -- the report, regenerated --------------------------------------------------------
+    gov_period = [e for s, e in sorted(events.items()) if first <= s < stop]
+    report = summary.finish(
+        context=context_docs,
+        period_events=gov_period,
+        subprocessors=_load(zf, "governance/subprocessors.json"),
+    )
+    if json.loads(json.dumps(report)) != _load(zf, "report/report.json"):
+        raise _fail("report/report.json: does not match what the events show")
+    return PackReport(
+        tenant,
+        origin,
+        stop - first,
+        len(context_docs),
+        first,
+        stop,
+        end_cp.size,
+        production,
+        approvals_checked,
+        accesses,
+        verifier.vkey(),
+    )
+
+
+def _check_records(
+    zf: zipfile.ZipFile,
+    grants: dict[str, dict[str, Any]],
+    submits: dict[str, dict[str, Any]],
+    runs: dict[str, dict[str, Any]],
+    ordered: list[dict[str, Any]],
+) -> None:
+    for a in _load(zf, "governance/approvals.json"):
+        ev = grants.get(str(a.get("id")))
+        if ev is None or a.get("decision") != "approve":
+            continue
+        where = f"governance/approvals.json: approval {a.get('id')}"
+        if a.get("principal") != ev["actor"]["id"] or a.get("digest") != ev.get("artifact"):
+            raise _fail(
+                f"{where}: principal or artifact differs from its ledger event (seq {ev['seq']})"
+            )
+        created = str(a.get("created_at"))
+        if not 0 <= _ts(ev["time"]) - _ts(created) <= _CLOCK_SLACK:
+            raise _fail(
+                f"{where}: dated {created}, but its ledger event (seq {ev['seq']}) was "
+                f"recorded at {ev['time']}; the approval was backdated or altered"
+            )
+    for art in _load(zf, "governance/artifacts.json"):
+        where = f"governance/artifacts.json: artifact {str(art.get('digest'))[:19]}…"
+        manifest = art.get("manifest") or {}
+        if capabilities_hash(manifest.get("capabilities") or {}) != art.get("capabilities_hash"):
+            raise _fail(f"{where}: its capabilities do not hash to its capabilities_hash")
+        ev = submits.get(str(art.get("digest")))
+        if ev is not None and (
+            (ev.get("details") or {}).get("capabilities_hash") != art.get("capabilities_hash")
+            or ev["actor"]["id"] != art.get("author")
+        ):
+            raise _fail(f"{where}: differs from its submission event (seq {ev['seq']})")
+    for r in _load(zf, "governance/runs.json"):
+        ev = runs.get(str(r.get("id")))
+        if ev is None:
+            continue
+        where = f"governance/runs.json: run {r.get('id')}"
+        if (r.get("digest"), r.get("deployment"), list(r.get("approvals") or [])) != (
+            ev.get("artifact"),
+            ev.get("deployment"),
+            list(ev.get("approvals") or []),
+        ):
+            raise _fail(
+                f"{where}: artifact, deployment or approvals differ from its run.start "
+                f"event (seq {ev['seq']})"
+            )
+        if not 0 <= _ts(ev["time"]) - _ts(str(r.get("started_at"))) <= _CLOCK_SLACK:
+            raise _fail(f"{where}: start time differs from its run.start event (seq {ev['seq']})")
+    deployments = _load(zf, "governance/deployments.json")
+    for ev in ordered:
+        if ev["action"] not in ("deployment.create", "deployment.rollback"):
+            continue
+        d = ev.get("details") or {}
+        match = [
+            x
+            for x in deployments
+            if x.get("name") == ev.get("deployment")
+            and x.get("digest") == ev.get("artifact")
+            and list(x.get("approvals") or []) == list(ev.get("approvals") or [])
+            and x.get("environment") == d.get("environment")
+            and x.get("instruction") == d.get("instruction")
+        ]
+        if deployments and not match:
+            raise _fail(
+                f"governance/deployments.json: no version of {ev.get('deployment')} "
+                f"matches its deployment event (seq {ev['seq']})"
+            )
+    for p in _load(zf, "governance/policies.json"):
+        if policy_version(str(p.get("text", ""))) != p.get("version"):
+            raise _fail(
+                f"governance/policies.json: the text of {p.get('version')} does not hash "
+                "to its version"
+            )
