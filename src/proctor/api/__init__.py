@@ -1,0 +1,24 @@
+"""The HTTP API: FastAPI over the embedded runtime, for principals.
+
+``create_app`` builds the application; ``serve_api`` runs it under uvicorn in a
+thread (what ``proctor serve`` calls). Authentication is a principal's bearer
+token or an OIDC JWT from a configured issuer (``OIDCIssuer``,
+``load_oidc_config``); every request is decided by Cedar and recorded in the
+ledger. See docs/api.md.
+"""
+
+from proctor.api._app import create_app
+from proctor.api._auth import OIDCIssuer, load_oidc_config
+from proctor.api._context import Limits
+from proctor.api._server import DEFAULT_HOST, DEFAULT_PORT, ApiServer, serve_api
+
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "ApiServer",
+    "Limits",
+    "OIDCIssuer",
+    "create_app",
+    "load_oidc_config",
+    "serve_api",
+]

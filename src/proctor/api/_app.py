@@ -1,0 +1,189 @@
+"""The FastAPI application: routes, the request-id and size-limit middleware, and the
+handlers that turn every failure into the one error shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proctor import __version__
+from proctor.api import _log, _routes
+from proctor.api._auth import Authenticator, OIDCIssuer
+from proctor.api._context import ApiState, Limits, request_id_for
+from proctor.api._errors import body, describe
+from proctor.api._models import HealthOut, KeyOut
+from proctor.errors import ProctorError
+from proctor.runtime import Runtime
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_STATUS_CODES = {
+    400: "invalid_request", 401: "unauthenticated", 403: "forbidden", 404: "not_found",
+    405: "method_not_allowed", 406: "not_acceptable", 413: "too_large",
+    415: "unsupported_media_type", 422: "invalid_request",
+}  # fmt: skip
+
+
+class _Guard:
+    """Gives each request its id (``X-Request-Id``, echoed on every response) and
+    refuses bodies over the limit: by Content-Length before reading, and by counting
+    when there is none (the artifact upload route counts its own, larger, stream)."""
+
+    def __init__(self, app: ASGIApp, limits: Limits) -> None:
+        self._app = app
+        self._limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = request_id_for(headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+        upload = scope["method"] == "POST" and scope["path"].endswith("/artifacts")
+        limit = self._limits.artifact_upload if upload else self._limits.json_body
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [
+                    *message["headers"], (b"x-request-id", rid.encode()),
+                ]  # fmt: skip
+            await send(message)
+
+        async def refuse(status: int, code: str, message: str) -> None:
+            resp = JSONResponse(body(code, message, None, rid), status_code=status,
+                                headers={"Connection": "close"})  # fmt: skip
+            await resp(scope, receive, send_with_id)
+
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                await refuse(400, "invalid_request", "Content-Length is not a number")
+                return
+            if int(length) > limit:
+                await refuse(413, "too_large", f"the request body is over {limit} bytes")
+                return
+            await self._app(scope, receive, send_with_id)
+            return
+        if upload or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self._app(scope, receive, send_with_id)
+            return
+        # A chunked body on a JSON route: read it whole (it is small), then replay it.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await refuse(413, "too_large", f"the request body is over {limit} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self._app(scope, replay, send_with_id)
+
+
+def _rid(request: Request) -> str | None:
+    rid: str | None = getattr(request.state, "request_id", None)
+    return rid
+
+
+def create_app(
+    rt: Runtime,
+    *,
+    oidc: Sequence[OIDCIssuer] = (),
+    limits: Limits | None = None,
+    supervisor: Any = None,
+    backend: str | None = None,
+) -> FastAPI:
+    """The API over ``rt``. ``supervisor`` (a ``proctor.lifecycle.Supervisor``) is used
+    for runs when given (``proctor serve`` has one); otherwise the API makes its own
+    broker and supervisor on the first run and stops them at shutdown."""
+    limits = limits or Limits()
+    state = ApiState(rt, Authenticator(rt, oidc), limits, backend=backend, supervisor=supervisor)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            state.close()
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="Proctor API",
+        version=__version__,
+        description=(
+            "The control plane of a Proctor runtime, for principals: artifacts, approvals, "
+            "deployments, runs, policies and the audit ledger. Every request is decided by "
+            "Cedar and recorded in the ledger. Errors share one shape: "
+            '`{"error": {"code", "message", "hint", "request_id"}}`.'
+        ),
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.proctor = state
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        status, doc, headers = describe(exc, _rid(request))
+        return JSONResponse(doc, status_code=status, headers=headers)
+
+    # Proctor's own errors are answers (4xx, or 503 when the ledger cannot write);
+    # anything else reaches the last handler, which logs it and says only "internal".
+    app.add_exception_handler(ProctorError, on_error)
+    app.add_exception_handler(Exception, on_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        doc = body("invalid_request", "; ".join(problems) or "invalid request", None, _rid(request))
+        return JSONResponse(doc, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "invalid_request")
+        message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        doc = body(code, message, None, _rid(request))
+        return JSONResponse(doc, status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/healthz", response_model=HealthOut, tags=["meta"])
+    def healthz() -> HealthOut:
+        """Liveness; needs no credential and reveals nothing of any tenant."""
+        return HealthOut(status="ok", version=__version__)
+
+    @app.get("/key", response_model=KeyOut, tags=["meta"])
+    def key() -> KeyOut:
+        """The verifier key of the runtime's checkpoints: public by design."""
+        return KeyOut(verifier_key=rt.ledger.vkey(), trust_domain=rt.config.trust_domain)
+
+    app.include_router(_routes.router)
+    app.include_router(_log.router)
+    app.add_middleware(_Guard, limits=limits)
+
+    return app

@@ -1,0 +1,176 @@
+"""Per-request context: the authenticated principal, and the one way to authorize.
+
+Every request a principal makes is decided by Cedar (the control plane's role
+policy, on the principal and the tenant that owns the resource) and recorded in
+the principal's tenant log as an ``api.request`` event, allowed or denied, with
+the request id and source address, before anything is answered. A request the
+ledger cannot record is refused (503). A principal asking about another tenant
+gets the same 404 as for a tenant that does not exist, so tenants cannot be
+enumerated across the boundary.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from proctor.api._auth import Authenticator
+from proctor.api._errors import ApiError, not_found
+from proctor.errors import PolicyError
+from proctor.governance import Principal
+from proctor.ledger import EventDraft
+from proctor.policy import Decision, EntityRef, IpAddr
+from proctor.runtime import Runtime
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_PATH_MAX = 512
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request size limits, in bytes."""
+
+    json_body: int = 1 << 20
+    artifact_upload: int = 64 << 20
+    artifact_files: int = 10_000
+
+
+@dataclass
+class ApiState:
+    rt: Runtime
+    auth: Authenticator
+    limits: Limits
+    backend: str | None = None
+    supervisor: Any = None  # proctor.lifecycle.Supervisor, made on the first run
+    own_broker: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get_supervisor(self) -> Any:
+        from proctor.lifecycle import Supervisor
+
+        with self.lock:
+            if self.supervisor is None:
+                self.own_broker = self.rt.make_broker().start()
+                self.supervisor = Supervisor(self.rt, self.own_broker, self.backend)
+            return self.supervisor
+
+    def close(self) -> None:
+        with self.lock:
+            if self.own_broker is not None:
+                self.own_broker.stop()
+                self.own_broker = None
+                self.supervisor = None
+
+
+def request_id_for(header: str | None) -> str:
+    """The caller's X-Request-Id when it is short and plain (it goes into the ledger),
+    else a fresh one."""
+    import os
+
+    if header and _REQUEST_ID_RE.match(header):
+        return header
+    return "req_" + os.urandom(8).hex()
+
+
+def _source(request: Request) -> str | None:
+    host = request.client.host if request.client else None
+    if host is None:
+        return None
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Ctx:
+    state: ApiState
+    principal: Principal
+    request_id: str
+    source: str | None
+    method: str
+    path: str
+
+    @property
+    def rt(self) -> Runtime:
+        return self.state.rt
+
+    def authorize(
+        self,
+        action: str,
+        tenant: str,
+        event_resource: str,
+        resource: EntityRef | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """Decide ``action`` on ``resource`` (default: the tenant) for this request's
+        principal, record the decision, and raise unless it is allowed."""
+        p = self.principal
+        cedar_context: dict[str, Any] = {"request_id": self.request_id, **(context or {})}
+        if self.source is not None:
+            cedar_context["source"] = IpAddr(self.source)
+        try:
+            ref = resource if resource is not None else EntityRef.tenant(tenant)
+            decision = self.rt.control.decide(p, action, ref, tenant, cedar_context)
+        except PolicyError:
+            # A name Cedar cannot even hold (e.g. with a '/') is nobody's tenant.
+            decision = Decision(False, (), "", ("invalid name",))
+        details: dict[str, Any] = {
+            "request_id": self.request_id,
+            "source": self.source,
+            "method": self.method,
+            "path": self.path[:_PATH_MAX],
+            "action": action,
+        }
+        if tenant != p.tenant:
+            details["target_tenant"] = tenant[:64]
+        if decision.allowed:
+            reason = f"{action} allowed"
+        elif decision.policies:
+            reason = f"{action} forbidden by {', '.join(decision.policies)}"
+        else:
+            reason = f"no role of {p.id} permits {action}"
+        self.rt.ledger.append(
+            p.tenant,
+            EventDraft(
+                p.actor,
+                "api.request",
+                event_resource[:_PATH_MAX],
+                decision="allow" if decision.allowed else "deny",
+                policies=decision.policies,
+                reason=reason,
+                details=details,
+            ),
+        )
+        if decision.allowed:
+            return decision
+        if tenant != p.tenant:
+            raise not_found(f"unknown tenant {tenant!r}")
+        raise ApiError(403, "forbidden", f"{p.id} may not {action} {event_resource}: {reason}")
+
+
+_bearer = HTTPBearer(auto_error=False, description="A principal's pt_… token or an OIDC JWT")
+
+
+def current(
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Security(_bearer),  # noqa: B008
+) -> Ctx:
+    """The FastAPI dependency every authenticated route takes."""
+    state: ApiState = request.app.state.proctor
+    principal = state.auth.authenticate(request.headers.get("authorization"))
+    return Ctx(
+        state,
+        principal,
+        request.state.request_id,
+        _source(request),
+        request.method,
+        request.url.path,
+    )

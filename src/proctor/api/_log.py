@@ -1,0 +1,238 @@
+"""The audit ledger over HTTP: events, checkpoints, proofs, verification, export, and
+the C2SP tlog-tiles read paths (``log/checkpoint``, ``log/tile/<L>/<N>[.p/<W>]``,
+``log/tile/entries/<N>[.p/<W>]``) so that standard tlog clients can read a tenant's
+log. Reading a log is ``audit.read`` and, like every request, recorded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from proctor.api._context import Ctx, current
+from proctor.api._errors import ERROR_RESPONSES, not_found
+from proctor.api._models import CheckpointOut, ConsistencyOut, InclusionOut, VerifyOut
+from proctor.api._routes import parse_time
+from proctor.errors import UsageError
+from proctor.ledger import EventDraft
+
+router = APIRouter(responses=ERROR_RESPONSES, tags=["audit"])
+CtxDep = Annotated[Ctx, Depends(current)]
+
+TILE_WIDTH = 256
+_HASH = 32
+# tile/<L>/<N>[.p/<W>] with N as x001/x234/067; entries bundles use "entries" for L.
+_TILE_RE = re.compile(r"^(entries|[0-9]{1,2})/((?:x[0-9]{3}/)*[0-9]{3})(?:\.p/([0-9]{1,3}))?$")
+_MAX_EVENTS = 10_000
+
+
+def _read(ctx: Ctx, tenant: str) -> None:
+    ctx.authorize("audit.read", tenant, f"log/{tenant}")
+
+
+@router.get(
+    "/tenants/{tenant}/events",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            "description": "Events as hashed (RFC 8785), one per line",
+        }
+    },
+)
+def events(
+    ctx: CtxDep,
+    tenant: str,
+    start: Annotated[int, Query(ge=0, le=2**62, description="First sequence number")] = 0,
+    limit: Annotated[int, Query(ge=1, le=_MAX_EVENTS)] = 1000,
+    since: Annotated[str | None, Query(max_length=40, description="ISO 8601, inclusive")] = None,
+    until: Annotated[str | None, Query(max_length=40, description="ISO 8601, exclusive")] = None,
+) -> Response:
+    """A page of the log's events, the canonical bytes exactly as hashed. The header
+    ``X-Next-Start`` gives ``start`` for the next page when there may be more."""
+    _read(ctx, tenant)
+    ledger = ctx.rt.ledger
+    out: list[bytes] = []
+    last = start - 1
+    if since is None and until is None:
+        for data in ledger.entries(tenant, start, start + limit):
+            out.append(data)
+        last = start + len(out) - 1
+    else:
+        lo = parse_time(since, "since") if since else None
+        hi = parse_time(until, "until") if until else None
+        # Consumed in this one call: a store read must not outlive its thread.
+        for data in ledger.events_between(tenant, lo, hi):
+            seq = int(json.loads(data)["seq"])
+            if seq < start:
+                continue
+            out.append(data)
+            last = seq
+            if len(out) >= limit:
+                break
+    headers = {"X-Next-Start": str(last + 1)} if len(out) >= limit else {}
+    body = b"".join(d + b"\n" for d in out)
+    return Response(body, media_type="application/x-ndjson", headers=headers)
+
+
+@router.get("/tenants/{tenant}/checkpoints", response_model=list[CheckpointOut])
+def checkpoints(ctx: CtxDep, tenant: str) -> list[CheckpointOut]:
+    """Every signed checkpoint the log has published, oldest first."""
+    _read(ctx, tenant)
+    return [CheckpointOut(size=s, time=t, note=n) for s, t, n in ctx.rt.ledger.checkpoints(tenant)]
+
+
+_TEXT: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+        "description": "The C2SP signed note, exactly as signed",
+    }
+}
+_BYTES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "description": "A C2SP tlog-tiles tile",
+    }
+}
+
+
+@router.get("/tenants/{tenant}/log/checkpoint", response_class=Response, responses=_TEXT)
+def log_checkpoint(ctx: CtxDep, tenant: str) -> Response:
+    """The latest signed checkpoint (C2SP tlog-checkpoint), for tlog clients."""
+    _read(ctx, tenant)
+    note = ctx.rt.ledger.head(tenant).checkpoint
+    return Response(
+        note, media_type="text/plain; charset=utf-8", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def _index(groups: str) -> int:
+    return int("".join(g.lstrip("x") for g in groups.split("/")))
+
+
+@router.get("/tenants/{tenant}/log/tile/{path:path}", response_class=Response, responses=_BYTES)
+def log_tile(ctx: CtxDep, tenant: str, path: str) -> Response:
+    """A hash tile ``<L>/<N>[.p/<W>]`` or an entry bundle ``entries/<N>[.p/<W>]``
+    (C2SP tlog-tiles). Full tiles never change and may be cached forever."""
+    m = _TILE_RE.match(path)
+    if m is None:
+        raise UsageError(f"{path!r} is not a tlog-tiles path: <L>/<N>[.p/<W>]")
+    level_s, n_s, w_s = m.groups()
+    index = _index(n_s)
+    width = int(w_s) if w_s is not None else TILE_WIDTH
+    if not 1 <= width <= TILE_WIDTH or (w_s is not None and width == TILE_WIDTH):
+        raise UsageError("a partial tile's width is 1 to 255")
+    _read(ctx, tenant)
+    if level_s == "entries":
+        data = _bundle(ctx, tenant, index, width)
+    else:
+        tile = ctx.rt.ledger.tile(tenant, int(level_s), index)
+        if len(tile) < width * _HASH:
+            raise not_found(f"tile {path} is not in the tree yet")
+        data = tile[: width * _HASH]
+    headers = (
+        {"Cache-Control": "public, max-age=31536000, immutable"} if width == TILE_WIDTH else {}
+    )
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+def _bundle(ctx: Ctx, tenant: str, index: int, width: int) -> bytes:
+    size = ctx.rt.ledger.head(tenant).size
+    first = index * TILE_WIDTH
+    if first + width > size:
+        raise not_found(f"entry bundle {index} of width {width} is not in the log yet")
+    out = io.BytesIO()
+    for data in ctx.rt.ledger.entries(tenant, first, first + width):
+        if len(data) > 0xFFFF:
+            raise UsageError("an event is too large for a tlog-tiles entry bundle")
+        out.write(len(data).to_bytes(2, "big") + data)
+    return out.getvalue()
+
+
+@router.get("/tenants/{tenant}/proofs/inclusion", response_model=InclusionOut)
+def inclusion(
+    ctx: CtxDep,
+    tenant: str,
+    index: Annotated[int, Query(ge=0, le=2**62)],
+    size: Annotated[int | None, Query(ge=1, le=2**62)] = None,
+) -> InclusionOut:
+    """Inclusion proof (RFC 9162 §2.1.3) of event ``index`` in the tree of ``size``."""
+    _read(ctx, tenant)
+    return InclusionOut(**ctx.rt.ledger.inclusion_proof(tenant, index, size).as_json())
+
+
+@router.get("/tenants/{tenant}/proofs/consistency", response_model=ConsistencyOut)
+def consistency(
+    ctx: CtxDep,
+    tenant: str,
+    old: Annotated[int, Query(ge=1, le=2**62)],
+    new: Annotated[int | None, Query(ge=1, le=2**62)] = None,
+) -> ConsistencyOut:
+    """Consistency proof (RFC 9162 §2.1.4) that the tree of ``new`` extends ``old``."""
+    _read(ctx, tenant)
+    return ConsistencyOut(**ctx.rt.ledger.consistency_proof(tenant, old, new).as_json())
+
+
+@router.get("/tenants/{tenant}/verify", response_model=VerifyOut)
+def verify(ctx: CtxDep, tenant: str) -> VerifyOut:
+    """Recompute every leaf and root on the server and check every checkpoint. An
+    auditor who trusts only the key verifies an export offline instead."""
+    _read(ctx, tenant)
+    r = ctx.rt.ledger.verify(tenant)
+    return VerifyOut(
+        origin=r.origin,
+        size=r.size,
+        root=base64.b64encode(r.root).decode(),
+        checkpoints=r.checkpoints,
+    )
+
+
+_TGZ: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+        "description": "The export directory as a tar.gz",
+    }
+}
+
+
+@router.get("/tenants/{tenant}/export", response_class=Response, responses=_TGZ)
+def export(ctx: CtxDep, tenant: str) -> Response:
+    """The log as ``proctor audit export`` writes it (events, checkpoints, verifier key,
+    tiles), as a tar.gz that ``proctor audit verify --from-export`` checks offline."""
+    _read(ctx, tenant)
+    work = Path(tempfile.mkdtemp(prefix="proctor-export-"))
+    try:
+        out = work / "export"
+        head = ctx.rt.ledger.export(tenant, out)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            tar.add(out, arcname=f"{tenant}-log")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ctx.rt.ledger.append(
+        ctx.principal.tenant,
+        EventDraft(
+            ctx.principal.actor,
+            "audit.export",
+            f"log/{tenant}",
+            reason="exported",
+            details={"size": head.size, "request_id": ctx.request_id},
+        ),
+    )
+    return Response(
+        buf.getvalue(),
+        media_type="application/gzip",
+        headers={
+            "Content-Disposition": f'attachment; filename="{tenant}-log.tar.gz"',
+            "X-Log-Size": str(head.size),
+        },
+    )

@@ -1,0 +1,463 @@
+"""The Python SDK over the HTTP API; the CLI's ``--server`` mode uses it too.
+
+Every method is one request. A response with an error is raised as the
+``proctor`` exception its stable ``code`` names (``not_found`` as ``NotFound``,
+``forbidden`` as ``ControlDenied``, ``ledger_unavailable`` as ``LedgerError``,
+…), with ``status``, ``code`` and ``request_id`` attached, so that callers
+handle remote and embedded errors alike.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from proctor.errors import (
+    AlreadyExists,
+    LedgerError,
+    NotFound,
+    PolicyError,
+    ProctorError,
+    SandboxError,
+    StoreError,
+    UsageError,
+    VerificationFailed,
+)
+
+Json = Any
+
+
+class RemoteError(ProctorError):
+    """An API error whose code this client does not know (a newer server)."""
+
+
+def _error_class(code: str) -> type[ProctorError]:
+    # The governance and lifecycle errors are imported only when needed: the SDK
+    # should not pay for Cedar and the store on import.
+    if code == "unauthenticated":
+        from proctor.governance import AuthenticationFailed
+
+        return AuthenticationFailed
+    if code == "approval_required":
+        from proctor.governance import ApprovalRequired
+
+        return ApprovalRequired
+    if code == "synthetic_only":
+        from proctor.governance import SyntheticOnly
+
+        return SyntheticOnly
+    if code == "run_refused":
+        from proctor.lifecycle import RunRefused
+
+        return RunRefused
+    simple: dict[str, type[ProctorError]] = {
+        "not_found": NotFound,
+        "already_exists": AlreadyExists,
+        "invalid_request": UsageError,
+        "invalid_policy": PolicyError,
+        "too_large": UsageError,
+        "unsupported_media_type": UsageError,
+        "method_not_allowed": UsageError,
+        "ledger_unavailable": LedgerError,
+        "store_unavailable": StoreError,
+        "verification_failed": VerificationFailed,
+        "sandbox_error": SandboxError,
+    }
+    return simple.get(code, RemoteError)
+
+
+def error_from_response(status: int, payload: Json, request_id: str | None) -> ProctorError:
+    """The exception an error response stands for."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(err, dict):
+        err = {"code": "internal", "message": f"HTTP {status} without a Proctor error body"}
+    code = str(err.get("code") or "internal")
+    message = str(err.get("message") or f"HTTP {status}")
+    hint = err.get("hint") if isinstance(err.get("hint"), str) else None
+    if code == "forbidden":
+        from proctor.governance import ControlDenied
+
+        exc: ProctorError = ControlDenied(message)
+        exc.hint = hint
+    else:
+        exc = _error_class(code)(message, hint=hint)
+    # Attached, not declared: the classes are the embedded runtime's own.
+    exc.status = status  # type: ignore[attr-defined]
+    exc.code = code  # type: ignore[attr-defined]
+    exc.request_id = err.get("request_id") or request_id  # type: ignore[attr-defined]
+    return exc
+
+
+def pack_directory(directory: Path) -> bytes:
+    """An artifact directory as a tar.gz, names relative to it, symlinks kept as links."""
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for root, dirs, files in os.walk(directory):
+            dirs.sort()
+            for name in sorted(dirs + files):
+                path = Path(root) / name
+                rel = PurePosixPath(path.relative_to(directory).as_posix())
+                if path.is_dir() and not path.is_symlink():
+                    continue
+                tar.add(path, arcname=str(rel), recursive=False)
+    return buf.getvalue()
+
+
+def _seg(value: str) -> str:
+    return quote(value, safe=":")
+
+
+class Client:
+    """``Client(url, token)``: a principal's view of a Proctor server.
+
+    ``verify`` is passed to httpx: ``True`` (system CAs), ``False``, or a CA bundle
+    path for a server with its own certificate.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout: float = 60.0,
+        verify: bool | str = True,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}", "User-Agent": "proctor-client"},
+            timeout=timeout,
+            verify=verify,
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _raise(self, resp: httpx.Response) -> None:
+        if resp.is_success:
+            return
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = None
+        raise error_from_response(resp.status_code, payload, resp.headers.get("x-request-id"))
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise ProctorError(f"cannot reach {self.url}: {exc}") from exc
+        self._raise(resp)
+        return resp
+
+    def _json(self, method: str, path: str, **kw: Any) -> Json:
+        return self._request(method, path, **kw).json()
+
+    def _t(self, tenant: str) -> str:
+        return f"/tenants/{_seg(tenant)}"
+
+    # -- meta, tenants, principals ------------------------------------------------
+
+    def health(self) -> Json:
+        return self._json("GET", "/healthz")
+
+    def verifier_key(self) -> str:
+        return str(self._json("GET", "/key")["verifier_key"])
+
+    def whoami(self) -> Json:
+        return self._json("GET", "/whoami")
+
+    def tenants(self) -> Json:
+        return self._json("GET", "/tenants")
+
+    def tenant(self, tenant: str) -> Json:
+        return self._json("GET", self._t(tenant))
+
+    def freeze(self, tenant: str, reason: str = "") -> Json:
+        return self._json("POST", f"{self._t(tenant)}/freeze", json={"reason": reason})
+
+    def unfreeze(self, tenant: str, reason: str = "") -> Json:
+        return self._json("POST", f"{self._t(tenant)}/unfreeze", json={"reason": reason})
+
+    def principals(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/principals")
+
+    def principal(self, tenant: str, name: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/principals/{_seg(name)}")
+
+    def create_principal(
+        self, tenant: str, name: str, roles: list[str], *, service: bool = False
+    ) -> tuple[Json, str]:
+        """Create a principal; returns it and its token (shown this once)."""
+        doc = self._json(
+            "POST",
+            f"{self._t(tenant)}/principals",
+            json={"name": name, "roles": roles, "kind": "service" if service else "user"},
+        )
+        return doc["principal"], str(doc["token"])
+
+    def rotate_token(self, tenant: str, name: str) -> str:
+        return str(self._json("POST", f"{self._t(tenant)}/principals/{_seg(name)}/token")["token"])
+
+    def disable_principal(self, tenant: str, name: str) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/principals/{_seg(name)}/disable")
+
+    def enable_principal(self, tenant: str, name: str) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/principals/{_seg(name)}/enable")
+
+    # -- policies, quorum, resources -----------------------------------------------
+
+    def policy(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/policy")
+
+    def set_policy(self, tenant: str, text: str) -> Json:
+        return self._json("PUT", f"{self._t(tenant)}/policy", json={"text": text})
+
+    def policy_history(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/policy/history")
+
+    def test_policy(self, tenant: str, request: Mapping[str, Any]) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/policy/test", json=dict(request))
+
+    def quorum(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/quorum")
+
+    def set_quorum(self, tenant: str, required: int, roles: list[str] | None = None) -> Json:
+        body = {"required": required, "roles": roles or []}
+        return self._json("PUT", f"{self._t(tenant)}/quorum", json=body)
+
+    def datasets(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/datasets")
+
+    def secrets(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/secrets")
+
+    def set_secret(
+        self, tenant: str, name: str, value: str, hosts: list[str], *,
+        header: str = "Authorization", template: str = "Bearer {secret}",
+    ) -> Json:  # fmt: skip
+        body = {"value": value, "hosts": hosts, "header": header, "template": template}
+        return self._json("PUT", f"{self._t(tenant)}/secrets/{_seg(name)}", json=body)
+
+    def buckets(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/buckets")
+
+    # -- artifacts and approvals ----------------------------------------------------
+
+    def submit_artifact(self, tenant: str, source: Path | bytes) -> Json:
+        """Submit a directory (packed here) or a ready tar / tar.gz."""
+        data = source if isinstance(source, bytes) else pack_directory(source)
+        ctype = "application/gzip" if data[:2] == b"\x1f\x8b" else "application/x-tar"
+        return self._json(
+            "POST", f"{self._t(tenant)}/artifacts", content=data, headers={"Content-Type": ctype}
+        )
+
+    def artifacts(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/artifacts")
+
+    def artifact(self, tenant: str, digest: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(digest)}")
+
+    def diff(self, tenant: str, old: str, new: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(old)}/diff/{_seg(new)}")
+
+    def approvals(self, tenant: str, digest: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(digest)}/approvals")
+
+    def approve(
+        self, tenant: str, digest: str, *, expires_seconds: int = 30 * 86400, comment: str = ""
+    ) -> Json:
+        body = {"expires_seconds": expires_seconds, "comment": comment}
+        return self._json(
+            "POST", f"{self._t(tenant)}/artifacts/{_seg(digest)}/approvals", json=body
+        )
+
+    def reject(self, tenant: str, digest: str, comment: str = "") -> Json:
+        path = f"{self._t(tenant)}/artifacts/{_seg(digest)}/rejections"
+        return self._json("POST", path, json={"comment": comment})
+
+    def approval(self, tenant: str, approval_id: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/approvals/{_seg(approval_id)}")
+
+    def revoke(self, tenant: str, approval_id: str) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/approvals/{_seg(approval_id)}/revoke")
+
+    # -- deployments and runs ---------------------------------------------------------
+
+    def deployments(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/deployments")
+
+    def deploy(
+        self, tenant: str, digest: str, name: str, *, instruction: str,
+        environment: str = "sandbox", mode: str = "job", every_seconds: float | None = None,
+        reference: str = "",
+    ) -> Json:  # fmt: skip
+        body = {
+            "digest": digest, "name": name, "environment": environment, "mode": mode,
+            "every_seconds": every_seconds, "instruction": instruction, "reference": reference,
+        }  # fmt: skip
+        return self._json("POST", f"{self._t(tenant)}/deployments", json=body)
+
+    def deployment(self, tenant: str, name: str) -> Json:
+        """Every version of the deployment, oldest first."""
+        return self._json("GET", f"{self._t(tenant)}/deployments/{_seg(name)}")
+
+    def rollback(self, tenant: str, name: str) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/deployments/{_seg(name)}/rollback")
+
+    def stop_deployment(self, tenant: str, name: str, reason: str = "stopped by request") -> Json:
+        path = f"{self._t(tenant)}/deployments/{_seg(name)}/stop"
+        return self._json("POST", path, json={"reason": reason})
+
+    def run(
+        self,
+        tenant: str,
+        name: str,
+        *,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+    ) -> Json:
+        """Run a job deployment, passing its output to the callbacks as it comes;
+        returns the finished run's record."""
+        path = f"{self._t(tenant)}/deployments/{_seg(name)}/runs"
+        try:
+            with self._http.stream("POST", path, timeout=None) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    self._raise(resp)
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    doc = json.loads(line)
+                    if "run" in doc:
+                        return doc["run"]
+                    if "error" in doc:
+                        raise error_from_response(500, doc, resp.headers.get("x-request-id"))
+                    sink = on_stdout if doc.get("stream") == "stdout" else on_stderr
+                    if sink is not None:
+                        sink(str(doc.get("data", "")))
+        except httpx.HTTPError as exc:
+            raise ProctorError(f"the run's stream from {self.url} broke: {exc}") from exc
+        raise ProctorError("the run's stream ended without its record")
+
+    def runs(self, tenant: str, deployment: str | None = None) -> Json:
+        params = {"deployment": deployment} if deployment else {}
+        return self._json("GET", f"{self._t(tenant)}/runs", params=params)
+
+    def get_run(self, tenant: str, run_id: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/runs/{_seg(run_id)}")
+
+    def run_logs(
+        self, tenant: str, run_id: str, *, stream: str = "stdout", follow: bool = False
+    ) -> Iterator[bytes]:
+        path = f"{self._t(tenant)}/runs/{_seg(run_id)}/logs"
+        params = {"stream": stream, "follow": "true" if follow else "false"}
+        with self._http.stream("GET", path, params=params, timeout=None) as resp:
+            if not resp.is_success:
+                resp.read()
+                self._raise(resp)
+            yield from resp.iter_bytes()
+
+    def history(self, tenant: str, at: str, window_seconds: float = 3600.0) -> Json:
+        params = {"at": at, "window_seconds": window_seconds}
+        return self._json("GET", f"{self._t(tenant)}/history", params=params)
+
+    # -- the ledger ------------------------------------------------------------------
+
+    def events(
+        self, tenant: str, *, start: int = 0, limit: int = 1000,
+        since: str | None = None, until: str | None = None,
+    ) -> list[bytes]:  # fmt: skip
+        """One page of events, each the canonical bytes exactly as hashed."""
+        params: dict[str, Any] = {"start": start, "limit": limit}
+        if since:
+            params["since"] = since
+        if until:
+            params["until"] = until
+        resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
+        return [line for line in resp.content.split(b"\n") if line]
+
+    def iter_events(
+        self, tenant: str, *, since: str | None = None, until: str | None = None
+    ) -> Iterator[bytes]:
+        """Every event, page after page."""
+        start = 0
+        while True:
+            params: dict[str, Any] = {"start": start, "limit": 1000}
+            if since:
+                params["since"] = since
+            if until:
+                params["until"] = until
+            resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
+            yield from (line for line in resp.content.split(b"\n") if line)
+            nxt = resp.headers.get("x-next-start")
+            if nxt is None:
+                return
+            start = int(nxt)
+
+    def checkpoint(self, tenant: str) -> str:
+        """The latest signed checkpoint, exactly as signed."""
+        return self._request("GET", f"{self._t(tenant)}/log/checkpoint").text
+
+    def checkpoints(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/checkpoints")
+
+    def tile(self, tenant: str, level: int, index: int, width: int = 256) -> bytes:
+        from proctor.ledger import tile_path
+
+        return self._request(
+            "GET", f"{self._t(tenant)}/log/{tile_path(level, index, width)}"
+        ).content
+
+    def inclusion_proof(self, tenant: str, index: int, size: int | None = None) -> Json:
+        params: dict[str, Any] = {"index": index}
+        if size is not None:
+            params["size"] = size
+        return self._json("GET", f"{self._t(tenant)}/proofs/inclusion", params=params)
+
+    def consistency_proof(self, tenant: str, old: int, new: int | None = None) -> Json:
+        params: dict[str, Any] = {"old": old}
+        if new is not None:
+            params["new"] = new
+        return self._json("GET", f"{self._t(tenant)}/proofs/consistency", params=params)
+
+    def verify(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/verify")
+
+    def export(self, tenant: str, dest: Path) -> Path:
+        """Download the log export and unpack it into ``dest`` (created; must be empty);
+        ``proctor audit verify --from-export`` then checks it offline."""
+        data = self._request("GET", f"{self._t(tenant)}/export").content
+        dest.mkdir(parents=True, exist_ok=True)
+        if any(dest.iterdir()):
+            raise UsageError(f"export directory {dest} is not empty")
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            members = tar.getmembers()
+            prefix = members[0].name.split("/")[0] if members else ""
+            for m in members:
+                rel = m.name[len(prefix) :].lstrip("/")
+                if not rel:
+                    continue
+                m.name = rel
+                tar.extract(m, dest, filter="data")
+        return dest
