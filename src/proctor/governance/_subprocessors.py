@@ -11,9 +11,9 @@ reach a host the controller was never told about, whatever its manifest asks.
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
-import builtins
 from dataclasses import dataclass
 from typing import Any
 

@@ -1,0 +1,307 @@
+"""``proctor evidence``, ``subprocessor``, ``lineage`` and ``receipt``: evidence for
+auditors and controllers, a thin layer over :mod:`proctor.evidence`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    acting,
+    authorize_read,
+    console,
+    open_runtime,
+    parse_time,
+)
+from proctor.errors import UsageError
+from proctor.evidence import (
+    dpa_annex,
+    export_pack,
+    lineage,
+    ropa,
+    sample_runs,
+    verify_pack,
+    verify_receipt,
+)
+from proctor.governance._subprocessors import Subprocessors
+
+evidence_app = typer.Typer(
+    help="Evidence packs and GDPR records for auditors and controllers.", no_args_is_help=True
+)
+subprocessor_app = typer.Typer(
+    help="The subprocessor register (GDPR Art. 28(2)/(4)); egress elsewhere is refused.",
+    no_args_is_help=True,
+)
+receipt_app = typer.Typer(help="Signed run receipts (C2SP tlog-proof).", no_args_is_help=True)
+KeyOpt = Annotated[
+    str | None,
+    typer.Option("--key", help="Verifier key you trust [default: the pack's own, with a warning]"),
+]
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def _write(doc: Any, out: Path | None) -> None:
+    if out is None:
+        _emit(doc)
+        return
+    out.write_text(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    console.print(f"wrote {escape(str(out))}")
+
+
+@evidence_app.command("export")
+def export(
+    tenant: TenantOpt,
+    since: Annotated[str, typer.Option("--from", help="ISO 8601 start (inclusive)")],
+    until: Annotated[str, typer.Option("--to", help="ISO 8601 end (exclusive)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The pack to create (.zip)")],
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Write the evidence pack of a period: events, OCSF, checkpoints, proofs, records, report."""
+    start, end = parse_time(since, "--from"), parse_time(until, "--to")
+    assert start is not None and end is not None
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        authorize_read(rt, token, tenant, "evidence.export")
+        info = export_pack(rt, tenant, start, end, out)
+    console.print(
+        f"exported {info.events} events (seq {info.first_seq} to {info.end_seq - 1}) and "
+        f"{info.context} context events of {tenant} to {escape(str(out))}; end checkpoint size "
+        f"{info.end_size}"
+    )
+
+
+@evidence_app.command("verify")
+def verify(
+    pack: Annotated[Path, typer.Argument(help="An evidence pack (.zip)")],
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Verify a pack offline: signatures, proofs, approvals, capabilities, records, report."""
+    if key is None:
+        console.print(
+            "[yellow]trusting the pack's own verifier key; pass --key to check it "
+            "against the key you hold[/]"
+        )
+    report = verify_pack(pack, key)
+    if as_json:
+        _emit(report.__dict__)
+        return
+    console.print(
+        f"[green]verified[/] {report.origin}: {report.events} events (seq {report.first_seq} to "
+        f"{report.end_seq - 1}) and {report.context} context events in the signed tree of size "
+        f"{report.end_size}; {report.production_runs} production run(s), "
+        f"{report.approvals_checked} approval(s) and {report.accesses_checked} allowed "
+        "access(es) checked"
+    )
+
+
+@evidence_app.command("report")
+def report(
+    pack: Annotated[Path, typer.Argument(help="An evidence pack (.zip)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the report to")],
+) -> None:
+    """Extract a pack's report (Markdown, HTML, JSON, chart)."""
+    import zipfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(pack) as zf:
+        for name in zf.namelist():
+            if name.startswith("report/") and "/" not in name[7:] and name[7:]:
+                (out / name[7:]).write_bytes(zf.read(name))
+    console.print(f"report of {escape(str(pack))} written to {escape(str(out))}")
+
+
+@evidence_app.command("dpa-annex")
+def dpa_annex_cmd(
+    tenant: TenantOpt,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """The DPA's subprocessor annex: the register and the egress actually seen."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        doc = dpa_annex(rt, tenant)
+    _write(doc, out)
+
+
+@evidence_app.command("ropa")
+def ropa_cmd(
+    tenant: TenantOpt,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Records of processing (GDPR Art. 30(2)) from deployments, datasets and subprocessors."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        doc = ropa(rt, tenant)
+    _write(doc, out)
+
+
+@evidence_app.command("sample")
+def sample(
+    tenant: TenantOpt,
+    n: Annotated[int, typer.Option("--n", help="How many production runs")] = 25,
+    seed: Annotated[str, typer.Option("--seed", help="Seed: the same seed, the same sample")] = "0",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """A reproducible random sample of production runs, each with its full chain."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        doc = sample_runs(rt, tenant, n, seed)
+    _write(doc, out)
+
+
+def lineage_cmd(
+    tenant: TenantOpt,
+    dataset: Annotated[str, typer.Option("--dataset", help="Dataset name")],
+    key: Annotated[
+        str, typer.Option("--key", help="The record's primary key (JSON array if composite)")
+    ],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Every run that read or wrote one record: when, under which deployment and approvals."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        doc = lineage(rt, tenant, dataset, key)
+    if as_json:
+        _emit(doc)
+        return
+    table = Table("run", "env", "deployment", "first", "last", "approved by", "events", "lineage")
+    for kind, rows in (("row", doc["read"]), ("table only", doc["possibly"])):
+        for r in rows:
+            table.add_row(
+                r["run"],
+                str(r["environment"]),
+                str(r["deployment"]),
+                r["first"],
+                r["last"],
+                ", ".join(r["approved_by"]) or "—",
+                ", ".join(str(s) for s in r["events"][:10]),
+                kind,
+            )
+    console.print(table)
+
+
+@receipt_app.command("verify")
+def receipt_verify(
+    file: Annotated[Path, typer.Argument(help="A .tlog-proof receipt")],
+    key: Annotated[str, typer.Option("--key", help="The verifier key you trust")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Check a run receipt offline against the verifier key."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror}") from exc
+    r = verify_receipt(text, key)
+    if as_json:
+        _emit({"origin": r.origin, "index": r.index, "size": r.size, "event": r.event})
+        return
+    ev = r.event
+    console.print(
+        f"[green]verified[/] event {r.index} of {r.origin} (tree size {r.size}): "
+        f"{escape(str(ev.get('action')))} {escape(str(ev.get('resource')))} at {ev.get('time')}"
+        f" ({escape(str(ev.get('reason')))})"
+    )
+
+
+@subprocessor_app.command("add")
+def sp_add(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="The subprocessor's name")],
+    purpose: Annotated[str, typer.Option(help="What it processes the data for")],
+    location: Annotated[str, typer.Option(help="Where it processes (country, region)")],
+    host: Annotated[
+        list[str], typer.Option("--host", help="A host it serves (host[:port], *.domain)")
+    ],
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Register a subprocessor and the hosts it serves."""
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        if principal is not None:
+            from proctor.policy import EntityRef
+
+            rt.control.authorize(
+                principal,
+                "subprocessor.manage",
+                EntityRef.tenant(tenant),
+                tenant,
+                event_resource=f"subprocessor/{name}",
+            )
+        sp = Subprocessors(rt.store, rt.ledger).add(
+            tenant, name, purpose=purpose, location=location, hosts=host, actor=actor
+        )
+    console.print(
+        f"registered subprocessor [bold]{escape(sp.name)}[/] for {escape(', '.join(sp.hosts))}"
+    )
+
+
+@subprocessor_app.command("list")
+def sp_list(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
+    """List the tenant's subprocessors."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        rows = Subprocessors(rt.store, rt.ledger).list(tenant)
+    if as_json:
+        _emit([s.as_json() for s in rows])
+        return
+    table = Table("name", "purpose", "location", "hosts", "since", "by")
+    for s in rows:
+        table.add_row(s.name, s.purpose, s.location, ", ".join(s.hosts), s.created_at, s.created_by)
+    console.print(table)
+
+
+@subprocessor_app.command("remove")
+def sp_remove(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="The subprocessor's name")],
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Remove a subprocessor: egress to its hosts is refused from the next run on."""
+    with open_runtime(home) as rt:
+        actor, principal = acting(rt, token)
+        if principal is not None:
+            from proctor.policy import EntityRef
+
+            rt.control.authorize(
+                principal,
+                "subprocessor.manage",
+                EntityRef.tenant(tenant),
+                tenant,
+                event_resource=f"subprocessor/{name}",
+            )
+        Subprocessors(rt.store, rt.ledger).remove(tenant, name, actor)
+    console.print(f"removed subprocessor [bold]{escape(name)}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the evidence commands to the ``proctor`` app."""
+    app.add_typer(evidence_app, name="evidence")
+    app.add_typer(subprocessor_app, name="subprocessor")
+    app.add_typer(receipt_app, name="receipt")
+    app.command("lineage")(lineage_cmd)
