@@ -1,7 +1,9 @@
-"""Shared fixtures: real SQLite stores, real homes, the real CLI in a subprocess."""
+"""Shared fixtures: real stores (SQLite files and a real PostgreSQL), real homes,
+the real CLI in a subprocess."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -24,24 +26,88 @@ def draft(i: int = 0, **extra: object) -> EventDraft:
 
 @dataclass
 class LedgerEnv:
-    path: Path
+    path: Path  # the SQLite file; on PostgreSQL a path that does not exist
     store: Store
     signer: Signer
     ledger: Ledger
+    url: str = ""  # what open_store() opens: the file, or a PostgreSQL DSN
+
+    def __post_init__(self) -> None:
+        self.url = self.url or str(self.path)
 
     def reopen(self) -> LedgerEnv:
         self.ledger.close()
         self.store.close()
-        store = open_store(str(self.path))
-        return LedgerEnv(self.path, store, self.signer, Ledger(store, self.signer, "test.local"))
+        store = open_store(self.url)
+        env = LedgerEnv(self.path, store, self.signer, Ledger(store, self.signer, "test.local"))
+        env.url = self.url
+        return env
+
+
+# -- store engines -------------------------------------------------------------
+#
+# Every test that uses ``ledger_env`` (or ``store_url``) runs on both engines:
+# SQLite, and PostgreSQL on one server started for the whole session (initdb in
+# a temporary directory, a loopback port, stopped at the end), with a fresh
+# database per test. Without PostgreSQL's binaries the PostgreSQL cases skip,
+# except on CI, where that is a broken machine.
+
+ENGINES = ("sqlite", "postgresql")
+_db_numbers = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "postgres: needs a PostgreSQL server (started by the tests)")
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[object]:
+    from proctor.testing import PostgresServer, PostgresUnavailable
+
+    server = PostgresServer(durable=False)
+    try:
+        server.start()
+    except PostgresUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is needed on CI: {exc.message}")
+        pytest.skip(f"PostgreSQL is not available: {exc.message}")
+    yield server
+    server.stop()
 
 
 @pytest.fixture
-def ledger_env(tmp_path: Path) -> Iterator[LedgerEnv]:
+def pg_dsn(pg_server: object) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database on the session's server."""
+    from proctor.testing import PostgresServer
+
+    assert isinstance(pg_server, PostgresServer)
+    name = f"proctor_test_{os.getpid()}_{next(_db_numbers)}"
+    dsn = pg_server.create_database(name)
+    yield dsn
+    pg_server.drop_database(name)
+
+
+@pytest.fixture(params=ENGINES)
+def store_engine(request: pytest.FixtureRequest) -> str:
+    if request.param == "postgresql":
+        request.applymarker(pytest.mark.postgres)
+    return str(request.param)
+
+
+@pytest.fixture
+def store_url(store_engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """Where a new store goes: a SQLite file, or a fresh PostgreSQL database."""
+    if store_engine == "postgresql":
+        return str(request.getfixturevalue("pg_dsn"))
+    return str(tmp_path / "proctor.db")
+
+
+@pytest.fixture
+def ledger_env(store_url: str, tmp_path: Path) -> Iterator[LedgerEnv]:
     path = tmp_path / "proctor.db"
-    store = open_store(str(path), create=True)
+    store = open_store(store_url, create=True)
     signer = Signer.generate("test.local")
-    env = LedgerEnv(path, store, signer, Ledger(store, signer, "test.local"))
+    env = LedgerEnv(path, store, signer, Ledger(store, signer, "test.local"), url=store_url)
     yield env
     env.ledger.close()
     env.store.close()

@@ -1,4 +1,5 @@
-"""The ledger on real SQLite files: proofs, concurrency, hooks, durability failures."""
+"""The ledger on real stores (SQLite files, PostgreSQL): proofs, concurrency, hooks,
+durability failures."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def test_state_survives_reopen_and_other_writers(ledger_env: LedgerEnv) -> None:
     env = ledger_env.reopen()
     try:
         # A second ledger object on the same file plays the part of another process.
-        other = Ledger(open_store(str(env.path)), env.signer, "test.local")
+        other = Ledger(open_store(env.url), env.signer, "test.local")
         for i in range(300):
             (env.ledger if i % 2 else other).append("acme", draft(1000 + i))
         other.close()
