@@ -14,6 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from proctor.cli._evidence import register
+from proctor.errors import UsageError, VerificationFailed
 from proctor.evidence import (
     RangeTree,
     dpa_annex,
@@ -26,7 +27,6 @@ from proctor.evidence import (
     verify_pack,
     verify_receipt,
 )
-from proctor.errors import UsageError, VerificationFailed
 from proctor.ledger import leaf_hash, verify_inclusion
 from proctor.runtime import Runtime
 from tests.conftest import PROCTOR

@@ -216,6 +216,7 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     data_events: list[dict[str, Any]] = []
     ocsf = iter_lines(zf, "ocsf/events.ocsf.jsonl")
     seq = first - 1
+    ocsf_error: str | None = None
     for data in iter_lines(zf, "events/events.jsonl"):
         seq += 1
         ev = _parse_event(data, f"event seq {seq}")
@@ -229,10 +230,10 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         if not str(meta["from"]) <= ev["time"] < str(meta["to"]):
             raise _fail(f"event seq {seq}: its time {ev['time']} is outside the period")
         leaves.append(leaf_hash(data))
-        if next(ocsf, None) != ocsf_line(ev, origin):
-            raise _fail(
-                f"ocsf/events.ocsf.jsonl: line for event seq {seq} does not match the event"
-            )
+        # Named only after the tree is checked: an altered event must be named as
+        # such, not as the OCSF line that no longer matches it.
+        if ocsf_error is None and next(ocsf, None) != ocsf_line(ev, origin):
+            ocsf_error = f"ocsf/events.ocsf.jsonl: line for event seq {seq} does not match it"
         summary.add(ev)
         action = ev["action"]
         if action in (
@@ -247,8 +248,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
                 data_events.append(ev)
         elif not action.startswith("http."):
             events[seq] = ev
-    if next(ocsf, None) is not None:
-        raise _fail("ocsf/events.ocsf.jsonl: more lines than events")
+    if ocsf_error is None and next(ocsf, None) is not None:
+        ocsf_error = "ocsf/events.ocsf.jsonl: more lines than events"
     if seq + 1 != stop:
         raise _fail(f"event seq {seq + 1}: missing; pack.json says the period ends before {stop}")
     rp = _load(zf, "proofs/range.json")
@@ -267,6 +268,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
             "lead to the signed end checkpoint; an event or a proof was altered"
         )
     del leaves
+    if ocsf_error is not None:
+        raise _fail(ocsf_error)
 
     # -- context events -------------------------------------------------------------
     context_docs: list[dict[str, Any]] = []
