@@ -1,4 +1,8 @@
-"""Tampering with a stored or exported log must make verification fail, naming where."""
+"""Tampering with a stored or exported log must make verification fail, naming where.
+
+SQLite only: it edits the database file with sqlite3. The same attacks on a
+PostgreSQL store are in test_pg_ledger_tamper.py.
+"""
 
 from __future__ import annotations
 
