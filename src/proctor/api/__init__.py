@@ -7,7 +7,7 @@ token or an OIDC JWT from a configured issuer (``OIDCIssuer``,
 ledger. See docs/api.md.
 """
 
-from proctor.api._app import create_app
+from proctor.api._app import create_app, openapi_document
 from proctor.api._auth import OIDCIssuer, load_oidc_config
 from proctor.api._context import Limits
 from proctor.api._server import DEFAULT_HOST, DEFAULT_PORT, ApiServer, serve_api
@@ -20,5 +20,6 @@ __all__ = [
     "OIDCIssuer",
     "create_app",
     "load_oidc_config",
+    "openapi_document",
     "serve_api",
 ]

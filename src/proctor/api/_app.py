@@ -187,3 +187,16 @@ def create_app(
     app.add_middleware(_Guard, limits=limits)
 
     return app
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI document of the API, as served at ``/openapi.json``; built without a
+    runtime (no route touches it until a request comes)."""
+    from typing import cast
+
+    doc: dict[str, Any] = create_app(cast(Runtime, _NoRuntime())).openapi()
+    return doc
+
+
+class _NoRuntime:
+    """Stands in for the runtime while only the document is built."""

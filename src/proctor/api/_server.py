@@ -86,6 +86,8 @@ def serve_api(
         # Enough for 64 clients without queueing in the kernel backlog.
         backlog=512,
         timeout_keep_alive=30,
+        # A client that keeps its connection open must not hold up stop() for long.
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     # In a thread uvicorn leaves signals alone: the caller (``proctor serve``) owns them.

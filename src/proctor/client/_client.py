@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import ssl
 import tarfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
@@ -134,11 +135,14 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        tls: bool | ssl.SSLContext = verify
+        if isinstance(verify, str):
+            tls = ssl.create_default_context(cafile=verify)
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "proctor-client"},
             timeout=timeout,
-            verify=verify,
+            verify=tls,
             transport=transport,
         )
 
