@@ -19,8 +19,10 @@ from typing import BinaryIO
 from proctor.api._errors import ApiError
 from proctor.errors import UsageError
 
-# Tar headers and padding on top of the content: 1 KiB per member is generous.
+# Tar headers and padding on top of the content: 1 KiB per member is generous, and
+# the archive's end is padded to a 10 KiB record.
 _OVERHEAD_PER_MEMBER = 1024
+_OVERHEAD = 20 * 1024
 
 
 class _Counted(io.RawIOBase):
@@ -46,7 +48,9 @@ def extract_artifact(upload: BinaryIO, dest: Path, *, max_bytes: int, max_files:
     stream: BinaryIO = upload
     if head == b"\x1f\x8b":
         stream = gzip.GzipFile(fileobj=upload, mode="rb")  # type: ignore[assignment]
-    counted = io.BufferedReader(_Counted(stream, max_bytes + _OVERHEAD_PER_MEMBER * max_files))
+    counted = io.BufferedReader(
+        _Counted(stream, max_bytes + _OVERHEAD_PER_MEMBER * max_files + _OVERHEAD)
+    )
     count = 0
     total = 0
     try:

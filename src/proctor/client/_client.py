@@ -135,9 +135,7 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        tls: bool | ssl.SSLContext = verify
-        if isinstance(verify, str):
-            tls = ssl.create_default_context(cafile=verify)
+        tls = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "User-Agent": "proctor-client"},
