@@ -1,0 +1,608 @@
+"""SQL on a tenant's PostgreSQL datasets, with column control done by the database.
+
+The runtime holds the dataset's DSN (an account allowed to create roles and
+grant on the dataset's tables). For each deployment and dataset,
+:func:`grant_deployment_role` creates a role whose privileges are exactly the
+approved capabilities: ``USAGE`` on the tables' schemas and column-level
+``SELECT (c1, c2, ...)`` on each approved table, nothing else (a role starts
+with only what ``PUBLIC`` has). :func:`revoke_deployment_role` drops it on
+undeploy. A guest statement then goes:
+
+1. onto a connection that logs in *as the deployment role*, in a
+   ``READ ONLY`` transaction with ``SET LOCAL statement_timeout`` and
+   ``SET LOCAL ROLE``. Logging in as the role (not only ``SET ROLE`` from the
+   runtime's account) matters: PostgreSQL checks ``SET ROLE`` and
+   ``set_config('role', ...)`` against the *session* user, so a guest's
+   ``SELECT set_config('role', 'postgres', true)`` would otherwise take back
+   the runtime account's rights. The role's password is derived from the
+   runtime's DSN (HMAC-SHA256), so only the runtime can log in as it;
+2. ``EXPLAIN (VERBOSE, FORMAT JSON)`` of the statement, as the role: the plan
+   names every base table and the columns each scan outputs or filters on.
+   The database refuses here already if the statement touches a column
+   outside the grant (that refusal is recorded too);
+3. Cedar decides per table (``sql.select``, the set of columns), exactly as
+   for SQLite datasets; one deny denies the statement, recorded first;
+4. the statement runs (``row_limit + 1`` fetched) and the transaction is
+   rolled back (nothing to keep: it was read-only);
+5. the result event (tables, columns, row count, keyed hashes of the returned
+   rows' primary keys: the same ``keys_hmac`` lineage as SQLite) is recorded
+   before anything is answered.
+
+Only reads are supported on PostgreSQL datasets: a write is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import decimal
+import hashlib
+import hmac
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+
+from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
+from proctor.broker._sql import (
+    StatementTimeout,
+    _Accesses,
+    _combined,
+    _decide,
+    _deny_reason,
+    _Grant,
+    _key_text,
+    _parse_request,
+    _record_refusal,
+    _resource,
+    _sql_hmac,
+    keyed_variant,
+)
+from proctor.errors import ProctorError, StoreError
+from proctor.store._postgres import redact, to_pg_sql
+
+#: Connections a deployment role may hold at once.
+ROLE_CONNECTION_LIMIT = 16
+_ROLE_PREFIX = "proctor_dep_"
+_READ_WORDS = frozenset({"SELECT", "WITH", "TABLE", "VALUES"})
+# Plan nodes after which a result row no longer stands for one table row.
+_COARSE_NODES = frozenset(
+    {"Aggregate", "WindowAgg", "Unique", "SetOp", "Append", "Group", "Recursive Union"}
+)
+_QUAL_NAME = re.compile(
+    r'("(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*)\.("(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*)'
+)
+
+
+class DatasetRoleError(ProctorError):
+    """A deployment role could not be created or dropped on a PostgreSQL dataset."""
+
+
+def deployment_role(tenant: str, deployment: str, dataset: str) -> str:
+    """The role name for one deployment's access to one dataset (stable, <= 63 bytes)."""
+    digest = hashlib.sha256(f"{tenant}\x00{deployment}\x00{dataset}".encode()).hexdigest()
+    return _ROLE_PREFIX + digest[:32]
+
+
+def _role_password(dsn: str, role: str) -> str:
+    # Only the holder of the runtime's DSN (with its password) can derive it.
+    return hmac.new(dsn.encode(), f"proctor-pg-role/v1/{role}".encode(), hashlib.sha256).hexdigest()
+
+
+def _split_table(table: str) -> tuple[str, str]:
+    schema, _, name = table.rpartition(".")
+    return (schema or "public"), name
+
+
+def grant_deployment_role(
+    dsn: str, tenant: str, deployment: str, dataset: str, tables: Mapping[str, Any]
+) -> str:
+    """Create (or reset) the deployment's role on the dataset; return its name.
+
+    ``tables`` is the approved manifest's ``datasets.<dataset>.tables``:
+    ``{table: {"columns": [...], ...}}`` (a table may be ``schema.table``).
+    Afterwards the role holds exactly ``SELECT`` on those columns: grants from
+    an earlier version of the deployment are revoked first.
+    """
+    role = deployment_role(tenant, deployment, dataset)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            ident = pgsql.Identifier(role)
+            password = pgsql.Literal(_role_password(dsn, role))
+            if exists is None:
+                conn.execute(
+                    pgsql.SQL(
+                        "CREATE ROLE {} LOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
+                        " NOREPLICATION CONNECTION LIMIT {} PASSWORD {}"
+                    ).format(ident, pgsql.Literal(ROLE_CONNECTION_LIMIT), password)
+                )
+            else:
+                conn.execute(pgsql.SQL("ALTER ROLE {} PASSWORD {}").format(ident, password))
+                _revoke_all(conn, role)
+            schemas = sorted({_split_table(t)[0] for t in tables})
+            for schema in schemas:
+                conn.execute(
+                    pgsql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+                        pgsql.Identifier(schema), ident
+                    )
+                )
+            for table, grant in sorted(tables.items()):
+                columns = sorted({str(c) for c in grant.get("columns", ())})
+                if not columns:
+                    continue
+                schema, name = _split_table(table)
+                conn.execute(
+                    pgsql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(
+                        pgsql.SQL(", ").join(pgsql.Identifier(c) for c in columns),
+                        pgsql.Identifier(schema, name),
+                        ident,
+                    )
+                )
+    except psycopg.Error as exc:
+        raise DatasetRoleError(
+            f"cannot grant deployment {deployment!r} its columns on dataset {dataset!r} "
+            f"({redact(dsn)}): {_first_line(exc)}",
+            hint="the dataset's DSN must be allowed to create roles and grant on its tables",
+        ) from exc
+    return role
+
+
+def _revoke_all(conn: psycopg.Connection[Any], role: str) -> None:
+    # DROP OWNED removes every privilege granted to the role in this database
+    # (table, column, schema) and anything it owns (it owns nothing).
+    conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(role)))
+
+
+def revoke_deployment_role(dsn: str, tenant: str, deployment: str, dataset: str) -> bool:
+    """Drop the deployment's role on the dataset, ending its sessions. Returns
+    whether there was one. Roles are cluster-wide: a cluster holding several
+    datasets needs this once per dataset (each has its own role)."""
+    role = deployment_role(tenant, deployment, dataset)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            with conn.transaction():
+                exists = conn.execute(
+                    "SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)
+                ).fetchone()
+                if exists is None:
+                    return False
+                conn.execute(pgsql.SQL("ALTER ROLE {} NOLOGIN").format(pgsql.Identifier(role)))
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            with conn.transaction():
+                _revoke_all(conn, role)
+                conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
+    except psycopg.Error as exc:
+        raise DatasetRoleError(
+            f"cannot drop deployment {deployment!r}'s role on dataset {dataset!r} "
+            f"({redact(dsn)}): {_first_line(exc)}"
+        ) from exc
+    return True
+
+
+def connect_as_role(dsn: str, role: str) -> psycopg.Connection[Any]:
+    """A connection logged in as a deployment role (what every guest query uses)."""
+    return psycopg.connect(
+        dsn, user=role, password=_role_password(dsn, role), autocommit=True,
+        application_name="proctor-broker",
+    )  # fmt: skip
+
+
+# -- connections ----------------------------------------------------------------
+
+
+class _RolePool:
+    """Connections as one deployment role, for one run; reused across its calls."""
+
+    _KEEP = 4
+
+    def __init__(self, dsn: str, role: str) -> None:
+        self.dsn, self.role = dsn, role
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+        self._keys: dict[str, list[str] | None] = {}
+        self._columns: dict[str, set[str]] = {}
+
+    def take(self) -> psycopg.Connection[Any]:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed and not conn.broken:
+                    return conn
+        return connect_as_role(self.dsn, self.role)
+
+    def give(self, conn: psycopg.Connection[Any]) -> None:
+        if conn.closed or conn.broken or conn.info.transaction_status != 0:  # 0: IDLE
+            conn.close()
+            return
+        with self._lock:
+            if len(self._idle) < self._KEEP:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def columns(self, conn: psycopg.Connection[Any], table: str) -> set[str]:
+        if table not in self._columns:
+            rows = conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+                " AND attnum > 0 AND NOT attisdropped",
+                (table,),
+            ).fetchall()
+            self._columns[table] = {str(r[0]) for r in rows}
+        return self._columns[table]
+
+    def row_key(self, conn: psycopg.Connection[Any], table: str) -> list[str] | None:
+        if table not in self._keys:
+            rows = conn.execute(
+                "SELECT a.attname FROM pg_index i JOIN pg_attribute a"
+                " ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)"
+                " WHERE i.indrelid = to_regclass(%s) AND i.indisprimary ORDER BY a.attnum",
+                (table,),
+            ).fetchall()
+            self._keys[table] = [str(r[0]) for r in rows] or None
+        return self._keys[table]
+
+
+def _pool(scope: RunScope, binding: DatasetBinding) -> _RolePool:
+    pools: dict[str, _RolePool] = scope.__dict__.setdefault("_pg_role_pools", {})
+    pool = pools.get(binding.name)
+    if pool is None:
+        role = deployment_role(scope.tenant, scope.deployment, binding.name)
+        pool = pools.setdefault(binding.name, _RolePool(binding.location, role))
+    return pool
+
+
+def close_pg_pools(scope: RunScope) -> None:
+    """Close a run's dataset connections (the supervisor calls it when the run ends)."""
+    pools: dict[str, _RolePool] = scope.__dict__.pop("_pg_role_pools", {})
+    for pool in pools.values():
+        pool.close()
+
+
+# -- one statement ----------------------------------------------------------------
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, *, bad_call: bool = False, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.bad_call, self.detail = reason, bad_call, detail
+
+
+class _TimedOut(Exception):
+    pass
+
+
+@dataclass
+class _Outcome:
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
+    truncated: bool = False
+    keys: list[str] | None = None
+
+
+def _unquote(name: str) -> str:
+    return name[1:-1].replace('""', '"') if name.startswith('"') else name.lower()
+
+
+def _plan_nodes(plan: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from _plan_nodes(child)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+_LITERAL = re.compile(r"'(?:[^']|'')*'")
+_WORD = re.compile(r'"(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*')
+
+
+def accesses_from_plan(
+    plan: Mapping[str, Any], columns_of: Callable[[str], set[str]]
+) -> tuple[_Accesses, bool]:
+    """Tables and columns a plan reads (from EXPLAIN VERBOSE), and whether a result
+    row may stand for several table rows (aggregates, set operations, joins).
+
+    This is what Cedar is asked about and what the event records; the database's
+    column grants are what enforces, so an over-approximation here only denies.
+
+    PostgreSQL qualifies a column (``alias.column``) wherever the plan has more
+    than one relation; with one relation it may not, and a bare name is then a
+    column of that relation if the relation has a column by that name."""
+    nodes = list(_plan_nodes(plan))
+    aliases: dict[str, str] = {}
+    for node in nodes:
+        rel = node.get("Relation Name")
+        if rel is not None:
+            schema = node.get("Schema", "public")
+            table = rel if schema == "public" else f"{schema}.{rel}"
+            aliases[str(node.get("Alias", rel))] = table
+    accesses = _Accesses()
+    for table in aliases.values():
+        accesses.reads.setdefault(table, set()).add("")
+    only = next(iter(aliases.values())) if len(set(aliases.values())) == 1 else None
+    only_columns = columns_of(only) if only is not None else set()
+    for node in nodes:
+        own = aliases.get(str(node.get("Alias", ""))) if node.get("Relation Name") else None
+        own_columns = columns_of(own) if own is not None else set()
+        for key, value in node.items():
+            if key in ("Plans", "Relation Name", "Schema", "Alias", "Node Type"):
+                continue
+            if key == "Output" and own is not None and node is not plan:
+                # A scan under another node may output its whole row (a "physical
+                # target list"); what is used of it is named by the nodes above.
+                continue
+            for raw in _strings(value):
+                text = _LITERAL.sub("''", raw)
+                for m in _QUAL_NAME.finditer(text):
+                    table = aliases.get(_unquote(m.group(1))) or aliases.get(m.group(1))
+                    if table is not None:
+                        accesses.reads[table].add(_unquote(m.group(2)))
+                for m in _WORD.finditer(_QUAL_NAME.sub(" ", text)):
+                    word = _unquote(m.group())
+                    if own is not None and word in own_columns:
+                        accesses.reads[own].add(word)
+                    elif only is not None and word in only_columns:
+                        accesses.reads[only].add(word)
+    accesses.selects = 1
+    coarse = any(n.get("Node Type") in _COARSE_NODES for n in nodes) or len(aliases) != 1
+    return accesses, coarse
+
+
+class _Statement:
+    def __init__(self, pool: _RolePool, sql: str, params: tuple[Any, ...], timeout: float) -> None:
+        self.pool, self.sql, self.params, self.timeout = pool, sql, params, timeout
+        self.conn: psycopg.Connection[Any] | None = None
+        self.plan: Mapping[str, Any] = {}
+
+    def analyse(self) -> tuple[_Accesses, bool]:
+        self.conn = conn = self.pool.take()
+        ms = max(1, int(self.timeout * 1000))
+        try:
+            conn.execute("BEGIN READ ONLY")
+            conn.execute(pgsql.SQL("SET LOCAL statement_timeout = {}").format(pgsql.Literal(ms)))
+            conn.execute(pgsql.SQL("SET LOCAL ROLE {}").format(pgsql.Identifier(self.pool.role)))
+            row = conn.execute("EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params).fetchone()
+        except psycopg.errors.QueryCanceled:
+            raise _TimedOut from None
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise _Refused(f"the database refused it: {_first_line(exc)}") from None
+        except psycopg.errors.ReadOnlySqlTransaction:
+            raise _Refused("writes are not allowed on PostgreSQL datasets") from None
+        except psycopg.Error as exc:
+            raise _Refused(
+                "the statement does not compile", bad_call=True, detail=_first_line(exc)
+            ) from None
+        assert row is not None
+        doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+        self.plan = doc[0]["Plan"]
+        return accesses_from_plan(self.plan, lambda t: self.pool.columns(conn, t))
+
+    def run(self, accesses: _Accesses, coarse: bool, row_limit: int) -> _Outcome:
+        conn = self.conn
+        assert conn is not None
+        if not coarse:
+            (table,) = accesses.reads
+            key = self.pool.row_key(conn, table)
+            variant = keyed_variant(self.sql, table.rpartition(".")[2], key) if key else None
+            if variant is not None and key is not None:
+                try:
+                    with conn.transaction():  # a savepoint: a failed variant leaves no trace
+                        return self._fetch(conn, variant, row_limit, len(key))
+                except psycopg.errors.QueryCanceled:
+                    raise _TimedOut from None
+                except psycopg.Error:
+                    pass  # the key is not granted, or the rewrite did not fit: run as written
+        try:
+            return self._fetch(conn, self.sql, row_limit, 0)
+        except psycopg.errors.QueryCanceled:
+            raise _TimedOut from None
+
+    def _fetch(
+        self, conn: psycopg.Connection[Any], sql: str, row_limit: int, key_width: int
+    ) -> _Outcome:
+        cur = conn.execute(sql, self.params)
+        raw = cur.fetchmany(row_limit + 1)
+        description = cur.description or []
+        out = _Outcome(truncated=len(raw) > row_limit)
+        raw = raw[:row_limit]
+        width = len(description) - key_width
+        out.columns = [d.name for d in description[:width]]
+        out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
+        if key_width:
+            out.keys = [_key_text([_json_value(v) for v in row[width:]]) for row in raw]
+        return out
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        try:
+            if not conn.closed and not conn.broken:
+                conn.execute("ROLLBACK")
+        except psycopg.Error:
+            conn.close()
+        self.pool.give(conn)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"base64": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if value is None or isinstance(value, str | int | float | bool | list | dict):
+        return value
+    return str(value)
+
+
+def _first_word(sql: str) -> str:
+    text = sql
+    while True:
+        text = text.lstrip().lstrip("(").lstrip()
+        if text.startswith("--"):
+            text = text.partition("\n")[2]
+        elif text.startswith("/*"):
+            text = text.partition("*/")[2]
+        else:
+            break
+    m = re.match(r"[A-Za-z]+", text)
+    return m.group().upper() if m else ""
+
+
+# -- the handler ---------------------------------------------------------------------
+
+
+async def handle_pg_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
+    """One guest SQL call on a PostgreSQL dataset; the contract of ``handle_sql``
+    (``{"dataset", "sql", "params"}`` in, ``{"columns", "rows", "row_count",
+    "truncated"}`` out), reads only. Every outcome is recorded before it is answered."""
+    untrusted: object = request
+    if not isinstance(untrusted, Mapping):
+        untrusted = {}
+    request = untrusted
+    raw_dataset = request.get("dataset")
+    name = "?"
+    if isinstance(raw_dataset, str) and 0 < len(raw_dataset) <= 128 and raw_dataset.isprintable():
+        name = raw_dataset
+    base: dict[str, Any] = {"dataset": name}
+    raw_sql = request.get("sql")
+    if isinstance(raw_sql, str):
+        base["sql_hmac"] = _sql_hmac(scope, raw_sql)
+    try:
+        dataset, sql, params = _parse_request(request)
+        binding = scope.datasets.get(dataset)
+        if binding is None:
+            raise CallDenied(f"sql: no dataset {dataset!r} is bound to this run")
+        if binding.kind != "postgresql":
+            raise BadCall(f"sql: dataset {dataset!r} is not a PostgreSQL dataset")
+        if not isinstance(params, tuple):
+            raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
+        try:
+            pg_sql = to_pg_sql(sql)
+        except StoreError as exc:
+            raise BadCall(f"sql: {exc.message}") from None
+        if _first_word(sql) not in _READ_WORDS:
+            raise CallDenied("sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets")
+    except (BadCall, CallDenied) as exc:
+        await _record_refusal(scope, "sql.select", f"dataset/{name}", exc.message, base)
+        raise
+
+    details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
+    stmt = _Statement(_pool(scope, binding), pg_sql, params, scope.statement_timeout)
+    try:
+        return await _handle(scope, stmt, dataset, binding, details)
+    finally:
+        await asyncio.to_thread(stmt.close)
+
+
+async def _handle(
+    scope: RunScope,
+    stmt: _Statement,
+    dataset: str,
+    binding: DatasetBinding,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    deadline = time.monotonic() + scope.statement_timeout
+
+    def analyse_decide_read() -> tuple[list[_Grant], _Outcome | BaseException | None]:
+        accesses, coarse = stmt.analyse()
+        grants = _decide(scope, dataset, binding, accesses)
+        if not grants or not all(g.decision.allowed for g in grants):
+            return grants, None
+        try:
+            return grants, stmt.run(accesses, coarse, scope.row_limit)
+        except (_TimedOut, psycopg.Error) as exc:
+            return grants, exc
+
+    try:
+        grants, read = await asyncio.to_thread(analyse_decide_read)
+    except _Refused as exc:
+        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", exc.reason, details)
+        if exc.bad_call:
+            message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
+            raise BadCall(f"sql: {message}") from None
+        raise CallDenied(f"sql: refused: {exc.reason}") from None
+    except _TimedOut:
+        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", "timeout", details)
+        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
+
+    action = "sql.select"
+    tables = sorted({g.table for g in grants})
+    resource = _resource(dataset, tables)
+    details = {**details, "tables": [g.as_json() for g in grants]}
+    denied = [g for g in grants if not g.decision.allowed]
+    if not grants:
+        reason = "the statement reads no table; no policy permits it"
+        await _record_refusal(scope, action, resource, reason, details)
+        raise CallDenied(f"sql: refused: {reason}")
+    if denied:
+        reason = _deny_reason(denied)
+        decision = _combined(scope, grants, allowed=False)
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"sql: {reason}", policies=decision.policies)
+
+    decision = _combined(scope, grants, allowed=True)
+    reason = "permitted by " + ", ".join(decision.policies)
+    if isinstance(read, _TimedOut) or (read is None and time.monotonic() > deadline):
+        details["outcome"] = "timeout"
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise StatementTimeout(
+            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
+        )
+    if isinstance(read, psycopg.errors.InsufficientPrivilege):
+        # Cedar permitted more than the role holds: the database has the last word.
+        details["outcome"] = "refused_by_database"
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"sql: the database refused it: {_first_line(read)}")
+    if isinstance(read, BaseException) or read is None:
+        details["outcome"] = "error"
+        details["error"] = type(read).__name__
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise BadCall(f"sql: the statement failed: {_first_line(read)}")
+
+    outcome = read
+    details["outcome"] = "ok"
+    details["row_count"] = len(outcome.rows)
+    details["truncated"] = outcome.truncated
+    details["lineage"] = "rows" if outcome.keys is not None else "table"
+    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
+    await scope.record(action, resource, decision, reason=reason, details=details)
+    return {
+        "columns": outcome.columns,
+        "rows": outcome.rows,
+        "row_count": len(outcome.rows),
+        "truncated": outcome.truncated,
+    }
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc or "").strip()
+    return text.splitlines()[0] if text else type(exc).__name__
