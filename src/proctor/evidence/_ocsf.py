@@ -16,7 +16,7 @@ Proctor's own fields (seq, run, deployment, artifact, approvals) in ``unmapped``
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 OCSF_VERSION = "1.1.0"
@@ -33,12 +33,13 @@ _HTTP_ACTIVITY = {
 _encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode
 
 
+_EPOCH = datetime(1970, 1, 1)
+_MS = timedelta(milliseconds=1)
+
+
 def _epoch_ms(time: str) -> int:
-    dt = datetime.strptime(time, "%Y-%m-%dT%H:%M:%S.%fZ")
-    # The string is UTC; compute without the local zone.
-    return (dt - datetime(1970, 1, 1)).days * 86_400_000 + (
-        dt.hour * 3_600_000 + dt.minute * 60_000 + dt.second * 1000 + dt.microsecond // 1000
-    )
+    # The string is UTC (fixed width, "Z"); fromisoformat is C and ~10x strptime.
+    return (datetime.fromisoformat(time[:-1]) - _EPOCH) // _MS
 
 
 def _api_activity(action: str) -> tuple[int, str]:
