@@ -123,7 +123,10 @@ class _Stream:
         self._hash = hashlib.sha256()
         self._spool = spool
         self._f: IO[bytes] = (
-            tempfile.TemporaryFile() if spool else writer.zip.open(name, "w", force_zip64=True)
+            # Closed in close() (or abort()): the stream outlives this call.
+            tempfile.TemporaryFile()  # noqa: SIM115
+            if spool
+            else writer.zip.open(name, "w", force_zip64=True)
         )
         self._buf: list[bytes] = []
         self._size = 0

@@ -316,7 +316,8 @@ def render_html(
                     e(ev["actor"]["id"]),
                     e(ev["action"]),
                     e(ev["resource"]),
-                    f"<span class='{'deny' if ev['decision'] == 'deny' else ''}'>{e(ev['decision'])}</span>",
+                    f"<span class='{'deny' if ev['decision'] == 'deny' else ''}'>"
+                    f"{e(ev['decision'])}</span>",
                     e(ev["reason"]),
                 ]
                 for ev in appendix
