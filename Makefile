@@ -29,6 +29,7 @@ bench: setup
 	$(PY) bench/policy.py
 	$(PY) bench/broker_sql.py
 	$(PY) bench/broker_proxy.py
+	$(PY) bench/evidence.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -27,6 +27,7 @@ from proctor.governance import (
     Policies,
     Principals,
     Resources,
+    Subprocessors,
     Tenants,
 )
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
@@ -147,6 +148,7 @@ class Runtime:
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")
         self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
+        self.subprocessors = Subprocessors(store, self.ledger)
 
     @classmethod
     def open(cls, home: Path | None = None) -> Runtime:

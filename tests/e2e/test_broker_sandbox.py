@@ -96,7 +96,8 @@ except urllib.error.HTTPError as e:
 for url in [f"http://127.0.0.1:{PORT}/", f"http://127.1:{PORT}/", f"http://2130706433:{PORT}/",
             f"http://0x7f000001:{PORT}/", f"http://[::ffff:127.0.0.1]:{PORT}/",
             f"http://[::1]:{PORT}/", "http://169.254.169.254/latest/meta-data/",
-            "http://2852039166/", f"https://localhost:{PORT + 1}/"]:
+            "http://2852039166/", f"https://localhost:{PORT + 1}/",
+            f"http://localhost:{PORT + 2}/"]:
     try:
         urllib.request.urlopen(url, timeout=5); res[url] = "ALLOWED"
     except urllib.error.HTTPError as e:
@@ -156,6 +157,8 @@ def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
     rt = gov.rt
     rt.resources.set_secret("acme", "crm_token", SECRET, [f"localhost:{port}"], gov.op)
     rt.allow_egress_range("acme", "127.0.0.1/32", gov.op)
+    rt.subprocessors.add("acme", "upstream-co", purpose="test upstream", location="here",
+                         hosts=[f"localhost:{port}"], actor=gov.op)  # fmt: skip
     art = gov.artifact_dir(
         "probe",
         GUEST,
@@ -164,7 +167,7 @@ def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
         columns = ["id", "country", "plan"]
         access = "read"
         [egress]
-        hosts = ["localhost:{port}"]
+        hosts = ["localhost:{port}", "localhost:{port + 2}"]
         [secrets]
         names = ["crm_token"]
         [buckets]
@@ -212,7 +215,15 @@ def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
     # urllib reports a refused CONNECT (a disallowed port) as a failed tunnel.
     assert all(v in (403, "refused: Tunnel connection failed: 403 Forbidden")
                for v in ssrf.values()), ssrf  # fmt: skip
-    assert len(ssrf) == 9
+    assert len(ssrf) == 10
+    # The manifest names localhost:PORT+2 and the deployment permits it, but no
+    # registered subprocessor covers it: the tenant-wide forbid wins.
+    by_sub = [
+        json.loads(e) for e in rt.ledger.entries("acme")
+        if f"host/localhost:{port + 2}".encode() in e and b'"http.request"' in e
+    ]  # fmt: skip
+    assert by_sub and all(e["policies"] == ["tenant:subprocessors"] for e in by_sub)
+    assert all(e["decision"] == "deny" for e in by_sub)
     assert res["direct"] == "refused"
     with pytest.raises(TimeoutError):
         host_listener.accept()  # the direct connection never reached the host

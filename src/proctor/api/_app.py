@@ -118,6 +118,7 @@ def create_app(
     limits: Limits | None = None,
     supervisor: Any = None,
     backend: str | None = None,
+    worker_threads: int = 40,
 ) -> FastAPI:
     """The API over ``rt``. ``supervisor`` (a ``proctor.lifecycle.Supervisor``) is used
     for runs when given (``proctor serve`` has one); otherwise the API makes its own
@@ -127,6 +128,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        import anyio.to_thread
+
+        anyio.to_thread.current_default_thread_limiter().total_tokens = worker_threads
         try:
             yield
         finally:

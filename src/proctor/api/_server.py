@@ -61,15 +61,20 @@ def serve_api(
     supervisor: Any = None,
     backend: str | None = None,
     log_level: str = "warning",
+    worker_threads: int = 40,
 ) -> ApiServer:
     """Start serving the API over ``rt`` in a background thread and return once it
     accepts connections. TLS when ``certfile`` and ``keyfile`` are given (both or
     neither). The socket is bound here, so a port in use fails now, in the caller."""
     if (certfile is None) != (keyfile is None):
         raise UsageError("TLS needs both a certificate and its key")
-    app = create_app(rt, oidc=oidc, limits=limits, supervisor=supervisor, backend=backend)
+    app = create_app(rt, oidc=oidc, limits=limits, supervisor=supervisor, backend=backend,
+                     worker_threads=worker_threads)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections
+    # only when the socket says so, and without it Nagle's algorithm meets delayed
+    # ACKs and every response waits 40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

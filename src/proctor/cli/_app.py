@@ -10,6 +10,7 @@ from proctor import __version__
 from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
 from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
@@ -36,6 +37,7 @@ app.add_typer(secret_app, name="secret")
 app.add_typer(bucket_app, name="bucket")
 app.add_typer(artifact_app, name="artifact")
 register_governance(app, tenant_app)
+register_evidence(app)
 
 
 @app.command()

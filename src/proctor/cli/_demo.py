@@ -139,9 +139,16 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
     # The stand-in third party lives on this machine's loopback, which the proxy
     # refuses by default: allow exactly that address, nothing more.
     rt.allow_egress_range("acme", "127.0.0.1/32", op)
+    # Egress goes only to registered subprocessors (GDPR Art. 28(2)), whatever a
+    # deployment asks: the stand-in third party is one.
+    rt.subprocessors.add("acme", "benchmarks-inc", purpose="churn benchmarks by segment",
+                         location="EU (Ireland)", hosts=[api_host], actor=op)  # fmt: skip
     console.print("   tenant [bold]acme[/]; [bold]dev[/] (developer) and [bold]alice[/] (approver)")
     console.print("   10,000 customers (name, email, country, plan, revenue), and a synthetic twin")
-    console.print(f"   the 'enrichment API', a third party, listens at {enrich_url}")
+    console.print(f"   the 'enrichment API', a third party, listens at {enrich_url};")
+    console.print(
+        "   it is registered as subprocessor benchmarks-inc (EU): egress goes nowhere else"
+    )
 
     _step(2, "dev submits the artifact an AI agent wrote (examples/churn-report)")
     code = work / "churn-report"
@@ -255,3 +262,19 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
                       f"{escape('; '.join(r['data']))}; hosts {', '.join(r['hosts'])}; "
                       f"{r['denied']} refused")  # fmt: skip
     console.print(f"   policy version in force: {answer['policy_version'][:23]}…")
+
+    _step(11, "evidence for the auditor: a pack for today, verified offline; the run's receipt")
+    from proctor.evidence import export_pack, verify_pack, verify_receipt
+
+    pack = home.parent / "acme-evidence.zip"
+    start = answer["at"][:10] + "T00:00:00.000000Z"
+    export_pack(rt, "acme", start, utc_now(), pack)
+    checked = verify_pack(pack, vkey)
+    console.print(f"   {pack}: [green]verified[/]: {checked.events} events, "
+                  f"{checked.production_runs} production run(s), {checked.approvals_checked} "
+                  f"approval(s) dated before their runs, {checked.accesses_checked} data and "
+                  "egress calls inside their approved capabilities")  # fmt: skip
+    console.print(f"   report: {pack} (report.html, report.md inside)")
+    receipt = home / "runs" / rec.id / "receipt.tlog-proof"
+    verify_receipt(receipt.read_text(), vkey)
+    console.print(f"   receipt of run {rec.id} (C2SP tlog-proof): [green]verified[/]")

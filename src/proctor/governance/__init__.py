@@ -45,6 +45,11 @@ from proctor.governance._principals import (
     Principals,
 )
 from proctor.governance._resources import Dataset, Resources, Secret
+from proctor.governance._subprocessors import (
+    Subprocessor,
+    Subprocessors,
+    subprocessor_forbid,
+)
 from proctor.governance._tenants import Tenant, Tenants, validate_tenant_name
 
 __all__ = [
@@ -80,6 +85,8 @@ __all__ = [
     "Resources",
     "RunLimits",
     "Secret",
+    "Subprocessor",
+    "Subprocessors",
     "SyntheticOnly",
     "Tenant",
     "Tenants",
@@ -89,5 +96,6 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
     "role_policy",
+    "subprocessor_forbid",
     "validate_tenant_name",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 
 from proctor.broker import Broker, DatasetBinding, RunScope, SecretBinding
 from proctor.errors import NotFound, ProctorError
-from proctor.governance import ApprovalRequired, Deployment
+from proctor.governance import ApprovalRequired, Deployment, subprocessor_forbid
 from proctor.ledger import Actor, EventDraft, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
@@ -220,7 +220,10 @@ class Supervisor:
         )
         caps = manifest.capabilities
         permits = capability_policies(tenant, name, caps)
-        policies = rt.policies.compiled(tenant, permits)
+        # Tenant-wide, whatever the deployment asks: no egress to a host that no
+        # registered subprocessor covers (GDPR Art. 28(2)/(4)).
+        forbid = subprocessor_forbid(tenant, rt.subprocessors.list(tenant))
+        policies = rt.policies.compiled(tenant, f"{permits}\n{forbid}")
         datasets = {
             name: DatasetBinding(name, d.kind, d.location, d.synthetic)
             for name, d in rt.resources.for_environment(
@@ -389,12 +392,20 @@ class Supervisor:
                 stderr_bytes=result.stderr_bytes,
                 memory_peak_bytes=result.memory_peak_bytes,
             )
-        self.rt.ledger.append(
+        end = self.rt.ledger.append(
             tenant,
             EventDraft(actor, "run.end", f"run/{run_id}", reason=reason, deployment=dep.name,
                        run=run_id, artifact=dep.digest, details=details),
             hook=update,
         )  # fmt: skip
+        if dep.environment == "production":
+            # A signed receipt for the run's final event (C2SP tlog-proof): proof,
+            # checkable offline, that this ending is in the log. Imported here:
+            # evidence reads lifecycle's run history.
+            from proctor.evidence import make_receipt
+
+            receipt = make_receipt(self.rt, tenant, end.seq)
+            (self.rt.home / "runs" / run_id / "receipt.tlog-proof").write_text(receipt)
         return self.runs.get(tenant, run_id)
 
     def mark_interrupted(self, actor: Actor) -> list[RunRecord]:

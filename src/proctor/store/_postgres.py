@@ -116,31 +116,54 @@ _cursor_names = itertools.count()
 
 
 class _PGConn:
-    __slots__ = ("_cursors", "_db")
+    __slots__ = ("_begin", "_cursors", "_db")
 
-    def __init__(self, db: psycopg.Connection[Any]) -> None:
+    def __init__(self, db: psycopg.Connection[Any], begin: str | None = None) -> None:
         self._db = db
         self._cursors: list[ServerCursor[Any]] = []
+        # A read's BEGIN is sent in one round trip with its first statement.
+        self._begin = begin
+
+    @property
+    def started(self) -> bool:
+        return self._begin is None
+
+    def _run(self, sql: str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
+        query, args = to_pg_sql(sql), _adapt(params)
+        if self._begin is None:
+            return self._db.execute(query, args)
+        begin, self._begin = self._begin, None
+        with self._db.pipeline():
+            self._db.execute(begin)
+            cur = self._db.execute(query, args)
+        return cur
+
+    def _start(self) -> None:
+        if self._begin is not None:
+            begin, self._begin = self._begin, None
+            self._db.execute(begin)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return self._db.execute(to_pg_sql(sql), _adapt(params)).rowcount
+        return self._run(sql, params).rowcount
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         batch = [_adapt(r) for r in rows]
         if batch:
+            self._start()
             with self._db.cursor() as cur:
                 cur.executemany(to_pg_sql(sql), batch)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return self._db.execute(to_pg_sql(sql), _adapt(params)).fetchall()
+        return self._run(sql, params).fetchall()
 
     def query_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        row: Row | None = self._db.execute(to_pg_sql(sql), _adapt(params)).fetchone()
+        row: Row | None = self._run(sql, params).fetchone()
         return row
 
     def iterate(self, sql: str, params: Sequence[Any] = (), chunk: int = 4096) -> Iterator[Row]:
         # A server-side cursor: the result stays on the server, and other
         # statements may run on this transaction while it is being read.
+        self._start()
         cur = self._db.cursor(name=f"proctor_iter_{next(_cursor_names)}")
         self._cursors.append(cur)
         cur.itersize = chunk
@@ -249,12 +272,7 @@ class PostgresStore:
             yield nested
             return
         db = self._local.reader = self._usable(self._local.reader)
-        conn = _PGConn(db)
-        try:
-            db.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        except psycopg.Error as exc:
-            self._forget(db)
-            raise StoreError(f"cannot read the store {self.url}: {_first_line(exc)}") from exc
+        conn = _PGConn(db, begin="BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         self._local.reading = conn
         ok = False
         try:
@@ -273,13 +291,17 @@ class PostgresStore:
         conn = _PGConn(db)
         keys = sorted({lock_key(name) for name in locks})
         try:
-            db.execute("BEGIN")
-            if keys:
-                db.execute("SELECT pg_advisory_xact_lock_shared(%s)", (lock_key(_DATABASE_LOCK),))
-                for key in keys:
-                    db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-            else:
-                db.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(_DATABASE_LOCK),))
+            # One round trip: BEGIN and every lock, in order.
+            with db.pipeline():
+                db.execute("BEGIN")
+                if keys:
+                    db.execute(
+                        "SELECT pg_advisory_xact_lock_shared(%s)", (lock_key(_DATABASE_LOCK),)
+                    )
+                    for key in keys:
+                        db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+                else:
+                    db.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(_DATABASE_LOCK),))
         except psycopg.Error as exc:
             self._finish(db, conn, commit=False, what="write")
             raise StoreError(f"cannot write the store {self.url}: {_first_line(exc)}") from exc
@@ -305,6 +327,8 @@ class PostgresStore:
             if commit:
                 raise StoreError(f"cannot {what} the store {self.url}: the connection was lost")
             return
+        if not conn.started:
+            return  # a read that ran no statement never began
         try:
             db.execute("COMMIT" if commit else "ROLLBACK")
         except psycopg.Error as exc:
