@@ -12,6 +12,9 @@ command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_pkgs+=(libseccomp2)
 command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
+# PostgreSQL's server binaries: the tests start a throwaway server (proctor.testing).
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 \
+  || need_pkgs+=(postgresql)
 
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
