@@ -68,8 +68,14 @@ def serve_api(
     neither). The socket is bound here, so a port in use fails now, in the caller."""
     if (certfile is None) != (keyfile is None):
         raise UsageError("TLS needs both a certificate and its key")
-    app = create_app(rt, oidc=oidc, limits=limits, supervisor=supervisor, backend=backend,
-                     worker_threads=worker_threads)
+    app = create_app(
+        rt,
+        oidc=oidc,
+        limits=limits,
+        supervisor=supervisor,
+        backend=backend,
+        worker_threads=worker_threads,
+    )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections
     # only when the socket says so, and without it Nagle's algorithm meets delayed
