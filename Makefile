@@ -30,6 +30,7 @@ bench: setup
 	$(PY) bench/broker_sql.py
 	$(PY) bench/broker_proxy.py
 	$(PY) bench/evidence.py
+	$(PY) bench/api.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -161,7 +161,7 @@ time.sleep(600)
 
 def _serve(gov: Gov) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PROCTOR_HOME=str(gov.home))
-    return subprocess.Popen([PROCTOR, "serve", "--backend", str(BACKEND)], env=env,
+    return subprocess.Popen([PROCTOR, "serve", "--backend", str(BACKEND), "--no-api"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
@@ -294,3 +294,62 @@ def test_sandbox_runs_of_a_digest_are_shown_beside_its_approvals(gov: Gov) -> No
     assert run_id in listing and "succeeded" in listing
     approved = cli(gov, "approve", digest, "-t", "acme", who="alice").out
     assert run_id in approved
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_cli_works_through_the_api_with_server(gov: Gov) -> None:
+    """`proctor --server URL --token T ...`: the same commands, through the HTTP API
+    that `proctor serve` starts; local-only commands say so."""
+    port = _free_port()
+    env = dict(os.environ, PROCTOR_HOME=str(gov.home))
+    serve = subprocess.Popen(
+        [PROCTOR, "serve", "--backend", str(BACKEND), "--api-port", str(port)], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from proctor import Client
+
+        def up() -> bool:
+            try:
+                Client(url, gov.token("dev")).health()
+            except Exception:
+                return False
+            return True
+
+        _wait(up, "the API")
+
+        def remote(*args: str, who: str, check: bool = True) -> Any:
+            return run_cli("--server", url, *args, "--token", gov.token(who), check=check)
+
+        art = gov.artifact_dir("job", JOB, CAPS)
+        digest = json.loads(remote("artifact", "submit", str(art), "-t", "acme", "--json",
+                                   who="dev").out)["digest"]  # fmt: skip
+        assert remote("approve", digest, "-t", "acme", who="dev", check=False).code == 5
+        remote("approve", digest, "-t", "acme", who="alice")
+        remote("deploy", digest, "-t", "acme", "--name", "job", "--env", "production",
+               "--instruction", "over the API", who="dev")  # fmt: skip
+        res = remote("run", "job", "-t", "acme", who="dev")
+        assert "read 5 rows" in res.out
+        runs = json.loads(remote("runs", "list", "-t", "acme", who="dev").out)
+        assert [r["status"] for r in runs] == ["succeeded"]
+        lines = remote("audit", "events", "-t", "acme", who="root").raw.splitlines()
+        assert any(b'"run.end"' in line for line in lines)
+        assert remote("audit", "checkpoint", "-t", "acme", who="root").out.startswith(
+            "proctor.local/tenant/acme\n"
+        )
+        other = remote("runs", "list", "-t", "acme", who="globex-root", check=False)
+        assert other.code != 0
+        local = remote("dataset", "list", "-t", "acme", who="root", check=False)
+        assert local.code == 2 and "local Proctor home only" in local.err
+        assert run_cli("--server", url, "runs", "list", "-t", "acme", check=False).code == 2
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)

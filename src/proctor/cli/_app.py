@@ -9,7 +9,7 @@ from rich.table import Table
 from proctor import __version__
 from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
-from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._common import REMOTE, HomeOpt, console, open_runtime
 from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
@@ -38,6 +38,25 @@ app.add_typer(bucket_app, name="bucket")
 app.add_typer(artifact_app, name="artifact")
 register_governance(app, tenant_app)
 register_evidence(app)
+
+
+@app.callback()
+def root(
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            envvar="PROCTOR_SERVER",
+            help="Work through a Proctor API at this URL (with --token) instead of a local home",
+        ),
+    ] = None,
+    server_ca: Annotated[
+        Path | None, typer.Option(help="CA bundle to verify the server's TLS certificate")
+    ] = None,
+) -> None:
+    """Proctor: run code on real data under policy, and prove what it did."""
+    REMOTE["url"] = server
+    REMOTE["ca"] = str(server_ca) if server_ca else None
 
 
 @app.command()

@@ -19,7 +19,9 @@ from proctor.cli._common import (
     acting,
     authorize_read,
     console,
+    emit_json,
     open_runtime,
+    remote,
 )
 from proctor.governance._artifacts import Artifact, ArtifactDiff, Artifacts
 from proctor.runtime import Runtime
@@ -112,6 +114,14 @@ def artifact_submit(
     home: HomeOpt = None,
 ) -> None:
     """Validate the manifest, store the files content-addressed, record the submission."""
+    if (client := remote(token)) is not None:
+        doc = client.submit_artifact(tenant, directory)
+        if as_json:
+            _json(doc)
+        else:
+            console.print(f"submitted to {escape(tenant)}")
+            console.print(f"digest: {doc['digest']}")
+        return
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         author, _ = acting(rt, token)
@@ -137,6 +147,9 @@ def artifact_show(
     home: HomeOpt = None,
 ) -> None:
     """An artifact's manifest: purpose, entrypoint, capabilities, limits, lifecycle."""
+    if (client := remote(token)) is not None:
+        emit_json(client.artifact(tenant, digest))
+        return
     with open_runtime(home) as rt:
         arts = _artifacts(rt, token, tenant, "artifact.read")
         artifact = arts.get(tenant, digest)
@@ -160,6 +173,9 @@ def artifact_list(
     tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
 ) -> None:
     """The tenant's artifacts, oldest first."""
+    if (client := remote(token)) is not None:
+        emit_json(client.artifacts(tenant))
+        return
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         rows = _artifacts(rt, token, tenant, "artifact.read").list(tenant)
@@ -256,6 +272,9 @@ def artifact_diff(
     home: HomeOpt = None,
 ) -> None:
     """What changed: capabilities first (what an approver must see), then the code."""
+    if (client := remote(token)) is not None:
+        emit_json(client.diff(tenant, old, new))
+        return
     with open_runtime(home) as rt:
         d = _artifacts(rt, token, tenant, "artifact.read").diff(tenant, old, new)
     if as_json:

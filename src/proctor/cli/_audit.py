@@ -17,6 +17,7 @@ from proctor.cli._common import (
     console,
     open_runtime,
     parse_time,
+    remote,
 )
 from proctor.errors import UsageError, VerificationFailed
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier, verify_export
@@ -41,6 +42,12 @@ def events(
 ) -> None:
     """List a log's events; with --json, the canonical bytes exactly as hashed."""
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
+    if (client := remote(token)) is not None:
+        out = sys.stdout.buffer
+        for data in client.iter_events(tenant, since=start, until=end):
+            out.write(data + b"\n")
+        out.flush()
+        return
     with open_runtime(home) as rt:
         log = rt.log_name(tenant)
         if token is not None and log == SYSTEM_LOG:
@@ -70,8 +77,11 @@ def events(
 
 
 @audit_app.command("checkpoint")
-def checkpoint(tenant: TenantOpt, home: HomeOpt = None) -> None:
+def checkpoint(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
     """Print the latest signed checkpoint exactly as signed."""
+    if (client := remote(token)) is not None:
+        sys.stdout.write(client.checkpoint(tenant))
+        return
     with open_runtime(home) as rt:
         note = rt.ledger.head(rt.log_name(tenant)).checkpoint
     sys.stdout.write(note)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -7,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from proctor.client import Client
 from proctor.errors import UsageError
 from proctor.governance import Principal
 from proctor.ledger import Actor
@@ -29,8 +32,35 @@ TenantOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output")]
 
 
+#: Set by ``proctor --server URL`` (or PROCTOR_SERVER): commands then go through the API.
+REMOTE: dict[str, str | None] = {"url": None, "ca": None}
+
+
 def open_runtime(home: Path | None) -> Runtime:
+    if REMOTE["url"] is not None:
+        raise UsageError(
+            "this command works on a local Proctor home only; it has no --server form",
+            hint="run it on the runtime's machine, or unset PROCTOR_SERVER",
+        )
     return Runtime.open(home or default_home())
+
+
+def remote(token: str | None) -> Client | None:
+    """The API client when ``--server`` is given, else None (work on the local home)."""
+    url = REMOTE["url"]
+    if url is None:
+        return None
+    if not token:
+        raise UsageError(
+            "--server needs a principal's token (--token or PROCTOR_TOKEN)",
+            hint="the API serves principals; the local operator works on the local home",
+        )
+    ca = REMOTE["ca"]
+    return Client(url, token, verify=ca if ca else True)
+
+
+def emit_json(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, sort_keys=True, indent=2) + "\n")
 
 
 def parse_time(value: str | None, flag: str) -> str | None:

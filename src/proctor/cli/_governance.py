@@ -19,8 +19,10 @@ from proctor.cli._common import (
     acting,
     authorize_read,
     console,
+    emit_json,
     open_runtime,
     parse_time,
+    remote,
 )
 from proctor.cli._units import parse_duration
 from proctor.errors import UsageError
@@ -117,6 +119,10 @@ def approve(
     from datetime import timedelta
 
     lifetime = timedelta(seconds=parse_duration(expires, "--expires"))
+    if (client := remote(token)) is not None:
+        emit_json(client.approve(tenant, digest, expires_seconds=int(lifetime.total_seconds()),
+                                 comment=comment))  # fmt: skip
+        return
     with open_runtime(home) as rt:
         principal = _principal(rt, token, "an approval")
         full = rt.artifacts.get(tenant, digest).digest
@@ -133,6 +139,9 @@ def reject(
     home: HomeOpt = None,
 ) -> None:
     """Reject an artifact: production runs of it are blocked until this is revoked."""
+    if (client := remote(token)) is not None:
+        emit_json(client.reject(tenant, digest, comment))
+        return
     with open_runtime(home) as rt:
         principal = _principal(rt, token, "a rejection")
         full = rt.artifacts.get(tenant, digest).digest
@@ -145,6 +154,9 @@ def approval_revoke(
     approval_id: str, tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None
 ) -> None:
     """Revoke an approval: the next run is refused, a running service is stopped."""
+    if (client := remote(token)) is not None:
+        emit_json(client.revoke(tenant, approval_id))
+        return
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         a = rt.approvals.revoke(tenant, approval_id, actor, principal)
@@ -160,6 +172,9 @@ def approval_list(
     home: HomeOpt = None,
 ) -> None:
     """An artifact's approvals and rejections, beside its sandbox runs."""
+    if (client := remote(token)) is not None:
+        emit_json(client.approvals(tenant, digest))
+        return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "artifact.read")
         full = rt.artifacts.get(tenant, digest).digest
@@ -227,6 +242,18 @@ def deploy(
     home: HomeOpt = None,
 ) -> None:
     """Deploy an approved artifact (production needs a quorum), or --rollback NAME."""
+    if (client := remote(token)) is not None:
+        if rollback is not None:
+            emit_json(client.rollback(tenant, rollback))
+        elif digest is None or name is None:
+            raise UsageError("give DIGEST and --name (or --rollback NAME)")
+        else:
+            emit_json(client.deploy(
+                tenant, digest, name, instruction=instruction, environment=env, mode=mode,
+                every_seconds=parse_duration(every, "--every") if every else None,
+                reference=reference,
+            ))  # fmt: skip
+        return
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         if rollback is not None:
@@ -275,6 +302,9 @@ def deploy(
 def deployment_list(
     tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
 ) -> None:
+    if (client := remote(token)) is not None:
+        emit_json(client.deployments(tenant))
+        return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "deployment.read")
         rows = rt.deployments.current(tenant)
@@ -312,6 +342,17 @@ def run(
     """Run a job deployment now; stream its output; exit with its exit code."""
     from proctor.lifecycle import Supervisor
 
+    if (client := remote(token)) is not None:
+        doc = client.run(
+            tenant, name,
+            on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+            on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
+        )  # fmt: skip
+        print(f"run {doc['id']}: {doc['status']} ({doc['reason']}, exit {doc['exit_code']})",
+              file=sys.stderr)  # fmt: skip
+        code = doc.get("exit_code")
+        raise typer.Exit(code if isinstance(code, int) else 1)
+
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         _authorize(rt, principal, "run.start", EntityRef.deployment(tenant, name), tenant,
@@ -344,6 +385,9 @@ def runs_list(
 ) -> None:
     from proctor.lifecycle import Runs
 
+    if (client := remote(token)) is not None:
+        emit_json(client.runs(tenant, deployment))
+        return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "run.read")
         rows = Runs(rt).all(tenant, deployment)
@@ -368,6 +412,14 @@ def runs_show(
 ) -> None:
     from proctor.lifecycle import Runs
 
+    if (client := remote(token)) is not None:
+        emit_json(client.get_run(tenant, run_id))
+        if logs:
+            for stream in ("stdout", "stderr"):
+                sys.stdout.write(f"--- {stream}\n")
+                for chunk in client.run_logs(tenant, run_id, stream=stream):
+                    sys.stdout.write(chunk.decode(errors="replace"))
+        return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "run.read")
         record = Runs(rt).get(tenant, run_id)
@@ -383,17 +435,44 @@ def runs_show(
 
 def serve(
     backend: Annotated[str | None, typer.Option(help="gvisor or bubblewrap")] = None,
+    api_host: Annotated[str, typer.Option(help="Address of the HTTP API")] = "127.0.0.1",
+    api_port: Annotated[int, typer.Option(help="Port of the HTTP API")] = 8470,
+    tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM)")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM)")] = None,
+    oidc_config: Annotated[
+        Path | None, typer.Option(help="OIDC issuers to trust (JSON, see docs/api.md)")
+    ] = None,
+    no_api: Annotated[bool, typer.Option("--no-api", help="Supervise only")] = False,
     home: HomeOpt = None,
 ) -> None:
-    """The long-running runtime: services kept up, schedules fired, runs supervised."""
+    """The long-running runtime: services kept up, schedules fired, runs supervised,
+    and the HTTP API (OpenAPI at /openapi.json)."""
     from proctor.lifecycle import Server, Supervisor
 
     with open_runtime(home) as rt, rt.make_broker() as broker:
-        server = Server(Supervisor(rt, broker, backend))
+        sup = Supervisor(rt, broker, backend)
+        server = Server(sup)
+        api = None
+        if not no_api:
+            from proctor.api import load_oidc_config, serve_api
+
+            api = serve_api(
+                rt, api_host, api_port,
+                certfile=tls_cert,
+                keyfile=tls_key,
+                oidc=load_oidc_config(oidc_config) if oidc_config else (),
+                supervisor=sup,
+            )  # fmt: skip
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())
-        console.print(f"serving {rt.home} (pid {server.supervisor.supervisor_id})")
-        server.serve()
+        console.print(f"serving {rt.home} (pid {sup.supervisor_id})")
+        if api is not None:
+            console.print(f"HTTP API at {api.url}")
+        try:
+            server.serve()
+        finally:
+            if api is not None:
+                api.stop()
 
 
 # -- tenants: freeze, history, egress ---------------------------------------------
@@ -433,6 +512,13 @@ def history(
 
     when = parse_time(at, "--at")
     assert when is not None
+    if (client := remote(token)) is not None:
+        report = client.history(tenant, when, parse_duration(window, "--window"))
+        if as_json:
+            _emit(report)
+        else:
+            _print_history(report)
+        return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "audit.read")
         report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
