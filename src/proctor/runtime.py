@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from proctor.errors import AlreadyExists, NotInitialized, UsageError
 from proctor.governance import (
@@ -70,15 +70,26 @@ def _write_private(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
-def init_home(home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Config:
-    """Create a Proctor home: store, signing key, and the system log's first event."""
+def init_home(
+    home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN, store: str | None = None
+) -> Config:
+    """Create a Proctor home: store, signing key, and the system log's first event.
+
+    ``store`` (or ``PROCTOR_STORE``) names a PostgreSQL database
+    (``postgresql://…``, which must exist) that several runtime nodes can share;
+    by default the store is a SQLite file in the home.
+    """
+    store = store or os.environ.get("PROCTOR_STORE") or None
+    if store is not None and not store.startswith(("postgresql://", "postgres://")):
+        raise UsageError(f"--store must be a postgresql:// URL, not {store!r}")
     if not _TRUST_DOMAIN_RE.match(trust_domain) or ".." in trust_domain:
         raise UsageError(
             f"invalid trust domain {trust_domain!r}", hint="use a DNS name such as proctor.local"
         )
     if (home / _CONFIG).exists():
         raise AlreadyExists(f"{home} is initialised already")
-    if (home / "proctor.db").exists() or (home / "keys" / "ledger.pem").exists():
+    leftover_db = store is None and (home / "proctor.db").exists()
+    if leftover_db or (home / "keys" / "ledger.pem").exists():
         raise UsageError(
             f"{home} holds a store or key from an unfinished init",
             hint="remove the directory, or choose another --home",
@@ -90,9 +101,11 @@ def init_home(home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Config:
     signer.save(key_path)
     KeyRing.load_or_create(home / "keys" / "runtime.key")
     operator = f"local-operator:{getpass.getuser()}@{socket.gethostname()}"
-    config = Config(trust_domain, f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator)
-    store = open_store(config.store, create=True)
-    ledger = Ledger(store, signer, trust_domain)
+    config = Config(
+        trust_domain, store or f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator
+    )
+    opened = open_store(config.store, create=True)
+    ledger = Ledger(opened, signer, trust_domain)
     try:
         ledger.create_log(
             SYSTEM_LOG,
@@ -101,12 +114,12 @@ def init_home(home: Path, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> Config:
                 "runtime.init",
                 f"runtime/{trust_domain}",
                 reason="initialised",
-                details={"verifier_key": signer.verifier.vkey(), "store": store.engine},
+                details={"verifier_key": signer.verifier.vkey(), "store": opened.engine},
             ),
         )
     finally:
         ledger.close()
-        store.close()
+        opened.close()
     _write_private(
         home / _CONFIG,
         json.dumps(config.__dict__, indent=2, sort_keys=True).encode() + b"\n",
@@ -168,6 +181,16 @@ class Runtime:
             self.tenants.get(tenant)
         return tenant
 
+    def undeploy(self, tenant: str, name: str, actor: Actor, reason: str) -> None:
+        """Stop a deployment and revoke what it was granted outside Proctor: the
+        database roles of its PostgreSQL datasets."""
+        self.deployments.set_status(tenant, name, "stopped", actor, reason)
+        from proctor.broker._pg_sql import revoke_deployment_role
+
+        for ds in self.resources.datasets(tenant):
+            if ds.kind == "postgresql":
+                revoke_deployment_role(ds.location, tenant, name, ds.name)
+
     # -- egress -----------------------------------------------------------------
 
     def egress_ranges(self, tenant: str) -> tuple[str, ...]:
@@ -214,14 +237,23 @@ class Runtime:
             Broker,
             EgressProxy,
             Handlers,
+            RunScope,
             handle_sql,
             read_object,
             write_object,
         )
+        from proctor.broker._pg_sql import handle_pg_sql
+
+        async def sql(scope: RunScope, request: dict[str, Any]) -> dict[str, Any]:
+            # Each dataset kind has its own connector; the contract is the same.
+            binding = scope.datasets.get(str(request.get("dataset")))
+            if binding is not None and binding.kind == "postgresql":
+                return await handle_pg_sql(scope, request)
+            return await handle_sql(scope, request)
 
         proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
         handlers = Handlers(
-            sql=handle_sql,
+            sql=sql,
             read_object=read_object,
             write_object=write_object,
             connect=proxy.handle_connect,

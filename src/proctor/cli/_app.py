@@ -71,10 +71,17 @@ def init(
     trust_domain: Annotated[
         str, typer.Option(help="Trust domain for identities and log origins")
     ] = DEFAULT_TRUST_DOMAIN,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PROCTOR_STORE",
+            help="postgresql://… (an existing database several nodes share) [default: SQLite]",
+        ),
+    ] = None,
 ) -> None:
     """Create a Proctor home: store, signing key, system log."""
     target = home or default_home()
-    config = init_home(target, trust_domain)
+    config = init_home(target, trust_domain, store)
     with open_runtime(target) as rt:
         vkey = rt.ledger.vkey()
     console.print(f"initialised [bold]{target}[/] (trust domain {config.trust_domain})")

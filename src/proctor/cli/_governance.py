@@ -325,7 +325,7 @@ def deployment_stop(tenant: TenantOpt, name: str, token: TokenOpt = None,
         actor, principal = acting(rt, token)
         _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name), tenant,
                    f"deployment/{name}")  # fmt: skip
-        rt.deployments.set_status(tenant, name, "stopped", actor, "stopped by request")
+        rt.undeploy(tenant, name, actor, "stopped by request")
     console.print(f"deployment {name} stopped")
 
 

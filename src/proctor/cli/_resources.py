@@ -105,16 +105,35 @@ def policy_test(
 def dataset_add(
     tenant: TenantOpt,
     name: str,
-    sqlite: Annotated[Path, typer.Option(help="Path of the SQLite database file")],
+    sqlite: Annotated[Path | None, typer.Option(help="Path of a SQLite database file")] = None,
+    postgres_env: Annotated[
+        str | None,
+        typer.Option(help="Environment variable holding a postgresql:// DSN (kept off argv)"),
+    ] = None,
     synthetic: Annotated[
         bool, typer.Option(help="Synthetic data: sandbox runs may use it")
     ] = False,
+    twin_of: Annotated[
+        str | None, typer.Option(help="The real dataset this synthetic one stands in for")
+    ] = None,
     home: HomeOpt = None,
 ) -> None:
     """Register a dataset; only the runtime will know where it is."""
+    if (sqlite is None) == (postgres_env is None):
+        raise UsageError("give exactly one of --sqlite PATH or --postgres-env VAR")
+    where: Path | str
+    if postgres_env is not None:
+        where = os.environ.get(postgres_env, "")
+        if not where:
+            raise UsageError(f"environment variable {postgres_env} is empty or unset")
+    else:
+        assert sqlite is not None
+        where = sqlite
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
-        ds = rt.resources.add_dataset(tenant, name, sqlite, rt.operator, synthetic=synthetic)
+        ds = rt.resources.add_dataset(
+            tenant, name, where, rt.operator, synthetic=synthetic, twin_of=twin_of
+        )
     console.print(f"dataset [bold]{ds.name}[/] registered in {tenant}")
 
 

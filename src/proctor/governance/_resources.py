@@ -47,6 +47,33 @@ class Secret:
     template: str
 
 
+def _dataset_location(where: Path | str) -> tuple[str, str]:
+    """(kind, location) of a dataset, checked to be reachable before it is registered."""
+    text = str(where)
+    if text.startswith(("postgresql://", "postgres://")):
+        import psycopg
+
+        try:
+            with psycopg.connect(text, connect_timeout=10) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as exc:
+            # The DSN may hold a password: never echo it.
+            raise UsageError(
+                f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
+            ) from exc
+        return "postgresql", text
+    path = Path(where).resolve()
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_schema").fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
+    return "sqlite", str(path)
+
+
 class Resources:
     def __init__(self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path) -> None:
         self._store = store
@@ -75,13 +102,15 @@ class Resources:
         self,
         tenant: str,
         name: str,
-        path: Path,
+        path: Path | str,
         actor: Actor,
         *,
         synthetic: bool = False,
         twin_of: str | None = None,
     ) -> Dataset:
-        """Register a dataset; ``twin_of`` makes it the synthetic stand-in of a real one."""
+        """Register a dataset: a SQLite file, or a PostgreSQL DSN (``postgresql://…``)
+        that only the runtime holds; ``twin_of`` makes it the synthetic stand-in of a
+        real one."""
         _check_name("dataset", name)
         if twin_of is not None:
             if not synthetic:
@@ -89,15 +118,7 @@ class Resources:
             real = {d.name: d for d in self.datasets(tenant)}.get(twin_of)
             if real is None or real.synthetic:
                 raise UsageError(f"--twin-of: {twin_of!r} is not a real dataset of {tenant!r}")
-        path = path.resolve()
-        try:
-            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-            try:
-                db.execute("SELECT count(*) FROM sqlite_schema").fetchone()
-            finally:
-                db.close()
-        except sqlite3.Error as exc:
-            raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
+        kind, location = _dataset_location(path)
 
         def insert(conn: Conn) -> None:
             if conn.query_one(
@@ -110,8 +131,8 @@ class Resources:
                 raise AlreadyExists(f"dataset {twin_of!r} has a synthetic twin already")
             conn.execute(
                 "INSERT INTO datasets (tenant, name, kind, location, synthetic, created_at,"
-                " twin_of) VALUES (?, ?, 'sqlite', ?, ?, ?, ?)",
-                (tenant, name, str(path), int(synthetic), utc_now(), twin_of),
+                " twin_of) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (tenant, name, kind, location, int(synthetic), utc_now(), twin_of),
             )
 
         # The location is the runtime's business; the event names the dataset only.
@@ -120,10 +141,10 @@ class Resources:
             actor,
             "dataset.register",
             f"dataset/{name}",
-            {"kind": "sqlite", "synthetic": synthetic, "twin_of": twin_of},
+            {"kind": kind, "synthetic": synthetic, "twin_of": twin_of},
             insert,
         )
-        return Dataset(tenant, name, "sqlite", str(path), synthetic, twin_of)
+        return Dataset(tenant, name, kind, location, synthetic, twin_of)
 
     def datasets(self, tenant: str) -> list[Dataset]:
         with self._store.read() as conn:

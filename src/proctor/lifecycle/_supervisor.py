@@ -230,6 +230,14 @@ class Supervisor:
                 tenant, sorted(caps.get("datasets", {})), dep.environment
             ).items()
         }
+        for ds_name, binding in datasets.items():
+            if binding.kind == "postgresql":
+                # The database enforces the approved columns too: the deployment's own
+                # role holds SELECT on exactly those (reset to match at every start).
+                from proctor.broker._pg_sql import grant_deployment_role
+
+                grant_deployment_role(binding.location, tenant, name, ds_name,
+                                      caps["datasets"][ds_name].get("tables", {}))  # fmt: skip
         secrets = {
             s.name: SecretBinding(
                 s.name, rt.resources.secret_value(tenant, s.name), s.hosts, s.header, s.template
@@ -332,6 +340,10 @@ class Supervisor:
             finally:
                 finished.set()
                 shutil.rmtree(code, ignore_errors=True)
+                if any(b.kind == "postgresql" for b in datasets.values()):
+                    from proctor.broker._pg_sql import close_pg_pools
+
+                    close_pg_pools(scope)
         return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest())
 
     def _watch(
