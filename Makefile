@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck bench soak clean
+.PHONY: setup demo test lint typecheck bench clean
 
 setup:
 	@scripts/setup.sh
@@ -25,6 +25,7 @@ typecheck: setup
 # Figures for the README. Each script compares side by side in one run.
 bench: setup
 	$(PY) bench/ledger.py
+	$(PY) bench/ledger_pg.py
 	$(PY) bench/sandbox.py
 	$(PY) bench/policy.py
 	$(PY) bench/broker_sql.py
