@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import zipfile
 from dataclasses import dataclass
 from datetime import datetime
@@ -190,6 +192,24 @@ def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
     return None
 
 
+def _check_ocsf(path: str, origin: str, first: int) -> str | None:
+    """In a worker process: each OCSF line must be the one its event gives."""
+    with zipfile.ZipFile(path) as zf:
+        ocsf = iter_lines(zf, "ocsf/events.ocsf.jsonl")
+        seq = first - 1
+        for data in iter_lines(zf, "events/events.jsonl"):
+            seq += 1
+            try:
+                ev = json.loads(data)
+            except ValueError:
+                return None  # the main check names a malformed event
+            if next(ocsf, None) != ocsf_line(ev, origin):
+                return f"ocsf/events.ocsf.jsonl: line for event seq {seq} does not match it"
+        if next(ocsf, None) is not None:
+            return "ocsf/events.ocsf.jsonl: more lines than events"
+    return None
+
+
 def verify_pack(path: Path, vkey: str | None = None) -> PackReport:
     """Verify the pack at ``path``; :class:`VerificationFailed` names the first failure.
 
@@ -248,9 +268,15 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     leaves: list[bytes] = []
     events: dict[int, dict[str, Any]] = {}  # governance and run events, by seq
     data_events: list[dict[str, Any]] = []
-    ocsf = iter_lines(zf, "ocsf/events.ocsf.jsonl")
+    # Regenerating every OCSF line costs as much as everything else in this loop, and
+    # needs nothing from it: a second process does it meanwhile, on the other core.
+    # (A plain subprocess, not multiprocessing: no re-import of the caller's script.)
+    ocsf_check = subprocess.Popen(
+        [sys.executable, "-m", "proctor.evidence._verify", zf.filename or "", origin, str(first)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     seq = first - 1
-    ocsf_error: str | None = None
     for data in iter_lines(zf, "events/events.jsonl"):
         seq += 1
         ev = _parse_event(data, f"event seq {seq}")
@@ -264,10 +290,6 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         if not str(meta["from"]) <= ev["time"] < str(meta["to"]):
             raise _fail(f"event seq {seq}: its time {ev['time']} is outside the period")
         leaves.append(leaf_hash(data))
-        # Named only after the tree is checked: an altered event must be named as
-        # such, not as the OCSF line that no longer matches it.
-        if ocsf_error is None and next(ocsf, None) != ocsf_line(ev, origin):
-            ocsf_error = f"ocsf/events.ocsf.jsonl: line for event seq {seq} does not match it"
         summary.add(ev)
         action = ev["action"]
         if action in (
@@ -282,8 +304,6 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
                 data_events.append(ev)
         elif not action.startswith("http."):
             events[seq] = ev
-    if ocsf_error is None and next(ocsf, None) is not None:
-        ocsf_error = "ocsf/events.ocsf.jsonl: more lines than events"
     if seq + 1 != stop:
         raise _fail(f"event seq {seq + 1}: missing; pack.json says the period ends before {stop}")
     rp = _load(zf, "proofs/range.json")
@@ -302,8 +322,13 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
             "lead to the signed end checkpoint; an event or a proof was altered"
         )
     del leaves
-    if ocsf_error is not None:
-        raise _fail(ocsf_error)
+    # Named only after the tree is checked: an altered event must be named as such,
+    # not as the OCSF line that no longer matches it.
+    out, _ = ocsf_check.communicate()
+    if ocsf_check.returncode != 0:
+        raise _fail("ocsf/events.ocsf.jsonl: could not be checked")
+    if out.strip():
+        raise _fail(out.decode().strip())
 
     # -- context events -------------------------------------------------------------
     context_docs: list[dict[str, Any]] = []
@@ -551,3 +576,10 @@ def _check_records(
                 f"governance/policies.json: the text of {p.get('version')} does not hash "
                 "to its version"
             )
+
+
+if __name__ == "__main__":
+    # The OCSF check's worker (see _verify): prints the first mismatch, or nothing.
+    problem = _check_ocsf(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    if problem:
+        print(problem)
