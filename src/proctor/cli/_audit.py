@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -87,6 +87,15 @@ def checkpoint(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) 
     sys.stdout.write(note)
 
 
+def _print_proof(doc: dict[str, Any], as_json: bool, title: str) -> None:
+    if as_json:
+        _emit_json(doc)
+        return
+    console.print(title)
+    for i, h in enumerate(doc["hashes"]):
+        console.print(f"  {i:2d} {h}")
+
+
 @audit_app.command("proof")
 def proof(
     tenant: TenantOpt,
@@ -99,12 +108,9 @@ def proof(
     with open_runtime(home) as rt:
         p = rt.ledger.inclusion_proof(rt.log_name(tenant), index, size)
     doc = p.as_json()
-    if as_json:
-        _emit_json(doc)
-        return
-    console.print(f"event {p.index} in tree of size {p.size}; leaf hash {doc['leaf_hash']}")
-    for i, h in enumerate(doc["hashes"]):
-        console.print(f"  {i:2d} {h}")
+    _print_proof(
+        doc, as_json, f"event {p.index} in tree of size {p.size}; leaf hash {doc['leaf_hash']}"
+    )
 
 
 @audit_app.command("consistency")
@@ -118,13 +124,7 @@ def consistency(
     """Consistency proof (RFC 9162 §2.1.4) that the newer tree extends the older."""
     with open_runtime(home) as rt:
         p = rt.ledger.consistency_proof(rt.log_name(tenant), old, new)
-    doc = p.as_json()
-    if as_json:
-        _emit_json(doc)
-        return
-    console.print(f"tree {p.new} extends tree {p.old}")
-    for i, h in enumerate(doc["hashes"]):
-        console.print(f"  {i:2d} {h}")
+    _print_proof(p.as_json(), as_json, f"tree {p.new} extends tree {p.old}")
 
 
 @audit_app.command("verify")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from proctor.errors import VerificationFailed
-from proctor.ledger import node_hash
+from proctor.ledger import node_hash, path_from_ranges
 
 NodeFn = Callable[[int, int], bytes]
 _sha256 = hashlib.sha256
@@ -142,19 +142,7 @@ class RangeTree:
         """RFC 9162 §2.1.3.1 PATH(index, D[0:size]) for a leaf inside the range."""
         if not self.start <= index < self.end:
             raise VerificationFailed(f"event seq {index} is not in the pack's range")
-        path: list[bytes] = []
-        s, e, m = 0, self.size, index
-        while e - s > 1:
-            k = _split(e - s)
-            if m < k:
-                path.append(self.mth(s + k, e))
-                e = s + k
-            else:
-                path.append(self.mth(s, s + k))
-                s += k
-                m -= k
-        path.reverse()
-        return path
+        return path_from_ranges(self.mth, index, self.size)
 
 
 def decode_hashes(values: Any, what: str) -> list[bytes]:

@@ -21,6 +21,7 @@ from proctor.ledger._ledger import (
 from proctor.ledger._merkle import (
     leaf_hash,
     node_hash,
+    path_from_ranges,
     root_from_inclusion,
     verify_consistency,
     verify_inclusion,
@@ -49,6 +50,7 @@ __all__ = [
     "node_hash",
     "open_checkpoint",
     "parse_checkpoint",
+    "path_from_ranges",
     "root_from_inclusion",
     "tile_path",
     "utc_now",

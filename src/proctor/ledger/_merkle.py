@@ -66,16 +66,21 @@ def inclusion_path(node: NodeFn, index: int, size: int) -> list[bytes]:
     """RFC 9162 §2.1.3.1 PATH(index, D[0:size]), leaf-side first."""
     if not 0 <= index < size:
         raise UsageError(f"index {index} is out of range for a tree of size {size}")
-    tree = _Tree(node)
+    return path_from_ranges(_Tree(node).mth, index, size)
+
+
+def path_from_ranges(mth: Callable[[int, int], bytes], index: int, size: int) -> list[bytes]:
+    """PATH(index, D[0:size]) given ``mth(start, end)``, the hash of any leaf range
+    the path needs (from stored tiles, or from a range an evidence pack carries)."""
     path: list[bytes] = []
     start, end, m = 0, size, index
     while end - start > 1:
         k = _split(end - start)
         if m < k:
-            path.append(tree.mth(start + k, end))
+            path.append(mth(start + k, end))
             end = start + k
         else:
-            path.append(tree.mth(start, start + k))
+            path.append(mth(start, start + k))
             start += k
             m -= k
     path.reverse()
