@@ -32,9 +32,9 @@ from proctor.governance._manifest import egress_entry
 from proctor.governance._subprocessors import covers
 from proctor.ledger import (
     Verifier,
-    canonical_json,
     leaf_hash,
     open_checkpoint,
+    parse_canonical,
     verify_consistency,
     verify_inclusion,
 )
@@ -104,44 +104,10 @@ def _check_manifest(zf: zipfile.ZipFile) -> None:
             raise _fail(f"{name}: its SHA-256 does not match the manifest (the file was altered)")
 
 
-class _NotFast(Exception):
-    pass
-
-
-def _no_float(_: str) -> Any:
-    raise _NotFast
-
-
-def _safe_int(text: str) -> int:
-    value = int(text)
-    if -(2**53) < value < 2**53:
-        return value
-    raise _NotFast
-
-
-# Decoding with number hooks tells at C speed whether the event is inside the
-# domain where sorted-key json.dumps is exactly RFC 8785 (the ledger's writer
-# uses the same rule); only events outside it take the slower rfc8785 path.
-_fast_decode = json.JSONDecoder(parse_float=_no_float, parse_int=_safe_int).decode
-_fast_encode = json.JSONEncoder(
-    ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False
-).encode
-
-
 def _parse_event(data: bytes, where: str) -> dict[str, Any]:
     try:
-        text = data.decode("utf-8")
-        if max(text, default="a") <= "\uffff":
-            try:
-                ev = _fast_decode(text)
-                canonical = _fast_encode(ev).encode("utf-8") == data
-            except _NotFast:
-                ev = json.loads(text)
-                canonical = canonical_json(ev) == data
-        else:
-            ev = json.loads(text)
-            canonical = canonical_json(ev) == data
-    except (ValueError, ProctorError) as exc:
+        ev, canonical = parse_canonical(data)
+    except (ValueError, UnicodeDecodeError, ProctorError) as exc:
         raise _fail(f"{where}: not valid JSON ({exc})") from exc
     if not isinstance(ev, dict) or not canonical:
         raise _fail(f"{where}: not a canonical JSON event")

@@ -6,7 +6,7 @@ inclusion and consistency proofs, group-committed durable appends, and offline
 verification from an export and the verifier key alone.
 """
 
-from proctor.ledger._canonical import canonical_json
+from proctor.ledger._canonical import canonical_json, parse_canonical
 from proctor.ledger._event import Actor, Decision, EventDraft, utc_now
 from proctor.ledger._ledger import (
     SYSTEM_LOG,
@@ -49,6 +49,7 @@ __all__ = [
     "leaf_hash",
     "node_hash",
     "open_checkpoint",
+    "parse_canonical",
     "parse_checkpoint",
     "path_from_ranges",
     "root_from_inclusion",
