@@ -17,6 +17,7 @@ import random
 import re
 import shutil
 import sqlite3
+import sys
 import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,8 +118,10 @@ def run_demo(home: Path | None) -> None:
     console.rule()
     console.print(f"The home is kept at [bold]{home}[/]; go on exploring it:")
     console.print(f"  export PROCTOR_HOME={home}")
-    console.print("  proctor audit events -t acme; proctor runs list -t acme; "
-                  "proctor history -t acme --at now")  # fmt: skip
+    # The command as this shell can run it (make demo runs it from the virtualenv).
+    exe = shutil.which("proctor") or sys.argv[0]
+    console.print(f"  {exe} audit events -t acme; {exe} runs list -t acme; "
+                  f"{exe} history -t acme --at now")  # fmt: skip
 
 
 def _story(rt: Runtime, home: Path, work: Path) -> None:
