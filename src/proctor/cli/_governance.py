@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
@@ -45,10 +44,6 @@ def _authorize(
     """Cedar decides for principals; the local operator owns the runtime (recorded as such)."""
     if principal is not None:
         rt.control.authorize(principal, action, resource, tenant, event_resource=event_resource)
-
-
-def _emit(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, sort_keys=True, indent=2) + "\n")
 
 
 # -- principals ----------------------------------------------------------------
@@ -180,7 +175,7 @@ def approval_list(
         full = rt.artifacts.get(tenant, digest).digest
         rows = rt.approvals.for_artifact(tenant, full)
     if as_json:
-        _emit([a.as_json() for a in rows])
+        emit_json([a.as_json() for a in rows])
         return
     table = Table("approval", "decision", "by", "at", "expires", "revoked")
     for a in rows:
@@ -309,7 +304,7 @@ def deployment_list(
         authorize_read(rt, token, tenant, "deployment.read")
         rows = rt.deployments.current(tenant)
     if as_json:
-        _emit([d.as_json() for d in rows])
+        emit_json([d.as_json() for d in rows])
         return
     table = Table("deployment", "v", "env", "mode", "status", "artifact", "approvals")
     for d in rows:
@@ -392,7 +387,7 @@ def runs_list(
         authorize_read(rt, token, tenant, "run.read")
         rows = Runs(rt).all(tenant, deployment)
     if as_json:
-        _emit([r.as_json() for r in rows])
+        emit_json([r.as_json() for r in rows])
         return
     table = Table("run", "deployment", "v", "env", "status", "reason", "exit", "started", "ended")
     for r in rows:
@@ -424,7 +419,7 @@ def runs_show(
         authorize_read(rt, token, tenant, "run.read")
         record = Runs(rt).get(tenant, run_id)
         run_dir = rt.home / "runs" / run_id
-    _emit(record.as_json())
+    emit_json(record.as_json())
     if logs:
         for name in ("stdout.log", "stderr.log"):
             path = run_dir / name
@@ -515,7 +510,7 @@ def history(
     if (client := remote(token)) is not None:
         report = client.history(tenant, when, parse_duration(window, "--window"))
         if as_json:
-            _emit(report)
+            emit_json(report)
         else:
             _print_history(report)
         return
@@ -523,7 +518,7 @@ def history(
         authorize_read(rt, token, tenant, "audit.read")
         report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
     if as_json:
-        _emit(report)
+        emit_json(report)
         return
     _print_history(report)
 
