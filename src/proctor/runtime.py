@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from proctor.errors import AlreadyExists, NotInitialized, UsageError
 from proctor.governance import (
@@ -237,23 +237,14 @@ class Runtime:
             Broker,
             EgressProxy,
             Handlers,
-            RunScope,
             handle_sql,
             read_object,
             write_object,
         )
-        from proctor.broker._pg_sql import handle_pg_sql
-
-        async def sql(scope: RunScope, request: dict[str, Any]) -> dict[str, Any]:
-            # Each dataset kind has its own connector; the contract is the same.
-            binding = scope.datasets.get(str(request.get("dataset")))
-            if binding is not None and binding.kind == "postgresql":
-                return await handle_pg_sql(scope, request)
-            return await handle_sql(scope, request)
 
         proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
         handlers = Handlers(
-            sql=sql,
+            sql=handle_sql,
             read_object=read_object,
             write_object=write_object,
             connect=proxy.handle_connect,

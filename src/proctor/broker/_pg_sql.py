@@ -60,10 +60,9 @@ from proctor.broker._sql import (
     _deny_reason,
     _Grant,
     _key_text,
-    _parse_request,
     _record_refusal,
     _resource,
-    _sql_hmac,
+    handle_sql,
     keyed_variant,
 )
 from proctor.errors import ProctorError, StoreError
@@ -481,28 +480,23 @@ def _first_word(sql: str) -> str:
 
 
 async def handle_pg_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
-    """One guest SQL call on a PostgreSQL dataset; the contract of ``handle_sql``
-    (``{"dataset", "sql", "params"}`` in, ``{"columns", "rows", "row_count",
-    "truncated"}`` out), reads only. Every outcome is recorded before it is answered."""
-    untrusted: object = request
-    if not isinstance(untrusted, Mapping):
-        untrusted = {}
-    request = untrusted
-    raw_dataset = request.get("dataset")
-    name = "?"
-    if isinstance(raw_dataset, str) and 0 < len(raw_dataset) <= 128 and raw_dataset.isprintable():
-        name = raw_dataset
-    base: dict[str, Any] = {"dataset": name}
-    raw_sql = request.get("sql")
-    if isinstance(raw_sql, str):
-        base["sql_hmac"] = _sql_hmac(scope, raw_sql)
+    """One guest SQL call, as ``handle_sql`` answers it (which hands PostgreSQL
+    datasets to :func:`handle_pg_statement`): ``{"dataset", "sql", "params"}`` in,
+    ``{"columns", "rows", "row_count", "truncated"}`` out, reads only."""
+    return await handle_sql(scope, request)
+
+
+async def handle_pg_statement(
+    scope: RunScope,
+    dataset: str,
+    sql: str,
+    params: Any,
+    binding: DatasetBinding,
+    base: dict[str, Any],
+) -> dict[str, Any]:
+    """A parsed request on a PostgreSQL dataset (``handle_sql`` checked the request
+    and the binding). Every outcome is recorded before it is answered."""
     try:
-        dataset, sql, params = _parse_request(request)
-        binding = scope.datasets.get(dataset)
-        if binding is None:
-            raise CallDenied(f"sql: no dataset {dataset!r} is bound to this run")
-        if binding.kind != "postgresql":
-            raise BadCall(f"sql: dataset {dataset!r} is not a PostgreSQL dataset")
         if not isinstance(params, tuple):
             raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
         try:
@@ -512,7 +506,7 @@ async def handle_pg_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str
         if _first_word(sql) not in _READ_WORDS:
             raise CallDenied("sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets")
     except (BadCall, CallDenied) as exc:
-        await _record_refusal(scope, "sql.select", f"dataset/{name}", exc.message, base)
+        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", exc.message, base)
         raise
 
     details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}

@@ -833,11 +833,17 @@ async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, A
         binding = scope.datasets.get(dataset)
         if binding is None:
             raise CallDenied(f"sql: no dataset {dataset!r} is bound to this run")
-        if binding.kind != "sqlite":
+        if binding.kind not in ("sqlite", "postgresql"):
             raise BadCall(f"sql: datasets of kind {binding.kind!r} are not supported yet")
     except BrokerError as exc:
         await _record_refusal(scope, "sql.select", f"dataset/{name}", exc.message, base)
         raise
+    if binding.kind == "postgresql":
+        # Each engine has its own connector; the request's checks above are shared.
+        # Imported here: the PostgreSQL connector builds on this module.
+        from proctor.broker._pg_sql import handle_pg_statement
+
+        return await handle_pg_statement(scope, dataset, sql, params, binding, base)
 
     deadline = time.monotonic() + scope.statement_timeout
     stmt = _Statement(binding, _read_pool(scope, binding), sql, params, deadline)
