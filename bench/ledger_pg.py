@@ -18,32 +18,13 @@ import threading
 import time
 from pathlib import Path
 
-from proctor.ledger import Actor, EventDraft, Ledger, Signer
+from proctor.ledger import Ledger, Signer
 from proctor.store import open_store
 from proctor.testing import PostgresServer
 
-ACTOR = Actor("workload", "spiffe://proctor.local/tenant/acme/deployment/churn/run/r-0001")
-
-
-def draft(i: int) -> EventDraft:
-    # The same realistic broker event as bench/ledger.py.
-    return EventDraft(
-        ACTOR,
-        "sql.select",
-        "dataset/crm/table/customers",
-        policies=("deploy:churn:sql:crm.customers",),
-        reason="permitted by deploy:churn:sql:crm.customers",
-        deployment="churn",
-        run="r-0001",
-        artifact="sha256:" + "ab" * 32,
-        approvals=("apr-1",),
-        details={"columns": ["country", "id", "plan"], "rows": 100, "keys_hmac": "cd" * 32, "i": i},
-    )
-
-
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * p))]
+# The same realistic broker event and percentile as bench/ledger.py, so the figures compare.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ledger import draft, pct
 
 
 def run_writers(ledger: Ledger, writers: int, total: int) -> tuple[float, list[float]]:
