@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup demo test lint typecheck bench soak clean
 
 setup:
 	@scripts/setup.sh
@@ -32,6 +32,13 @@ bench: setup
 	$(PY) bench/broker_proxy.py
 	$(PY) bench/evidence.py
 	$(PY) bench/api.py
+
+# The adversarial suite at full size: faults, the 32-run load, fuzzing, escapes.
+# `make test` runs the same tests at bounded sizes.
+soak: setup
+	PROCTOR_SOAK=1 $(PY) -m pytest tests/faults tests/fuzz tests/security -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) bench/soak.py
+	@scripts/fuzz.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
