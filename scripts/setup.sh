@@ -27,6 +27,14 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
 fi
 
+# Debian's package makes the `postgres` user that owns a test server's files; a
+# machine whose image kept the package but not its user gets it back here.
+if ! id postgres >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+  echo "setup: creating the postgres system user"
+  getent group postgres >/dev/null || groupadd --system postgres
+  useradd --system --gid postgres --home-dir /var/lib/postgresql --shell /bin/bash postgres
+fi
+
 stamp=.venv/.proctor-installed
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv

@@ -52,17 +52,22 @@ class Tenants:
                 (name, created_at, actor.id),
             )
 
-        draft = EventDraft(actor, "tenant.create", f"tenant/{name}", reason="created")
-        first = self._ledger.create_log(name, draft, hook=insert)
-        self._ledger.append(
-            SYSTEM_LOG,
-            EventDraft(
+        def system_event(first_leaf: bytes) -> EventDraft:
+            return EventDraft(
                 actor,
                 "tenant.create",
                 f"tenant/{name}",
                 reason="created",
-                details={"origin": self._ledger.origin(name), "first_leaf": first.leaf_hash.hex()},
-            ),
+                details={"origin": self._ledger.origin(name), "first_leaf": first_leaf.hex()},
+            )
+
+        # The tenant's row, its log's event 0 and the system log's record of it
+        # commit together: a refused creation leaves no tenant behind.
+        self._ledger.create_log(
+            name,
+            EventDraft(actor, "tenant.create", f"tenant/{name}", reason="created"),
+            hook=insert,
+            then=(SYSTEM_LOG, system_event),
         )
         return Tenant(name, created_at, actor.id, "active")
 
@@ -77,14 +82,8 @@ class Tenants:
             conn.execute("UPDATE tenants SET status = ? WHERE name = ?", (status, name))
 
         action = "tenant.freeze" if frozen else "tenant.unfreeze"
-        self._ledger.append(
-            name,
-            EventDraft(actor, action, f"tenant/{name}", reason=reason or status),
-            hook=update,
-        )
-        self._ledger.append(
-            SYSTEM_LOG, EventDraft(actor, action, f"tenant/{name}", reason=reason or status)
-        )
+        draft = EventDraft(actor, action, f"tenant/{name}", reason=reason or status)
+        self._ledger.append(name, draft, hook=update, then=(SYSTEM_LOG, lambda _: draft))
         return self.get(name)
 
     def find(self, name: str) -> Tenant | None:

@@ -42,6 +42,12 @@ _UPSERT_TILE = (
 )
 
 TxHook = Callable[[Conn], None]
+#: An event in a second log that commits with the first, all or nothing; its
+#: draft is made from the first event's leaf hash (a system-log entry that
+#: names a tenant log's event 0, say).
+Followup = tuple[str, Callable[[bytes], EventDraft]]
+# An event ready to commit: log, seq, time, bytes, and whether it is the item's own.
+_Staged = tuple[str, int, str, bytes, bool]
 
 
 class Appended(NamedTuple):
@@ -115,7 +121,9 @@ class _Done:
 
 
 class _Pending:
-    __slots__ = ("create", "done", "draft", "error", "future", "hook", "log", "result")
+    __slots__ = (
+        "create", "done", "draft", "error", "future", "hook", "log", "result", "then",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -124,11 +132,13 @@ class _Pending:
         hook: TxHook | None,
         create: bool,
         future: asyncio.Future[Appended] | None = None,
+        then: Followup | None = None,
     ) -> None:
         self.log = log
         self.draft = draft
         self.hook = hook
         self.create = create
+        self.then = then
         # Either a thread waits on ``done`` or a coroutine awaits ``future``.
         self.done = _Done() if future is None else None
         self.future = future
@@ -250,13 +260,27 @@ class Ledger:
 
     # -- writing ------------------------------------------------------------
 
-    def create_log(self, log: str, first: EventDraft, hook: TxHook | None = None) -> Appended:
-        """Create ``log`` with ``first`` as its event 0, atomically with ``hook``'s writes."""
-        return self._submit(_Pending(log, first, hook, create=True))
+    def create_log(
+        self,
+        log: str,
+        first: EventDraft,
+        hook: TxHook | None = None,
+        then: Followup | None = None,
+    ) -> Appended:
+        """Create ``log`` with ``first`` as its event 0, atomically with ``hook``'s
+        writes and with the ``then`` event in another log."""
+        return self._submit(_Pending(log, first, hook, create=True, then=then))
 
-    def append(self, log: str, draft: EventDraft, hook: TxHook | None = None) -> Appended:
-        """Append one event; returns once it is durable. ``hook`` commits with it."""
-        return self._submit(_Pending(log, draft, hook, create=False))
+    def append(
+        self,
+        log: str,
+        draft: EventDraft,
+        hook: TxHook | None = None,
+        then: Followup | None = None,
+    ) -> Appended:
+        """Append one event; returns once it is durable. ``hook``'s writes and the
+        ``then`` event in another log commit with it, or nothing does."""
+        return self._submit(_Pending(log, draft, hook, create=False, then=then))
 
     def append_many(self, log: str, drafts: Sequence[EventDraft]) -> list[Appended]:
         """Append several events, in order; returns once all are durable.
@@ -351,44 +375,48 @@ class Ledger:
         for item in batch:
             # The in-memory right edge may be ahead of what was committed.
             self._states.pop(item.log, None)
+            if item.then is not None:
+                self._states.pop(item.then[0], None)
             item.result = None
             if item.error is None:
                 item.error = error
 
     def _commit(self, batch: list[_Pending]) -> None:
-        logs = sorted({item.log for item in batch})
-        results: list[tuple[_Pending, int, str, bytes, bytes]] = []
+        logs = sorted({item.log for item in batch} | {i.then[0] for i in batch if i.then})
+        # (item, log, seq, time, leaf, data, is the item's own event)
+        results: list[tuple[_Pending, str, int, str, bytes, bytes, bool]] = []
         touched: dict[str, _LogState] = {}
         with self._store.write(*(f"ledger:{log}" for log in logs)) as conn:
             now = utc_now()
             for item in batch:
-                state = self._prepare(conn, item, touched)
-                if state is None:
-                    continue
-                seq = state.tree.size
-                time = max(now, state.last_time)
-                try:
-                    data = canonical_event(item.draft.to_event(seq, time, item.log))
-                except ProctorError as exc:
-                    item.error = exc
-                    continue
-                if item.hook is not None:
+                # An item that writes more than its event (a new log, a hook's rows, a
+                # follow-up) does so inside a savepoint: all of it commits, or none.
+                atomic = item.create or item.hook is not None or item.then is not None
+                known = set(touched) if atomic else set()
+                if atomic:
                     conn.execute("SAVEPOINT item")
-                    try:
-                        item.hook(conn)
-                    except ProctorError as exc:
+                try:
+                    own, follow = self._stage(conn, item, now, touched)
+                except ProctorError as exc:
+                    if atomic:
                         conn.execute("ROLLBACK TO SAVEPOINT item")
                         conn.execute("RELEASE SAVEPOINT item")
+                        for log in set(touched) - known:
+                            del touched[log]
+                    if item.error is None:
                         item.error = exc
-                        continue
+                    continue
+                if atomic:
                     conn.execute("RELEASE SAVEPOINT item")
-                leaf = leaf_hash(data)
-                state.push(leaf)
-                state.last_time = time
-                results.append((item, seq, time, leaf, data))
+                # The in-memory right edges move only once nothing of the item can fail.
+                for log, seq, time, data, is_own in (own, *([follow] if follow else [])):
+                    leaf = leaf_hash(data)
+                    touched[log].push(leaf)
+                    touched[log].last_time = time
+                    results.append((item, log, seq, time, leaf, data, is_own))
             conn.executemany(
                 "INSERT INTO ledger_entries (log, seq, time, data) VALUES (?, ?, ?, ?)",
-                [(item.log, seq, time, data) for item, seq, time, _, data in results],
+                [(log, seq, time, data) for _, log, seq, time, _, data, _ in results],
             )
             notes: dict[str, str] = {}
             for log, state in touched.items():
@@ -413,9 +441,38 @@ class Ledger:
                 )
         # Durable from here on: the transaction committed.
         self._states.update(touched)
-        for item, seq, _, leaf, data in results:
-            state = touched[item.log]
-            item.result = Appended(item.log, seq, leaf, state.tree.size, notes[item.log], data)
+        for item, log, seq, _, leaf, data, is_own in results:
+            if is_own:
+                state = touched[log]
+                item.result = Appended(log, seq, leaf, state.tree.size, notes[log], data)
+
+    def _stage(
+        self, conn: Conn, item: _Pending, now: str, touched: dict[str, _LogState]
+    ) -> tuple[_Staged, _Staged | None]:
+        """Write ``item``'s side effects and build its event (and its follow-up's)
+        without moving any log's right edge; raises if any part cannot be done."""
+        state = self._prepare(conn, item, touched)
+        if state is None:
+            assert item.error is not None
+            raise item.error
+        seq, time = state.tree.size, max(now, state.last_time)
+        data = canonical_event(item.draft.to_event(seq, time, item.log))
+        if item.hook is not None:
+            item.hook(conn)
+        own = (item.log, seq, time, data, True)
+        if item.then is None:
+            return own, None
+        other, make = item.then
+        if other == item.log:
+            raise UsageError("a follow-up event must go to another log")
+        probe = _Pending(other, item.draft, None, create=False)
+        ostate = self._prepare(conn, probe, touched)
+        if ostate is None:
+            assert probe.error is not None
+            raise probe.error
+        otime = max(now, ostate.last_time)
+        odata = canonical_event(make(leaf_hash(data)).to_event(ostate.tree.size, otime, other))
+        return own, (other, ostate.tree.size, otime, odata, False)
 
     def _prepare(
         self, conn: Conn, item: _Pending, touched: dict[str, _LogState]

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import itertools
 import re
+import select
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -246,6 +247,13 @@ class PostgresStore:
     def _usable(self, db: psycopg.Connection[Any] | None) -> psycopg.Connection[Any]:
         if db is None or db.closed or db.broken:
             return self._connect()
+        if _hung_up(db):
+            # The server ended this idle connection (a restart, a crash, an
+            # administrator): psycopg only learns it at the next statement,
+            # which would fail the caller's first call after the server is
+            # back. A new connection now makes the recovery invisible.
+            self._forget(db)
+            return self._connect()
         return db
 
     def _forget(self, db: psycopg.Connection[Any]) -> None:
@@ -384,6 +392,18 @@ class PostgresStore:
                 with suppress(psycopg.Error):
                     db.close()
             self._all.clear()
+
+
+def _hung_up(db: psycopg.Connection[Any]) -> bool:
+    """Whether the server spoke first on an idle connection: nothing is owed to
+    it, so what waits is a closed socket or a farewell (FATAL) before one.
+    A zero-timeout poll, no round trip."""
+    try:
+        fd = db.pgconn.socket
+        readable, _, _ = select.select([fd], [], [], 0)
+    except (psycopg.Error, OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -139,14 +139,49 @@ class SQLiteStore:
                 raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
             try:
                 yield _SQLiteConn(db)
-                db.execute("COMMIT")
             except BaseException as exc:
-                # If the commit itself failed, SQLite has already rolled back.
                 with suppress(sqlite3.DatabaseError):
                     db.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.DatabaseError):
                     raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
                 raise
+            try:
+                db.execute("COMMIT")
+            except sqlite3.DatabaseError as exc:
+                # SQLite has rolled back already (the ROLLBACK is for the rare
+                # error that leaves the transaction open).
+                with suppress(sqlite3.DatabaseError):
+                    db.execute("ROLLBACK")
+                self._bury_failed_commit(db)
+                raise StoreError(f"cannot write the store {self._path}: {exc}") from exc
+
+    def _bury_failed_commit(self, db: sqlite3.Connection) -> None:
+        """Make a failed commit's WAL frames unreachable, durably.
+
+        A commit whose fsync of the WAL fails has already written every frame
+        of the transaction, its commit frame included; SQLite reports the
+        error and hides them from this process (the shared WAL index is not
+        advanced), but the frames stay in the file with valid checksums. The
+        next process to open the database rebuilds the index from the file
+        and would bring the refused transaction back: events whose callers
+        were told they were not recorded. The next commit is written over
+        them and breaks their checksum chain, so one is made at once: a
+        one-page write that changes nothing (``user_version`` set to itself),
+        fsync'd. No setting does this: a checkpoint copies only committed
+        frames and truncates the WAL only when no reader is left in it.
+        If even this write fails the disk is failing; the next successful
+        commit buries the frames the same way, and nothing is acknowledged
+        before it. Only a crash before that commit can still let the refused
+        transaction reappear (complete and signed, never half of it).
+        """
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute("PRAGMA user_version").fetchone()
+            db.execute(f"PRAGMA user_version = {int(row[0]) if row else 0}")
+            db.execute("COMMIT")
+        except sqlite3.DatabaseError:
+            with suppress(sqlite3.DatabaseError):
+                db.execute("ROLLBACK")
 
     def schema_version(self) -> int:
         with self.read() as conn:
