@@ -7,6 +7,14 @@ connection to the real host, and adds the secret's header to each request.
 
 The CA key stays in the runtime's directory (mode 0600) and never enters a
 sandbox; only :meth:`TenantCA.ca_pem` (the certificate) does.
+
+Given the hosts of a run's secrets, :meth:`TenantCA.ca_pem` returns the CA
+certificate re-issued over the same key and name with X.509 name constraints
+(RFC 5280 4.2.1.10) permitting only those hosts. OpenSSL enforces a trust
+anchor's constraints, so a sandbox trusting that certificate accepts no leaf
+of the tenant CA for any other name: not one minted by a broker bug, and not
+one minted with a stolen CA key by whoever got a copy of the bundle trusted
+somewhere else. The unconstrained certificate stays on the runtime's side.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import os
 import ssl
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from cryptography import x509
@@ -26,7 +35,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from proctor.errors import ProctorError
+from proctor.broker._egress import parse_host, split_authority
+from proctor.broker._scope import BadCall
+from proctor.errors import PolicyError, ProctorError
+from proctor.policy import normalize_host
 
 _CA_FILE = "tenant-ca.pem"
 _CA_YEARS = 10
@@ -132,9 +144,45 @@ class TenantCA:
         finally:
             os.unlink(tmp)
 
-    def ca_pem(self) -> bytes:
-        """The CA certificate, for the sandbox's trust bundle. Never the key."""
-        return self._cert.public_bytes(serialization.Encoding.PEM)
+    def ca_pem(self, hosts: Iterable[str] | None = None) -> bytes:
+        """The CA certificate, for the sandbox's trust bundle. Never the key.
+
+        With ``hosts`` (secret host entries: ``host``, ``host:port``,
+        ``*.domain``), the certificate is constrained to those names; with an
+        empty list it vouches for no name at all.
+        """
+        if hosts is None:
+            return self._cert.public_bytes(serialization.Encoding.PEM)
+        constraints = name_constraints(hosts)
+        now = _now()
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(self._cert.subject)
+            .issuer_name(self._cert.subject)
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _CLOCK_SKEW)
+            .not_valid_after(self._cert.not_valid_after_utc)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), False)
+            .add_extension(constraints, critical=True)
+            .sign(self._key, hashes.SHA256())
+        )
+        return cert.public_bytes(serialization.Encoding.PEM)
 
     # -- leaves -----------------------------------------------------------
 
@@ -143,12 +191,16 @@ class TenantCA:
         key = ec.generate_private_key(ec.SECP256R1())
         try:
             san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+            # No common name for an address: OpenSSL checks a CN that looks like
+            # a DNS name against the CA's DNS constraints, and "127.0.0.1" does.
+            subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Proctor")])
         except ValueError:
             san = x509.DNSName(host)
+            subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])])
         now = _now()
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
+            .subject_name(subject)
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -210,6 +262,55 @@ class TenantCA:
                 self._contexts.pop(next(iter(self._contexts)))
             self._contexts[host] = (expires, ctx)
         return ctx
+
+
+def name_constraints(hosts: Iterable[str]) -> x509.NameConstraints:
+    """Name constraints permitting exactly the names secret host entries cover.
+
+    ``*.domain`` becomes ``.domain`` (names below it, as the entry means);
+    ``host`` and ``host:port`` become the host itself (ports have no place in
+    X.509); IP literals become a single-address range. Nothing at all is
+    permitted for an empty list: every DNS name and every address excluded.
+    """
+    dns: set[str] = set()
+    ips: set[ipaddress.IPv4Network | ipaddress.IPv6Network] = set()
+    for entry in hosts:
+        try:
+            text, _port = split_authority(entry, 0)
+            if text.startswith("*."):
+                dns.add("." + normalize_host(text[2:]))
+                continue
+            host = parse_host(text)
+        except (BadCall, PolicyError) as exc:
+            raise CAError(f"cannot constrain the tenant CA to {entry!r}: {exc}") from exc
+        if host.address is not None:
+            ips.add(ipaddress.ip_network(host.address))
+        else:
+            dns.add(host.name)
+    permitted: list[x509.GeneralName] = [x509.DNSName(d) for d in sorted(dns)]
+    permitted += [x509.IPAddress(n) for n in sorted(ips, key=str)]
+    if not permitted:
+        # Excluding "" excludes every DNS name (RFC 5280: any name matches an empty
+        # constraint); the two zero-length ranges cover every address.
+        return x509.NameConstraints(
+            permitted_subtrees=None,
+            excluded_subtrees=[
+                x509.DNSName(""),
+                x509.IPAddress(ipaddress.ip_network("0.0.0.0/0")),
+                x509.IPAddress(ipaddress.ip_network("::/0")),
+            ],
+        )
+    # Permitting only DNS names says nothing about addresses, and the other way
+    # round: the kind with no permitted subtree is excluded outright.
+    excluded: list[x509.GeneralName] = []
+    if not ips:
+        excluded += [
+            x509.IPAddress(ipaddress.ip_network("0.0.0.0/0")),
+            x509.IPAddress(ipaddress.ip_network("::/0")),
+        ]
+    if not dns:
+        excluded.append(x509.DNSName(""))
+    return x509.NameConstraints(permitted_subtrees=permitted, excluded_subtrees=excluded or None)
 
 
 def upstream_context(cafile: str | None) -> ssl.SSLContext:

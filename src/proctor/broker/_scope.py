@@ -4,18 +4,28 @@ Every handler (egress, SQL, files, secrets) goes through :meth:`RunScope.decide`
 and :meth:`RunScope.record`: Cedar decides with the run's workload as principal,
 and the event is durable in the tenant's ledger before the call is answered. If
 the ledger cannot record, :class:`CallRefused` is raised and the call must fail.
+
+Every call is also charged to the run's token bucket (:meth:`RunScope.admit_call`)
+before anything else is done with it: a run over its limit is answered 429
+and its refusals are counted, not recorded one by one, so that neither the
+calls nor their refusals can flood the ledger.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
-from collections.abc import Mapping
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proctor.errors import LedgerError, ProctorError
+from proctor.errors import LedgerError, ProctorError, UsageError
 from proctor.ledger import Actor, Appended, EventDraft, Ledger
 from proctor.policy import (
     CompiledPolicies,
@@ -26,6 +36,17 @@ from proctor.policy import (
     Request,
     decide,
 )
+
+log = logging.getLogger("proctor.broker")
+
+#: Sustained calls per second a run may make, and how many it may make at once.
+#: A run of the load test makes 200-400 calls/s; see docs/broker.md for the reasoning.
+DEFAULT_CALLS_PER_SECOND = 1000.0
+DEFAULT_CALL_BURST = 2000
+#: At most one ``broker.rate_limited`` event per run per this many seconds.
+RATE_LIMITED_WINDOW = 1.0
+#: The rule named in a ``broker.rate_limited`` event.
+RATE_LIMIT_RULE = "proctor:broker:rate-limit"
 
 
 class BrokerError(ProctorError):
@@ -65,6 +86,78 @@ class BadCall(BrokerError):
 
     code = "bad_request"
     status = 400
+
+
+class RateLimited(BrokerError):
+    """The run is over its call rate; the call was not looked at."""
+
+    code = "rate_limited"
+    status = 429
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A run's call budget: ``per_second`` sustained, up to ``burst`` at once."""
+
+    per_second: float = DEFAULT_CALLS_PER_SECOND
+    burst: int = DEFAULT_CALL_BURST
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.per_second) and self.per_second > 0):
+            raise UsageError(
+                f"a run's call rate must be a positive number of calls per second, "
+                f"not {self.per_second!r}"
+            )
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise UsageError(f"a run's call burst must be a positive integer, not {self.burst!r}")
+
+
+class CallLimiter:
+    """A token bucket: ``burst`` tokens, refilled at ``per_second``; one call, one token.
+
+    Refused calls are counted (``pending``) until :meth:`take_pending` hands the
+    count to whoever records it. Not thread-safe: the broker calls it from its
+    one event loop.
+    """
+
+    def __init__(self, limit: RateLimit, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self._clock = clock
+        self._tokens = float(limit.burst)
+        self._last = clock()
+        self.pending = 0
+        self.refused_total = 0
+        self.first_pending: float | None = None
+
+    def take(self) -> bool:
+        """Whether one more call may go ahead now; a refusal is counted."""
+        now = self._clock()
+        elapsed = max(0.0, now - self._last)
+        self._last = now
+        self._tokens = min(float(self.limit.burst), self._tokens + elapsed * self.limit.per_second)
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        if self.pending == 0:
+            self.first_pending = now
+        self.pending += 1
+        self.refused_total += 1
+        return False
+
+    def take_pending(self) -> tuple[int, float]:
+        """(refusals counted since the last call, seconds since the first of them); resets."""
+        count, first = self.pending, self.first_pending
+        self.pending, self.first_pending = 0, None
+        return count, (self._clock() - first if first is not None else 0.0)
+
+    def give_back(self, count: int, seconds: float) -> None:
+        """Return a count that could not be recorded, to be recorded with the next."""
+        if count:
+            first = self._clock() - seconds
+            self.pending += count
+            self.first_pending = (
+                first if self.first_pending is None else min(self.first_pending, first)
+            )
 
 
 @dataclass(frozen=True)
@@ -114,7 +207,12 @@ class RunScope:
     # range; tests use this to reach their own loopback servers.
     allowed_ranges: tuple[str, ...] = ()
     extra_entities: tuple[Entity, ...] = ()
+    # None: the broker's default (Broker.rate_limit) applies when the run opens.
+    rate_limit: RateLimit | None = None
     _entities: EntitySet | None = field(default=None, init=False, repr=False)
+    _limiter: CallLimiter | None = field(default=None, init=False, repr=False)
+    _flush_timer: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
+    _flushing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     @property
     def actor(self) -> Actor:
@@ -212,6 +310,103 @@ class RunScope:
         if not decision.allowed:
             raise CallDenied(f"{action} on {event_resource} {reason}", policies=decision.policies)
         return decision
+
+    # -- the call rate ---------------------------------------------------------
+
+    @property
+    def limiter(self) -> CallLimiter:
+        if self._limiter is None:
+            self._limiter = CallLimiter(self.rate_limit or RateLimit())
+        return self._limiter
+
+    def admit_call(self) -> None:
+        """Charge one call to the run's budget; raise :class:`RateLimited` if it is spent.
+
+        Call on the broker's event loop, before the call is authenticated or
+        decided. A refusal is not recorded now: one ``broker.rate_limited``
+        event per window (at most one per :data:`RATE_LIMITED_WINDOW` seconds)
+        carries the count, so refusals cannot flood the ledger either.
+        """
+        limiter = self.limiter
+        if limiter.take():
+            return
+        self._schedule_flush()
+        limit = limiter.limit
+        raise RateLimited(
+            f"run {self.run_id} is over its limit of {limit.per_second:g} calls per second "
+            f"(burst {limit.burst}); slow down",
+            policies=(RATE_LIMIT_RULE,),
+        )
+
+    def _schedule_flush(self) -> None:
+        if self._flush_timer is None and self._flushing is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(RATE_LIMITED_WINDOW, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            await self.record_rate_limited()
+        finally:
+            self._flushing = None
+        if self.limiter.pending:
+            # Refused while the event was being written, or not recordable yet.
+            self._schedule_flush()
+
+    async def record_rate_limited(self) -> int:
+        """Record one ``broker.rate_limited`` event for the refusals counted so far.
+
+        Returns how many it covered (0: none to record, or not recordable now;
+        an unrecorded count is kept for the next event).
+        """
+        limiter = self.limiter
+        count, seconds = limiter.take_pending()
+        if count == 0:
+            return 0
+        limit = limiter.limit
+        draft = EventDraft(
+            self.actor,
+            "broker.rate_limited",
+            f"run/{self.run_id}",
+            decision="deny",
+            policies=(RATE_LIMIT_RULE,),
+            reason=(
+                f"{count} calls refused: over the run's limit of {limit.per_second:g} "
+                f"calls per second (burst {limit.burst})"
+            ),
+            deployment=self.deployment,
+            run=self.run_id,
+            artifact=self.artifact,
+            approvals=self.approvals,
+            details={
+                "refused": count,
+                "refused_total": limiter.refused_total,
+                "seconds": round(seconds, 3),
+                "per_second": limit.per_second,
+                "burst": limit.burst,
+            },
+        )
+        try:
+            await self.ledger.append_async(self.tenant, draft)
+        except LedgerError as exc:
+            limiter.give_back(count, seconds)
+            log.error("broker.rate_limited for run %s not recorded: %s", self.run_id, exc)
+            return 0
+        return count
+
+    async def close_rate_limit(self) -> None:
+        """At the run's end: record whatever refusals are still only counted."""
+        if self._flushing is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flushing
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._limiter is not None and self._limiter.pending:
+            await self.record_rate_limited()
 
     def key_hmacs(self, keys: list[str]) -> list[str]:
         """Keyed hashes of row keys (HMAC-SHA256 with the tenant's lineage key, first

@@ -4,11 +4,16 @@ The broker runs its event loop in a thread of its own, so the supervisor (and
 the CLI) can open and close runs from ordinary code. A run's socket lives in a
 private directory (0700) and is removed when the run closes; once the broker
 stops, no socket remains and the sandbox has no way out at all.
+
+Each request is charged to the run's call budget (:class:`RateLimit`) before it
+is authenticated: over the limit it is answered 429 and only counted, so a
+guest cannot flood the ledger with calls, nor with refusals of calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -21,12 +26,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from proctor.broker._http import RequestHead, read_body, read_head, respond, respond_json
-from proctor.broker._scope import BadCall, BrokerError, RunScope
+from proctor.broker._scope import BadCall, BrokerError, RateLimit, RateLimited, RunScope
 from proctor.broker._tokens import RunTokens
 from proctor.errors import ProctorError
 from proctor.ledger import EventDraft
@@ -36,6 +42,8 @@ log = logging.getLogger("proctor.broker")
 TOKEN_HEADER = "Proctor-Token"  # noqa: S105 - a header name, not a secret
 MAX_SQL_BODY = 1024 * 1024
 MAX_OBJECT = 64 * 1024 * 1024
+#: How long closing a run waits for its cancelled connections to finish writing.
+_CLOSE_GRACE = 10.0
 
 SqlHandler = Callable[[RunScope, dict[str, Any]], Awaitable[dict[str, Any]]]
 ReadHandler = Callable[[RunScope, str, str], Awaitable[bytes]]
@@ -75,12 +83,24 @@ class _Run:
     server: asyncio.AbstractServer
     socket: Path
     connections: set[asyncio.Task[None]]
+    opening: str
 
 
 class Broker:
-    def __init__(self, handlers: Handlers, token_key: bytes, socket_root: Path | None = None):
+    """The runtime's broker. ``rate_limit`` is the call budget of every run whose
+    scope names none of its own; it is read when a run opens."""
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        token_key: bytes,
+        socket_root: Path | None = None,
+        *,
+        rate_limit: RateLimit | None = None,
+    ):
         self._handlers = handlers
         self._tokens = RunTokens(token_key)
+        self.rate_limit = rate_limit or RateLimit()
         self._root = Path(tempfile.mkdtemp(prefix="proctor-broker-", dir=socket_root))
         self._root.chmod(0o700)
         self._runs: dict[str, _Run] = {}
@@ -109,9 +129,16 @@ class Broker:
 
     def open_run(self, scope: RunScope, ttl: float) -> RunChannel:
         """Start serving ``scope``'s run on a socket of its own."""
-        token = self._tokens.issue(scope.run_id, scope.artifact or "", ttl)
-        path: Path = self._call(self._open(scope))
+        # Drawn per opening and forgotten at close: the token dies with its socket.
+        opening = base64.urlsafe_b64encode(os.urandom(18)).decode()
+        token = self._tokens.issue(scope.run_id, scope.artifact or "", ttl, opening)
+        path: Path = self._call(self._open(scope, opening))
         return RunChannel(scope.run_id, path, token)
+
+    def socket_path(self, run_id: str) -> Path | None:
+        """Where ``run_id``'s socket is on the host while the run is open, else None."""
+        run = self._runs.get(run_id)
+        return run.socket if run is not None else None
 
     def close_run(self, run_id: str) -> None:
         if self._started and not self._stopped:
@@ -138,9 +165,11 @@ class Broker:
 
     # -- inside the loop -----------------------------------------------------
 
-    async def _open(self, scope: RunScope) -> Path:
+    async def _open(self, scope: RunScope, opening: str) -> Path:
         if scope.run_id in self._runs:
             raise BrokerError(f"run {scope.run_id} already has a socket")
+        if scope.rate_limit is None:
+            scope.rate_limit = self.rate_limit
         path = self._root / f"{uuid.uuid4().hex[:12]}.sock"
         connections: set[asyncio.Task[None]] = set()
 
@@ -157,7 +186,7 @@ class Broker:
         server = await asyncio.start_unix_server(on_connect, path=str(path), limit=64 * 1024)
         # The guest's uid differs from ours; the 0700 directory is what guards the socket.
         os.chmod(path, 0o666)  # noqa: S103
-        self._runs[scope.run_id] = _Run(scope, server, path, connections)
+        self._runs[scope.run_id] = _Run(scope, server, path, connections, opening)
         return path
 
     async def _close(self, run_id: str) -> None:
@@ -165,10 +194,17 @@ class Broker:
         if run is None:
             return
         run.server.close()
-        for task in list(run.connections):
+        tasks = list(run.connections)
+        for task in tasks:
             task.cancel()
+        if tasks:
+            # Their finally blocks still write (a tunnel's completion event): wait for
+            # them, or a broker stopping next would drop those events with its loop.
+            await asyncio.wait(tasks, timeout=_CLOSE_GRACE)
         await run.server.wait_closed()
         run.socket.unlink(missing_ok=True)
+        # After the last connection: every refusal counted is in the run's ledger.
+        await run.scope.close_rate_limit()
 
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -177,6 +213,8 @@ class Broker:
             head = await read_head(reader)
             if head is None:
                 return
+            # Before anything that costs a ledger write, the refusal of a bad token included.
+            scope.admit_call()
             problem = self._authenticate(scope, head)
             if problem is not None:
                 await self._record_refusal(scope, head, problem)
@@ -187,6 +225,8 @@ class Broker:
                 )
                 return
             await self._route(scope, head, reader, writer)
+        except RateLimited as exc:
+            await self._send_error(writer, exc, extra=[("Retry-After", "1")])
         except BrokerError as exc:
             await self._send_error(writer, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -198,18 +238,46 @@ class Broker:
             await self._send_error(writer, BrokerError("internal broker error"), status=500)
 
     async def _send_error(
-        self, writer: asyncio.StreamWriter, exc: BrokerError, status: int | None = None
+        self,
+        writer: asyncio.StreamWriter,
+        exc: BrokerError,
+        status: int | None = None,
+        extra: list[tuple[str, str]] | None = None,
     ) -> None:
         if writer.is_closing():
             return
+        code = status or exc.status
+        body = json.dumps(exc.as_json(), sort_keys=True).encode()
+        head = [
+            f"HTTP/1.1 {code} {HTTPStatus(code).phrase}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+            *(f"{k}: {v}" for k, v in extra or []),
+        ]
         with contextlib.suppress(ConnectionError):
-            await respond_json(writer, status or exc.status, exc.as_json())
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            await writer.drain()
 
     def _authenticate(self, scope: RunScope, head: RequestHead) -> str | None:
         token = head.header(TOKEN_HEADER)
         if not token:
             return f"missing {TOKEN_HEADER} header"
-        return self._tokens.check(token, scope.run_id, scope.artifact or "")
+        run = self._runs.get(scope.run_id)
+        problem = self._tokens.check(
+            token, scope.run_id, scope.artifact or "", run.opening if run is not None else ""
+        )
+        if problem is None or token.count(".") != 3:
+            return problem
+        # Say so when it is the token of another open run (replayed here), which
+        # only that run's opening can show; an ended run's token reads as forged.
+        other = self._runs.get(token.split(".")[1])
+        if other is not None and other is not run:
+            again = self._tokens.check(token, other.scope.run_id, other.scope.artifact or "",
+                                       other.opening)  # fmt: skip
+            if again is None:
+                return "token belongs to another run"
+        return problem
 
     async def _record_refusal(self, scope: RunScope, head: RequestHead, problem: str) -> None:
         # The call is refused either way; a failed record of the refusal changes nothing.

@@ -3,6 +3,10 @@
 The socket is the run's capability; the token is checked on every request as
 well, so a socket path that leaks (or a request replayed onto another run's
 socket) is not enough. Format: ``pt1.<run>.<expiry>.<base64url HMAC-SHA256>``.
+
+The MAC also covers an ``opening``: a random value the broker draws each time
+it opens a run's socket and forgets when it closes it. A token therefore dies
+with its socket, before its expiry, even if the same run id were opened again.
 """
 
 from __future__ import annotations
@@ -22,18 +26,18 @@ class RunTokens:
             raise ValueError("the token key must be at least 32 bytes")
         self._key = key
 
-    def _mac(self, run: str, artifact: str, expiry: int) -> str:
-        msg = f"{run}\n{artifact}\n{expiry}".encode()
+    def _mac(self, run: str, artifact: str, expiry: int, opening: str) -> str:
+        msg = f"{run}\n{artifact}\n{expiry}\n{opening}".encode()
         digest = hmac.new(self._key, msg, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
-    def issue(self, run: str, artifact: str, ttl: float) -> str:
+    def issue(self, run: str, artifact: str, ttl: float, opening: str = "") -> str:
         if not _RUN_RE.match(run):
             raise ValueError(f"invalid run id {run!r}")
         expiry = int(time.time() + ttl)
-        return f"pt1.{run}.{expiry}.{self._mac(run, artifact, expiry)}"
+        return f"pt1.{run}.{expiry}.{self._mac(run, artifact, expiry, opening)}"
 
-    def check(self, token: str, run: str, artifact: str) -> str | None:
+    def check(self, token: str, run: str, artifact: str, opening: str = "") -> str | None:
         """None if ``token`` is valid for this run and artifact now, else why not."""
         parts = token.split(".")
         if len(parts) != 4 or parts[0] != "pt1":
@@ -41,7 +45,7 @@ class RunTokens:
         _, tok_run, expiry_s, mac = parts
         if not expiry_s.isdigit():
             return "malformed token"
-        expected = self._mac(tok_run, artifact, int(expiry_s))
+        expected = self._mac(tok_run, artifact, int(expiry_s), opening)
         if not hmac.compare_digest(mac.encode(), expected.encode()):
             return "token signature does not match this run and artifact"
         if tok_run != run:

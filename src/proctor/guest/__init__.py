@@ -10,7 +10,7 @@ this directory is mounted read-only as the package ``proctor_guest``.
 Plain HTTP(S) goes through the proxy the shim set up (``HTTP_PROXY``), so
 urllib, requests, httpx and curl work unchanged. Every call is decided by policy
 and recorded before it is answered; a refusal raises :class:`Denied` naming
-the policies that decided it.
+the policies that decided it; a run over its call rate gets :class:`RateLimited`.
 """
 
 from ._client import (
@@ -18,6 +18,7 @@ from ._client import (
     Denied,
     GuestError,
     NotRecorded,
+    RateLimited,
     read,
     sql,
     whoami,
@@ -29,6 +30,7 @@ __all__ = [
     "Denied",
     "GuestError",
     "NotRecorded",
+    "RateLimited",
     "read",
     "sql",
     "whoami",

@@ -34,6 +34,10 @@ class BrokerUnavailable(GuestError):
     """There is no broker to talk to: this run has no way out."""
 
 
+class RateLimited(GuestError):
+    """The run made calls faster than its limit allows; wait a second and retry."""
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("broker", timeout=timeout)
@@ -78,6 +82,8 @@ def _call(method: str, path: str, body: bytes | None = None, timeout: float = 60
         raise Denied(message, code, policies)
     if resp.status == 503:
         raise NotRecorded(message, code, policies)
+    if resp.status == 429:
+        raise RateLimited(message, code, policies)
     raise GuestError(message, code, policies)
 
 
