@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -39,6 +40,27 @@ if TYPE_CHECKING:
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
 _CONFIG = "config.json"
+
+
+def broker_socket_root() -> Path:
+    """Where brokers put their runs' sockets: one directory per owning process,
+    named ``<pid>-<start time>``, so that a server restarted after a SIGKILL
+    removes what its dead predecessor left (see ``reap_broker_sockets``).
+    ``PROCTOR_BROKER_SOCKETS`` overrides; on tmpfs by default, like the sockets'
+    sandboxes' registry."""
+    env = os.environ.get("PROCTOR_BROKER_SOCKETS")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/run/proctor-brokers")
+    return Path(tempfile.gettempdir()) / f"proctor-brokers-{os.geteuid()}"
+
+
+def reap_broker_sockets() -> list[Path]:
+    """Remove the socket directories of every broker whose process is gone."""
+    from proctor.sandbox import reap_owned_dirs
+
+    return reap_owned_dirs(broker_socket_root())
 
 
 def default_home() -> Path:
@@ -162,6 +184,7 @@ class Runtime:
         self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
         self.subprocessors = Subprocessors(store, self.ledger)
+        self._broker_root: Path | None = None
 
     @classmethod
     def open(cls, home: Path | None = None) -> Runtime:
@@ -235,12 +258,14 @@ class Runtime:
         """The broker for this runtime's runs, with every real handler."""
         from proctor.broker import (
             Broker,
+            BrokerError,
             EgressProxy,
             Handlers,
             handle_sql,
             read_object,
             write_object,
         )
+        from proctor.sandbox import owned_dir
 
         proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
         handlers = Handlers(
@@ -250,11 +275,27 @@ class Runtime:
             connect=proxy.handle_connect,
             forward=proxy.handle_forward,
         )
-        return Broker(handlers, self.keys.derive("proctor/broker-tokens/v1"))
+        root = broker_socket_root()
+        for _ in range(3):
+            # Sockets under this process's own directory: what a SIGKILL leaves
+            # behind is found by owner and reaped by the next `proctor serve`.
+            self._broker_root = root
+            owned = owned_dir(root)
+            try:
+                return Broker(handlers, self.keys.derive("proctor/broker-tokens/v1"),
+                              socket_root=owned)  # fmt: skip
+            except FileNotFoundError:
+                continue  # another runtime of this process removed it, empty, just now
+        raise BrokerError(f"cannot make a broker socket directory under {root}")
 
     def close(self) -> None:
         self.ledger.close()
         self.store.close()
+        if self._broker_root is not None:
+            # Only when empty: a broker still running keeps its directory.
+            from proctor.sandbox import release_owned_dir
+
+            release_owned_dir(self._broker_root)
 
     def __enter__(self) -> Runtime:
         return self

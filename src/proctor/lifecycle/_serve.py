@@ -6,12 +6,14 @@ run ended is restarted with exponential backoff, and stopped for good after too
 many failures in a window (a crash loop, recorded); a schedule fires when its
 interval has passed since its last start; a frozen tenant's runs are stopped.
 Each run watches its own approvals (see Supervisor). On start, runs that a
-previous, dead supervisor left 'running' are recorded as interrupted.
+previous, dead supervisor left 'running' are recorded as interrupted, after its
+sandboxes and broker sockets are removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -21,8 +23,10 @@ from proctor.errors import ProctorError
 from proctor.governance import Deployment
 from proctor.ledger import Actor
 from proctor.lifecycle._supervisor import RunRecord, Supervisor
-from proctor.sandbox import reap_orphans
+from proctor.runtime import reap_broker_sockets
+from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 
+log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 
 
@@ -67,11 +71,20 @@ class Server:
     def stop(self) -> None:
         self._stop.set()
 
-    def serve(self) -> None:
-        # What a killed predecessor left running goes first: its sandboxes, then the
-        # record of its runs.
-        reap_orphans()
+    def reap(self) -> None:
+        """Remove what killed predecessors left: their sandboxes first (they hold
+        the sockets), then their broker sockets, then the record of their runs.
+        Only what belongs to dead processes: a live runtime beside us keeps its own."""
+        try:
+            reap_orphans()
+        except SandboxCleanupFailed as exc:
+            # Left registered for the next attempt; what runs here is not at stake.
+            log.warning("proctor serve: %s", exc.message)
+        reap_broker_sockets()
         self.supervisor.mark_interrupted(self.actor)
+
+    def serve(self) -> None:
+        self.reap()
         try:
             while not self._stop.is_set():
                 # A failed tick (a busy store, say) is tried again at the next one.

@@ -28,7 +28,13 @@ from proctor.ledger import Actor, EventDraft, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
 from proctor.runtime import Runtime
-from proctor.sandbox import Limits, SandboxResult, get_driver
+from proctor.sandbox import (
+    Limits,
+    SandboxResult,
+    get_driver,
+    owner_alive,
+    process_start_time,
+)
 from proctor.store import Conn
 
 _SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -156,7 +162,10 @@ class Supervisor:
         self.broker = broker
         self.driver = get_driver(backend)
         self.runs = Runs(rt)
-        self.supervisor_id = f"{os.uname().nodename}:{os.getpid()}"
+        # host:pid:start time: a pid the kernel reuses after our death does not
+        # keep our runs 'running' (see mark_interrupted).
+        pid = os.getpid()
+        self.supervisor_id = f"{os.uname().nodename}:{pid}:{process_start_time(pid)}"
 
     def _ca_dir(self, tenant: str, pem: bytes) -> Path:
         directory = self.rt.home / "ca-bundles" / tenant
@@ -429,10 +438,7 @@ class Supervisor:
             )
         marked = []
         for run_id, tenant, name, digest, supervisor in rows:
-            if supervisor == self.supervisor_id:
-                continue
-            host, _, pid = str(supervisor).rpartition(":")
-            if host == os.uname().nodename and pid.isdigit() and _alive(int(pid)):
+            if supervisor == self.supervisor_id or _supervisor_alive(str(supervisor)):
                 continue
 
             def update(conn: Conn, run_id: str = str(run_id)) -> None:
@@ -449,15 +455,23 @@ class Supervisor:
                            details={"status": "interrupted"}),
                 hook=update,
             )  # fmt: skip
+            # The copy of the approved code the dead supervisor materialized for it.
+            shutil.rmtree(self.rt.home / "runs" / str(run_id) / "code", ignore_errors=True)
             marked.append(self.runs.get(str(tenant), str(run_id)))
         return marked
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _supervisor_alive(supervisor: str) -> bool:
+    """Whether the supervisor ``host:pid[:start]`` is a live process of this host.
+
+    Runs of another host count as dead here, as they always have: see
+    docs/sandbox.md on shared stores. Ids written before start times were kept
+    (``host:pid``) are judged by the pid alone.
+    """
+    host, _, rest = supervisor.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != os.uname().nodename or not pid.isdigit():
         return False
-    except PermissionError:
-        return True
-    return True
+    if start:
+        return owner_alive(int(pid), start)
+    return process_start_time(int(pid)) is not None

@@ -34,6 +34,13 @@ from proctor.sandbox._model import (
     SandboxResult,
     SandboxSpec,
 )
+from proctor.sandbox._owners import (
+    owned_dir,
+    owner_alive,
+    process_start_time,
+    reap_owned_dirs,
+    release_owned_dir,
+)
 from proctor.sandbox._pool import WarmPool
 from proctor.sandbox._supervise import Sink
 
@@ -56,6 +63,11 @@ __all__ = [
     "WarmPool",
     "backends",
     "get_driver",
+    "owned_dir",
+    "owner_alive",
+    "process_start_time",
     "reap_orphans",
+    "reap_owned_dirs",
+    "release_owned_dir",
     "run_captured",
 ]

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proctor.sandbox._errors import SandboxCleanupFailed, SandboxUnavailable
+from proctor.sandbox._owners import owner_alive, owner_name, parse_owner
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _V1_CONTROLLERS = ("memory", "pids", "cpu")
 _CFS_PERIOD_US = 100_000
+_V2_KEY = "v2"  # the unified hierarchy's directory in a registry entry
 
 
 class CgroupMode(enum.StrEnum):
@@ -101,19 +103,44 @@ def _read_kv(path: Path) -> dict[str, int]:
 class RunCgroup:
     """The cgroup(s) of one run: created with limits, filled, read, killed, removed."""
 
-    def __init__(self, layout: CgroupLayout, name: str) -> None:
+    def __init__(self, layout: CgroupLayout, name: str, workdir: Path | None = None) -> None:
         self.layout = layout
         self.name = name
         self.v1 = {c: parent / name for c, parent in layout.v1.items()}
         self.v2 = layout.v2 / name if layout.v2 is not None else None
+        #: The run's own files (gVisor's bundle and runsc state), removed with it.
+        self.workdir = workdir
         self._created: list[Path] = []
 
     @classmethod
-    def existing(cls, layout: CgroupLayout, name: str) -> RunCgroup:
-        """A run's cgroup made by another (perhaps dead) process, to kill and remove."""
-        cgroup = cls(layout, name)
+    def existing(
+        cls,
+        layout: CgroupLayout,
+        name: str,
+        workdir: Path | None = None,
+        recorded: dict[str, str] | None = None,
+    ) -> RunCgroup:
+        """A run's cgroup made by another (perhaps dead) process, to kill and remove.
+
+        ``recorded`` are the directories its owner registered: under the owner's
+        own cgroup, which need not be ours (a `proctor run` from a login shell,
+        reaped by a `proctor serve` under systemd). Only directories named after
+        the run below the cgroup mount are taken.
+        """
+        cgroup = cls(layout, name, workdir)
+        if recorded is not None:
+            dirs = {k: Path(v) for k, v in recorded.items() if _is_run_dir(Path(v), name)}
+            cgroup.v2 = dirs.pop(_V2_KEY, None)
+            cgroup.v1 = dirs
         cgroup._created = [d for d in cgroup.directories if d.exists()]
         return cgroup
+
+    def recorded(self) -> dict[str, str]:
+        """Where this run's cgroup directories are, for the registry."""
+        dirs = {c: str(p) for c, p in self.v1.items()}
+        if self.v2 is not None:
+            dirs[_V2_KEY] = str(self.v2)
+        return dirs
 
     @property
     def directories(self) -> list[Path]:
@@ -122,14 +149,26 @@ class RunCgroup:
             dirs.append(self.v2)
         return dirs
 
-    def create(
-        self, *, memory_bytes: int, pids: int, cpu: float, workdir: Path | None = None
-    ) -> None:
+    def register(self) -> None:
+        """Record this process as the run's owner, before anything of the run exists:
+        whatever a SIGKILL interrupts from here on, a successor finds and removes."""
         try:
-            _register(self.name, workdir)
+            _register(self.name, self.workdir, self.recorded())
+        except OSError as exc:
+            raise SandboxUnavailable(
+                f"cannot register the run {self.name} in {REGISTRY}: {exc.strerror}",
+                hint="the runtime needs write access to it (run as root, or set "
+                "PROCTOR_SANDBOX_REGISTRY to a directory of this user)",
+            ) from exc
+
+    def create(self, *, memory_bytes: int, pids: int, cpu: float) -> None:
+        if not (REGISTRY / self.name).exists():
+            self.register()
+        try:
             self._create(memory_bytes=memory_bytes, pids=pids, cpu=cpu)
         except OSError as exc:
-            self.remove()
+            with contextlib.suppress(SandboxCleanupFailed):
+                self.remove()
             raise SandboxUnavailable(
                 f"cannot create the run's cgroup {self.name}: {exc.strerror} ({exc.filename})",
                 hint="the runtime needs write access to /sys/fs/cgroup (run as root, "
@@ -231,6 +270,8 @@ class RunCgroup:
             time.sleep(0.01)
 
     def remove(self, timeout: float = 5.0) -> None:
+        """Remove the cgroup directories, then the work directory, then the registry
+        entry: last, so that a SIGKILL anywhere in between leaves it for a successor."""
         deadline = time.monotonic() + timeout
         for path in reversed(self._created):
             while True:
@@ -247,6 +288,10 @@ class RunCgroup:
                         ) from exc
                     time.sleep(0.01)
         self._created.clear()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            if self.workdir.exists():
+                raise SandboxCleanupFailed(f"cannot remove {self.workdir}")
         _unregister(self.name)
 
 
@@ -260,22 +305,36 @@ def layout() -> CgroupLayout:
 #: crash can find and remove what its dead predecessor left running. On tmpfs:
 #: a reboot clears it, as it clears the cgroups it describes.
 REGISTRY = Path(os.environ.get("PROCTOR_SANDBOX_REGISTRY", "/run/proctor-sandboxes"))
+_STAGING = ".tmp-"
 
 
-def _start_time(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 22 (starttime) after the parenthesised command name, which may hold spaces.
-    return stat.rpartition(")")[2].split()[19]
+def _is_run_dir(path: Path, name: str) -> bool:
+    return (
+        path.is_absolute()
+        and path.name == name
+        and ".." not in path.parts
+        and CGROUP_ROOT in path.parents
+    )
 
 
-def _register(name: str, workdir: Path | None) -> None:
+def _is_workdir(path: Path) -> bool:
+    return path.is_absolute() and ".." not in path.parts and path.name.startswith("proctor-")
+
+
+def _register(name: str, workdir: Path | None, cgroups: dict[str, str]) -> None:
     REGISTRY.mkdir(mode=0o700, parents=True, exist_ok=True)
-    pid = os.getpid()
-    entry = {"pid": pid, "start": _start_time(pid), "workdir": str(workdir or "")}
-    (REGISTRY / name).write_text(json.dumps(entry))
+    owner = owner_name()
+    entry = {
+        "pid": os.getpid(),
+        "start": owner.partition("-")[2],
+        "workdir": str(workdir or ""),
+        "cgroups": cgroups,
+    }
+    # Written aside and renamed: a SIGKILL mid-write must not leave an entry that
+    # names nobody (it would never be reaped). The staging name carries the owner.
+    staged = REGISTRY / f"{_STAGING}{owner}-{name}"
+    staged.write_text(json.dumps(entry))
+    staged.replace(REGISTRY / name)
 
 
 def _unregister(name: str) -> None:
@@ -287,25 +346,45 @@ def reap_orphans() -> list[str]:
     """Kill and remove every sandbox whose owning process is gone; returns their names.
 
     A process that died with SIGKILL never ran its clean-up: its sandbox may still
-    be running (runsc does not die with its parent), holding its cgroup and temp
+    be running (runsc does not die with its parent), holding its cgroup and work
     directory. The owner is matched by pid and start time, so a reused pid is not
-    mistaken for the owner.
+    mistaken for the owner, and a live owner's sandboxes are never touched.
+    Raises SandboxCleanupFailed, after trying every orphan, if some could not be
+    removed; their entries stay for the next attempt.
     """
     reaped: list[str] = []
+    failures: list[str] = []
     if not REGISTRY.is_dir():
         return reaped
     for path in sorted(REGISTRY.iterdir()):
+        if path.name.startswith(_STAGING):
+            owner = parse_owner("-".join(path.name[len(_STAGING) :].split("-")[:2]))
+            if owner is not None and not owner_alive(*owner):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            continue
         try:
             entry = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if _start_time(int(entry["pid"])) == entry.get("start"):
+            pid, start = int(entry["pid"]), entry.get("start")
+            workdir = Path(entry["workdir"]) if entry.get("workdir") else None
+            if workdir is not None and not _is_workdir(workdir):
+                workdir = None  # not a directory a driver makes: not ours to delete
+            cgroups = entry.get("cgroups")
+            recorded = {str(k): str(v) for k, v in cgroups.items()} if cgroups else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not an entry this module wrote
+        if owner_alive(pid, start):
             continue  # its owner is alive: not ours to touch
-        cgroup = RunCgroup.existing(layout(), path.name)
-        cgroup.kill()
-        cgroup.remove()
-        if entry.get("workdir"):
-            shutil.rmtree(entry["workdir"], ignore_errors=True)
-        _unregister(path.name)
+        cgroup = RunCgroup.existing(layout(), path.name, workdir, recorded)
+        try:
+            cgroup.kill()
+            cgroup.remove()  # the entry goes last, with the work directory
+        except SandboxCleanupFailed as exc:
+            failures.append(exc.message)
+            continue
         reaped.append(path.name)
+    if failures:
+        raise SandboxCleanupFailed(
+            f"{len(failures)} orphaned sandbox(es) could not be removed: " + "; ".join(failures)
+        )
     return reaped

@@ -267,8 +267,19 @@ class GVisorDriver:
 
     def _prepare(self, spec: SandboxSpec, *, platform: str | None = None) -> _Prepared:
         run_id = uuid.uuid4().hex[:16]
-        workdir = Path(tempfile.mkdtemp(prefix=f"proctor-gvisor-{run_id}-"))
-        cgroup = RunCgroup(layout(), f"proctor-{run_id}")
+        # A fresh name (64 random bits, created exclusively), registered before it
+        # exists: a supervisor killed while writing the bundle leaves an entry
+        # naming it, not an orphan directory nobody knows about.
+        workdir = Path(tempfile.gettempdir()) / f"proctor-gvisor-{run_id}"
+        cgroup = RunCgroup(layout(), f"proctor-{run_id}", workdir)
+        cgroup.register()
+        try:
+            workdir.mkdir(mode=0o700)
+        except OSError as exc:
+            cgroup.workdir = None  # someone else's, if it exists: not ours to remove
+            with contextlib.suppress(Exception):
+                cgroup.remove()
+            raise SandboxUnavailable(f"cannot create {workdir}: {exc.strerror}") from exc
         try:
             bundle = workdir / "bundle"
             self._write_bundle(spec, bundle)
@@ -279,7 +290,6 @@ class GVisorDriver:
                 memory_bytes=limits.memory_bytes + spec.scratch_bytes + _MEMORY_OVERHEAD,
                 pids=_BASE_TASKS + _TASKS_PER_GUEST_PID * limits.pids,
                 cpu=limits.cpu,
-                workdir=workdir,
             )
             container_id = f"proctor-{run_id}"
             argv = [
@@ -303,8 +313,7 @@ class GVisorDriver:
             argv += ["run", "--bundle", str(bundle), container_id]
         except BaseException:
             with contextlib.suppress(Exception):
-                cgroup.remove()
-            shutil.rmtree(workdir, ignore_errors=True)
+                cgroup.remove()  # the cgroup, the work directory, then the entry
             raise
         return _Prepared(run_id, container_id, workdir, cgroup, argv)
 
@@ -337,12 +346,11 @@ class GVisorDriver:
                 check=False,
             )
         try:
+            # The cgroup, then the work directory (bundle, runsc state, log), then
+            # the registry entry, so that a kill in between leaves it reapable.
             prepared.cgroup.remove()
         except SandboxCleanupFailed as exc:
             errors.append(exc.message)
-        shutil.rmtree(prepared.workdir, ignore_errors=True)
-        if prepared.workdir.exists():
-            errors.append(f"cannot remove {prepared.workdir}")
         if errors:
             raise SandboxCleanupFailed("; ".join(errors))
 
