@@ -4,6 +4,7 @@ durability failures."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -250,3 +251,33 @@ def test_async_appends_share_batches_and_are_durable(ledger_env: LedgerEnv) -> N
     assert sorted(seqs) == list(range(1, 501))
     assert len(ledger.checkpoints("acme")) < 100, "500 concurrent appends were group-committed"
     assert ledger.verify("acme").size == 501
+
+
+def test_the_sqlite_store_closes_the_readers_of_ended_threads(tmp_path: Path) -> None:
+    from proctor.store import open_store
+
+    store = open_store(str(tmp_path / "fds.db"), create=True)
+    try:
+
+        def read() -> None:
+            with store.read() as conn:
+                conn.query_one("SELECT 1")
+
+        read()
+
+        def fds() -> int:
+            return len(os.listdir("/proc/self/fd"))
+
+        before = fds()
+        for _ in range(50):
+            t = threading.Thread(target=read)
+            t.start()
+            t.join()
+        # The next connection to open closes those of the threads that ended.
+        t = threading.Thread(target=read)
+        t.start()
+        t.join()
+        # One reader (the last thread's: database, WAL and shared memory) may remain.
+        assert fds() <= before + 3, "readers of ended threads keep their descriptors"
+    finally:
+        store.close()

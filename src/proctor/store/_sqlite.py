@@ -56,10 +56,12 @@ class SQLiteStore:
             raise NotInitialized(f"no Proctor store at {path}", hint="run `proctor init` first")
         self._local = threading.local()
         self._write_lock = threading.Lock()
-        self._all: list[sqlite3.Connection] = []
+        # Each connection with the thread it serves; the writer serves none and lives
+        # until close().
+        self._all: list[tuple[threading.Thread | None, sqlite3.Connection]] = []
         self._all_lock = threading.Lock()
         self._closed = False
-        self._writer = self._connect()
+        self._writer = self._connect(None)
         self._migrate()
 
     @property
@@ -70,7 +72,7 @@ class SQLiteStore:
     def url(self) -> str:
         return f"sqlite:///{self._path}"
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, owner: threading.Thread | None) -> sqlite3.Connection:
         try:
             db = sqlite3.connect(
                 self._path,
@@ -98,13 +100,24 @@ class SQLiteStore:
                 else "check the disk (space, permissions) under the Proctor home",
             ) from exc
         with self._all_lock:
-            self._all.append(db)
+            # A reader of a thread that has ended is closed here: every run starts
+            # threads of its own, and a long-lived server must not keep their
+            # descriptors and page caches.
+            alive: list[tuple[threading.Thread | None, sqlite3.Connection]] = []
+            for thread, conn in self._all:
+                if thread is None or thread.is_alive():
+                    alive.append((thread, conn))
+                else:
+                    with suppress(sqlite3.Error):
+                        conn.close()
+            alive.append((owner, db))
+            self._all = alive
         return db
 
     def _reader(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None:
-            db = self._connect()
+            db = self._connect(threading.current_thread())
             self._local.db = db
         return db
 
@@ -217,7 +230,7 @@ class SQLiteStore:
             return
         self._closed = True
         with self._all_lock:
-            for db in self._all:
+            for _, db in self._all:
                 with suppress(sqlite3.Error):
                     db.close()
             self._all.clear()
