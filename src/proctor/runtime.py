@@ -35,7 +35,7 @@ from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
 from proctor.store import Conn, Store, open_store
 
 if TYPE_CHECKING:
-    from proctor.broker import Broker
+    from proctor.broker import Broker, RateLimit
 
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
@@ -249,12 +249,15 @@ class Runtime:
         )  # fmt: skip
         return ranges
 
-    def egress_ca_pem(self, tenant: str) -> bytes:
+    def egress_ca_pem(self, tenant: str, hosts: list[str] | None = None) -> bytes:
+        """The tenant CA's certificate; with ``hosts``, constrained to those names."""
         from proctor.broker import TenantCA
 
-        return TenantCA(self.home / "ca" / tenant, tenant).ca_pem()
+        return TenantCA(self.home / "ca" / tenant, tenant).ca_pem(hosts)
 
-    def make_broker(self, upstream_cafile: str | None = None) -> Broker:
+    def make_broker(
+        self, upstream_cafile: str | None = None, rate_limit: RateLimit | None = None
+    ) -> Broker:
         """The broker for this runtime's runs, with every real handler."""
         from proctor.broker import (
             Broker,
@@ -283,7 +286,7 @@ class Runtime:
             owned = owned_dir(root)
             try:
                 return Broker(handlers, self.keys.derive("proctor/broker-tokens/v1"),
-                              socket_root=owned)  # fmt: skip
+                              socket_root=owned, rate_limit=rate_limit)  # fmt: skip
             except FileNotFoundError:
                 continue  # another runtime of this process removed it, empty, just now
         raise BrokerError(f"cannot make a broker socket directory under {root}")

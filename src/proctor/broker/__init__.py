@@ -17,11 +17,14 @@ from proctor.broker._files import (
 from proctor.broker._mitm import CAError, TenantCA
 from proctor.broker._proxy import SECRET_BINDING_RULE, EgressProxy, system_resolver
 from proctor.broker._scope import (
+    RATE_LIMIT_RULE,
     BadCall,
     BrokerError,
     CallDenied,
     CallRefused,
     DatasetBinding,
+    RateLimit,
+    RateLimited,
     RunScope,
     SecretBinding,
 )
@@ -30,6 +33,7 @@ from proctor.broker._sql import StatementTimeout, handle_sql
 
 __all__ = [
     "MAX_OBJECT_BYTES",
+    "RATE_LIMIT_RULE",
     "SECRET_BINDING_RULE",
     "SPECIAL_ADDRESS_RULE",
     "BadCall",
@@ -44,6 +48,8 @@ __all__ = [
     "Handlers",
     "ObjectNotFound",
     "ObjectTooLarge",
+    "RateLimit",
+    "RateLimited",
     "RunChannel",
     "RunScope",
     "SecretBinding",
