@@ -166,8 +166,11 @@ def parse_host(text: str) -> Host:
     raw = text.strip()
     if not raw or any(c.isspace() or c in "/\\@?#" for c in raw):
         raise BadCall(f"invalid host {text!r}")
-    if raw.startswith("[") and raw.endswith("]"):
+    bracketed = raw.startswith("[") and raw.endswith("]")
+    if bracketed:
         raw = raw[1:-1]
+    if bracketed and ":" not in raw:
+        raise BadCall(f"invalid host {text!r}: only IPv6 addresses go in brackets")
     if ":" in raw:
         # Zone ids (fe80::1%eth0, or %25 as RFC 6874 writes it in URLs) only
         # pick an interface; the address is what gets classified and dialed.
@@ -183,7 +186,8 @@ def parse_host(text: str) -> Host:
     if v4 is not None:
         return Host(str(v4), v4)
     try:
-        name = normalize_host(candidate)
+        # normalize_host drops the one trailing dot itself: "a.com.." is no name.
+        name = normalize_host(raw)
     except PolicyError as exc:
         raise BadCall(f"invalid host {text!r}: {exc.message}") from exc
     return Host(name, None)
@@ -210,8 +214,14 @@ def split_authority(authority: str, default_port: int | None) -> tuple[str, int]
         if default_port is None:
             raise BadCall(f"invalid authority {authority!r}: a port is required")
         return host, default_port
-    if not port_text.isascii() or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise BadCall(f"invalid port in {authority!r}")
+    # At most five digits before int(): it refuses strings of over 4300 of them.
+    if (
+        not port_text.isascii()
+        or not port_text.isdigit()
+        or len(port_text) > 5
+        or not 1 <= int(port_text) <= 65535
+    ):
+        raise BadCall(f"invalid port in {authority[:300]!r}")
     return host, int(port_text)
 
 

@@ -12,6 +12,9 @@ from proctor.broker._scope import BadCall
 
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
+_VERSIONS = ("HTTP/1.1", "HTTP/1.0")
+_UPPER = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -65,37 +68,64 @@ async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> Requ
         raise BadCall("undecodable request head") from exc
     lines = text[:-4].split("\r\n")
     parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+    if len(parts) != 3 or parts[2] not in _VERSIONS:
         raise BadCall("malformed request line")
     method, target, version = parts
-    if not method.isalpha() or not method.isupper():
+    if not method or not set(method) <= _UPPER:
         raise BadCall("malformed method")
+    # A target is visible ASCII and latin-1 text; a control character in it is
+    # a way to make two parsers see two different requests.
+    if not target or any(ord(c) < 0x21 or ord(c) == 0x7F for c in target):
+        raise BadCall("malformed request target")
     if len(lines) - 1 > MAX_HEADERS:
         raise BadCall("too many headers")
     headers: list[tuple[str, str]] = []
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
+        if not sep or not name or not set(name) <= _TOKEN:
             raise BadCall("malformed header line")
-        headers.append((name, value.strip()))
+        if any(c in value for c in "\r\n\0"):
+            raise BadCall(f"invalid value for header {name!r}")
+        # Only SP and HTAB are whitespace around a value (str.strip() would also
+        # eat latin-1 NBSP and the C0 separators, which are part of the value).
+        headers.append((name, value.strip(" \t")))
     return RequestHead(method, target, version, headers)
 
 
-async def read_body(reader: asyncio.StreamReader, head: RequestHead, limit: int) -> bytes:
+async def read_body(
+    reader: asyncio.StreamReader, head: RequestHead, limit: int, idle: float = 30.0
+) -> bytes:
+    """The body ``head`` announces, at most ``limit`` bytes; refused if ``idle``
+    seconds pass with no byte of it arriving (a stalled sender holds nothing)."""
     if head.header("Transfer-Encoding") is not None:
         raise BadCall("send a Content-Length body; chunked requests are not accepted here")
-    length_s = head.header("Content-Length") or "0"
-    if not length_s.isdigit():
+    lengths = {v for k, v in head.headers if k.lower() == "content-length"}
+    if len(lengths) > 1:
+        raise BadCall("conflicting Content-Length headers")
+    length_s = lengths.pop() if lengths else "0"
+    # ASCII digits only: str.isdigit() also says yes to "²" and "٣", which int()
+    # refuses or reads as another number.
+    if not length_s or not length_s.isascii() or not length_s.isdigit():
         raise BadCall("malformed Content-Length")
-    length = int(length_s)
-    if length > limit:
+    # Compared by length first: int() refuses strings of over 4300 digits.
+    if len(length_s.lstrip("0")) > len(str(limit)) or int(length_s) > limit:
         err = BadCall(f"the request body is larger than the {limit} bytes allowed")
         err.status = 413
         raise err
-    try:
-        return await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
-        raise BadCall("the request body ended early") from exc
+    left = int(length_s)
+    body = bytearray()
+    while left:
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(left, 1 << 16)), idle)
+        except TimeoutError as exc:
+            err = BadCall(f"no byte of the request body for {idle:g} s")
+            err.status = 408
+            raise err from exc
+        if not chunk:
+            raise BadCall("the request body ended early")
+        body += chunk
+        left -= len(chunk)
+    return bytes(body)
 
 
 async def respond(

@@ -763,6 +763,12 @@ class _Framing:
     length: int = 0
 
 
+_MAX_LENGTH_DIGITS = 18
+_MAX_CHUNK_DIGITS = 16
+_MAX_TRAILERS = 100
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
 def _check_headers(headers: Iterable[tuple[str, str]]) -> None:
     for name, value in headers:
         if not name or not set(name) <= _TOKEN:
@@ -778,6 +784,16 @@ def _request_framing(headers: list[tuple[str, str]]) -> _Framing:
     # a proxy that reads them one way to a server that reads them another.
     if te and cl:
         raise BadCall("both Transfer-Encoding and Content-Length")
+    # So is a Connection header naming them: a hop that honours it drops the
+    # framing header and reads the body as the next request.
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() in ("connection", "proxy-connection")
+        for token in v.split(",")
+    }
+    if named & {"content-length", "transfer-encoding"}:
+        raise BadCall("a Connection header may not name Content-Length or Transfer-Encoding")
     if te:
         if len(te) != 1 or te[0].strip().lower() != "chunked":
             raise BadCall("only Transfer-Encoding: chunked is supported")
@@ -787,10 +803,16 @@ def _request_framing(headers: list[tuple[str, str]]) -> _Framing:
         if len(values) != 1:
             raise BadCall("conflicting Content-Length headers")
         value = values.pop()
-        if not value.isascii() or not value.isdigit():
+        if not _is_length(value):
             raise BadCall("invalid Content-Length")
         return _Framing("length", int(value))
     return _Framing("none")
+
+
+def _is_length(value: str) -> bool:
+    """ASCII digits, at most 18 of them: what every HTTP/1.1 implementation reads alike.
+    (``str.isdigit`` also accepts "²", and ``int`` refuses over 4300 digits.)"""
+    return value.isascii() and value.isdigit() and len(value.lstrip("0")) <= _MAX_LENGTH_DIGITS
 
 
 def _response_framing(method: str, status: int, headers: list[tuple[str, str]]) -> _Framing:
@@ -802,7 +824,7 @@ def _response_framing(method: str, status: int, headers: list[tuple[str, str]]) 
     cl = {v.strip() for k, v in headers if k.lower() == "content-length"}
     if len(cl) == 1:
         value = cl.pop()
-        if value.isascii() and value.isdigit():
+        if _is_length(value):
             return _Framing("length", int(value))
     if cl:
         raise UpstreamFailed("the upstream sent an invalid Content-Length")
@@ -829,6 +851,8 @@ def _parse_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
     first, headers = _parse_head_lines(head)
     parts = first.split(" ")
     if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not set(parts[0]) <= _TOKEN:
+        raise BadCall("malformed request line")
+    if not parts[0] or not parts[1] or any(ord(c) < 0x21 or ord(c) == 0x7F for c in parts[1]):
         raise BadCall("malformed request line")
     return parts[0], parts[1], headers
 
@@ -862,9 +886,12 @@ def _forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tup
 
 def _parse_url(url: str) -> tuple[Host, int, str, str]:
     """(host, port, origin-form target, Host header value) of an absolute http:// URL."""
-    if any(c.isspace() or ord(c) < 0x20 for c in url):
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in url):
         raise BadCall("invalid URL")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unbalanced or invalid [IPv6] authority
+        raise BadCall(f"invalid URL: {exc}") from None
     if parts.scheme.lower() != "http":
         raise BadCall(
             f"absolute-form requests must be http:// (got {parts.scheme or 'none'!r}); "
@@ -914,38 +941,66 @@ async def _walk_body(
             left -= len(data)
             await put(data)
     elif framing.kind == "chunked":
+        # Strict, and checked before a byte is passed on: the bytes go on as
+        # they came, so a line that another parser could read as a different
+        # size ("0x10", " 10", "10\n") would frame a second, undecided request.
         while True:
             line = await _readline(src)
+            size = _chunk_size(line)
             await put(line)
-            size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise BadCall("invalid chunk size") from None
-            if size < 0 or not size_text.isalnum():
-                raise BadCall("invalid chunk size")
             if size == 0:
-                while True:  # trailers, up to the empty line
+                for _ in range(_MAX_TRAILERS + 1):  # trailers, up to the empty line
                     trailer = await _readline(src)
+                    if trailer != b"\r\n":
+                        _check_trailer(trailer)
                     await put(trailer)
                     if trailer == b"\r\n":
                         return
-            left = size + 2
+                raise BadCall(f"more than {_MAX_TRAILERS} trailer fields")
+            left = size
             while left:
                 data = await src.readexactly(min(left, _CHUNK))
                 left -= len(data)
                 await put(data)
+            if await src.readexactly(2) != b"\r\n":
+                raise BadCall("chunk data not followed by CRLF")
+            await put(b"\r\n")
     elif framing.kind == "eof":
         while data := await src.read(_CHUNK):
             await put(data)
 
 
+def _chunk_size(line: bytes) -> int:
+    """The size in a chunk line (``1*HEXDIG [BWS ";" ext] CRLF``), or BadCall."""
+    text = line[:-2]
+    size_text, _, ext = text.partition(b";")
+    # Whitespace after the digits is read alike by everyone who takes it (h11 does);
+    # before them it is not: " 10" is 0x10 to some and a bad line to others.
+    size_text = size_text.rstrip(b" \t")
+    if not 0 < len(size_text) <= _MAX_CHUNK_DIGITS or not set(size_text) <= _HEX:
+        raise BadCall("invalid chunk size")
+    if any((b < 0x20 and b != 0x09) or b == 0x7F for b in ext):
+        raise BadCall("invalid chunk extension")
+    return int(size_text, 16)
+
+
+def _check_trailer(line: bytes) -> None:
+    name, sep, value = line[:-2].partition(b":")
+    if not sep or not name or not set(name.decode("latin-1")) <= _TOKEN:
+        raise BadCall("malformed trailer field")
+    if any(b in value for b in b"\r\n\0"):
+        raise BadCall("malformed trailer field")
+
+
 async def _readline(src: _Source) -> bytes:
+    """One CRLF-terminated line of chunked framing; a bare CR or LF is refused."""
     line = bytearray()
     while not line.endswith(b"\r\n"):
         if len(line) > _MAX_LINE:
             raise BadCall("chunk line too long")
         line += await src.readexactly(1)
+        if (line[-1:] == b"\n" and line[-2:] != b"\r\n") or b"\r" in line[:-2]:
+            raise BadCall("bare CR or LF in chunked framing")
     return bytes(line)
 
 

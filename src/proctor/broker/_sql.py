@@ -9,7 +9,9 @@ reported with the view as source), subqueries, CTEs and triggers. The handler:
 2. compiles the guest's statement as ``EXPLAIN <statement>`` (prepared, never
    run) under a collecting authorizer, which refuses outright what no policy
    may allow (ATTACH, PRAGMA, DDL, transaction control, functions outside an
-   allow-list, writes to SQLite's own tables, other schemas);
+   allow-list, writes to SQLite's own tables, other schemas), and what it would
+   not see: NATURAL JOIN and JOIN ... USING compare columns the authorizer is
+   never told about, and INDEXED BY orders rows by an index's columns;
 3. asks Cedar about every table touched: ``sql.select`` with the set of
    columns read, ``sql.write`` with the columns written. One deny denies the
    whole statement, recorded as one event naming tables, columns, policies;
@@ -32,6 +34,7 @@ import asyncio
 import base64
 import json
 import re
+import secrets
 import sqlite3
 import threading
 import time
@@ -76,6 +79,22 @@ _SAVEPOINT = 32
 _RECURSIVE = 33
 _OK = 0
 _DENY = 1
+
+# What SQLite compares or orders by without ever reporting the column to the
+# authorizer: the columns of NATURAL JOIN and JOIN ... USING (the join condition
+# is made after names are resolved), and the index INDEXED BY picks (the rows
+# come back in its order). A word search over the whole text, strings and
+# comments included, finds every keyword SQLite could read, whatever a tokenizer
+# makes of the rest; a string holding the word goes in a parameter instead.
+_UNCHECKABLE = re.compile(r"\b(natural|using|indexed)\b", re.IGNORECASE)
+_UNCHECKABLE_REASONS = {
+    "natural": "NATURAL JOIN is not allowed: SQLite does not report the columns it "
+    "compares, so they cannot be checked (write the join with ON)",
+    "using": "JOIN ... USING is not allowed: SQLite does not report the columns it "
+    "compares, so they cannot be checked (write the join with ON)",
+    "indexed": "INDEXED BY is not allowed: it orders the rows by an index's columns, "
+    "which SQLite does not report",
+}
 
 _REFUSED_ACTIONS = {
     _PRAGMA: "PRAGMA is not allowed",
@@ -142,6 +161,7 @@ class _Accesses:
     functions: set[str] = field(default_factory=set)
     aliases: set[str] = field(default_factory=set)  # CTE names reported like tables
     selects: int = 0
+    result_width: int | None = None  # columns of a result row, from the compiled program
     refusal: str | None = None
 
     @property
@@ -243,6 +263,10 @@ class _TimedOut(Exception):
     pass
 
 
+class _Misread(Exception):
+    """The keyed variant's columns are not where they were put."""
+
+
 def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connection:
     mode = "rw" if write else "ro"
     uri = f"{Path(path).resolve().as_uri()}?mode={mode}"
@@ -327,13 +351,23 @@ def _columns_of(conn: sqlite3.Connection, table: str) -> list[str]:
     return [str(r[1]) for r in rows]
 
 
-def _exists(conn: sqlite3.Connection, table: str) -> bool:
+def _declared(conn: sqlite3.Connection, table: str) -> str | None:
+    """The name ``table`` was declared with (SQLite matches names ignoring ASCII
+    case), or None if the dataset has no such table or view."""
     row = conn.execute(
-        "SELECT 1 FROM main.sqlite_schema WHERE type IN ('table', 'view') AND name = ?"
+        "SELECT name FROM main.sqlite_schema WHERE type IN ('table', 'view') AND name = ?"
         " COLLATE NOCASE",
         (table,),
     ).fetchone()
-    return row is not None
+    return None if row is None else str(row[0])
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _fold(name: str) -> str:
+    """A table name as SQLite compares them: ASCII letters without case."""
+    return name.translate(_ASCII_LOWER)
 
 
 def _row_key(conn: sqlite3.Connection, table: str) -> list[str] | None:
@@ -391,6 +425,12 @@ class _Statement:
             return self._analyse()
 
     def _analyse(self) -> _Accesses:
+        unseen = _UNCHECKABLE.search(self.sql)
+        if unseen is not None:
+            raise _Refused(
+                _UNCHECKABLE_REASONS[unseen.group(1).lower()],
+                write=bool(re.match(r"\s*(insert|update|delete|replace)\b", self.sql, re.I)),
+            )
         self.conn = conn = self.pool.take(self._busy_timeout())
         conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
         accesses = _Accesses()
@@ -398,7 +438,7 @@ class _Statement:
         try:
             # EXPLAIN compiles the statement (every authorizer report happens at
             # compile time) and lists its bytecode without running it.
-            conn.execute("EXPLAIN " + self.sql, self.params).fetchall()
+            program = conn.execute("EXPLAIN " + self.sql, self.params).fetchall()
         except sqlite3.ProgrammingError as exc:
             # Python's own checks: several statements, wrong parameter count.
             raise _Refused(_programming_reason(exc), bad_call=True) from None
@@ -414,13 +454,23 @@ class _Statement:
             conn.set_authorizer(None)
         if accesses.refusal is not None:
             raise _Refused(accesses.refusal, write=accesses.is_write)
+        widths = {int(row[3]) for row in program if row[1] == "ResultRow"}
+        accesses.result_width = widths.pop() if len(widths) == 1 else None
         for table, cols in list(accesses.reads.items()):
+            if cols != {""}:
+                continue
             # "Referenced, no column read" is also reported for a CTE or a
             # subquery's alias; only the dataset's own tables and views count.
             # (A CTE named like a real table is decided as that table: stricter.)
-            if cols == {""} and not _exists(conn, table):
+            # It names the table as the statement spelled it (ORDERS for orders),
+            # where a column read names it as declared: decided as declared.
+            declared = _declared(conn, table)
+            if declared != table:
                 del accesses.reads[table]
-                accesses.aliases.add(table)
+                if declared is None:
+                    accesses.aliases.add(table)
+                else:
+                    accesses.reads.setdefault(declared, set()).add("")
         for table in accesses.whole_row_writes:
             accesses.writes.setdefault(table, set()).update(_columns_of(conn, table))
         return accesses
@@ -433,6 +483,10 @@ class _Statement:
         writes: Mapping[str, set[str]],
         aliases: set[str],
     ) -> Callable[[int, str | None, str | None, str | None, str | None], int]:
+        # The engine reports a table as the statement spelled it where no column
+        # is read (see _analyse): matched here the way SQLite matches names.
+        folded = {_fold(t): cols for t, cols in reads.items()}
+
         def authorize(
             action: int, arg1: str | None, arg2: str | None, db: str | None, _src: str | None
         ) -> int:
@@ -442,6 +496,8 @@ class _Statement:
                 table, column = arg1 or "", arg2 or ""
                 if db is None and not column and table in aliases:
                     return _OK
+                if db is None and not column:
+                    return _OK if "" in folded.get(_fold(table), ()) else _DENY
                 ok = db in ("main", None) and column in reads.get(table, ())
                 return _OK if ok else _DENY
             if action == _UPDATE:
@@ -461,17 +517,21 @@ class _Statement:
     def _run_read(self, accesses: _Accesses, row_limit: int) -> _Outcome:
         conn = self.conn
         assert conn is not None
-        variant, table, key = self._keyed_variant(conn, accesses)
+        sentinel = "9" + secrets.token_hex(12)
+        variant, table, key = self._keyed_variant(conn, accesses, sentinel)
         if variant is not None and table is not None and key is not None:
             reads = {t: set(c) for t, c in accesses.reads.items()}
             # The broker's own read of the key (the engine names a rowid read
             # after its INTEGER PRIMARY KEY alias, or ROWID); never returned.
             reads[table] |= {*key, "ROWID"}
             try:
-                return self._fetch(conn, variant, reads, accesses.aliases, row_limit, len(key))
+                return self._fetch(
+                    conn, variant, reads, accesses.aliases, row_limit, len(key) + 1,
+                    expect=(accesses.result_width, sentinel),
+                )  # fmt: skip
             except _TimedOut:
                 raise
-            except sqlite3.Error:
+            except (sqlite3.Error, _Misread):
                 pass  # the rewrite did not fit this statement; run it as written
         return self._fetch(conn, self.sql, accesses.reads, accesses.aliases, row_limit, 0)
 
@@ -483,7 +543,12 @@ class _Statement:
         aliases: set[str],
         row_limit: int,
         key_width: int,
+        expect: tuple[int | None, str] | None = None,
     ) -> _Outcome:
+        """Run ``sql``; its last ``key_width`` columns are the broker's, never returned.
+        For the keyed variant, ``expect`` is (the statement's own width, the sentinel
+        that must open the broker's columns in every row): the key's values are
+        stripped only if they are exactly where they were put."""
         conn.set_authorizer(self._enforcing(reads, {}, aliases))
         try:
             cur = conn.execute(sql, self.params)
@@ -496,17 +561,24 @@ class _Statement:
             raise
         finally:
             conn.set_authorizer(None)
+        width = len(description) - key_width
+        if expect is not None:
+            own, sentinel = expect
+            # A statement the rewrite misread (its FROM was not where the scan
+            # said) has the key somewhere else: then only the original runs.
+            if own is None or width != own or any(row[width] != sentinel for row in raw):
+                raise _Misread
         out = _Outcome(truncated=len(raw) > row_limit)
         raw = raw[:row_limit]
-        width = len(description) - key_width
         out.columns = [str(d[0]) for d in description[:width]]
         out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
         if key_width:
-            out.keys = [_key_text(row[width:]) for row in raw]
+            key_at = width + (1 if expect is not None else 0)
+            out.keys = [_key_text(row[key_at:]) for row in raw]
         return out
 
     def _keyed_variant(
-        self, conn: sqlite3.Connection, accesses: _Accesses
+        self, conn: sqlite3.Connection, accesses: _Accesses, sentinel: str
     ) -> tuple[str | None, str | None, list[str] | None]:
         if len(accesses.reads) != 1 or accesses.selects != 1:
             return None, None, None
@@ -516,7 +588,7 @@ class _Statement:
         key = self.pool.row_key(conn, table)
         if key is None:
             return None, None, None
-        variant = keyed_variant(self.sql, table, key)
+        variant = keyed_variant(self.sql, table, key, sentinel)
         return variant, table, key
 
     def run_write(self, accesses: _Accesses) -> _Outcome:
@@ -619,6 +691,7 @@ _TOKEN_RE = re.compile(
     |(?P<comment>--[^\n]*|/\*.*?(?:\*/|\Z))
     |(?P<string>'(?:[^']|'')*')
     |(?P<quoted>"(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\])
+    |(?P<variable>\?[0-9]*|[$@:\#](?:::|[A-Za-z0-9_$])*\(?)
     |(?P<word>[^\W\d][\w$]*)
     |(?P<other>.)
     """,
@@ -660,9 +733,34 @@ def _tokens(sql: str) -> list[_Token]:
     ]
 
 
-def keyed_variant(sql: str, table: str, key: Sequence[str]) -> str | None:
+def _reads_like_sqlite(sql: str) -> bool:
+    """Whether the scan below splits ``sql`` where SQLite's tokenizer does.
+
+    It does for ASCII text: strings, quoted names and comments end at the same
+    characters. Outside them, non-ASCII text is where the two part ways (Python's
+    ``\\s`` takes U+00A0 as a space, SQLite any byte over 0x7F as part of a name),
+    and so are Tcl-style parameters (``$a::b``, ``$a(x)``), which SQLite reads as
+    one token; for those the statement keeps table-level lineage."""
+    for m in _TOKEN_RE.finditer(sql):
+        kind, text = m.lastgroup, m.group()
+        if kind in ("string", "quoted", "comment"):
+            continue
+        if not text.isascii() or (kind == "space" and not set(text) <= set(" \t\n\f\r")):
+            return False
+        if kind == "variable" and ("::" in text or text.endswith("(")):
+            return False
+    return True
+
+
+def keyed_variant(
+    sql: str, table: str, key: Sequence[str], sentinel: str | None = None
+) -> str | None:
     """``sql`` with ``table``'s key columns appended to its select list, or None
-    when the statement is not the one-row-per-table-row shape described above."""
+    when the statement is not the one-row-per-table-row shape described above.
+    With ``sentinel``, the string literal ``'<sentinel>'`` goes first (the caller
+    checks it comes back right after the statement's own columns)."""
+    if not _reads_like_sqlite(sql):
+        return None
     toks = _tokens(sql)
     while toks and toks[-1].text == ";":
         toks.pop()
@@ -702,6 +800,8 @@ def keyed_variant(sql: str, table: str, key: Sequence[str]) -> str | None:
     cols = ", ".join(
         f"{_quote(qualifier)}.{k if k in ('rowid', '_rowid_', 'oid') else _quote(k)}" for k in key
     )
+    if sentinel is not None:
+        cols = f"'{sentinel}', {cols}"
     at = toks[from_at].start
     return f"{sql[:at]}, {cols} {sql[at:]}"
 

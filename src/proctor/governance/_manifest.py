@@ -36,6 +36,14 @@ MiB = 1024 * 1024
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600
 MIN_EVERY_SECONDS = 1.0
 MAX_PURPOSE = 2000
+# 1 PiB: past any machine, and well inside the integers canonical JSON carries
+# exactly (2**53), so every accepted size can be digested and stored.
+MAX_SIZE = 1 << 50
+# Linux's PID_MAX_LIMIT: a cgroup cannot hold more.
+MAX_PIDS = 4 * 1024 * 1024
+# The longest host:port there is: a 253-byte name (or a bracketed IPv6 address
+# with a zone) and a port; anything longer is refused before it is parsed.
+MAX_EGRESS_ENTRY = 300
 
 _ARTIFACT_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
 # The same rule as registering a dataset, secret or bucket: a name the
@@ -419,6 +427,8 @@ def _parse_egress(value: Any) -> list[str]:
 
 def _egress_entry(entry: str, field: str = "egress.hosts") -> str:
     """``host:port`` with the host normalized and the port explicit."""
+    if len(entry) > MAX_EGRESS_ENTRY:
+        raise UsageError(f"{field}: {entry[:40]!r}... is longer than a host and port can be")
     where = f"{field}: {entry!r}"
     if "://" in entry or "/" in entry:
         raise UsageError(
@@ -470,11 +480,15 @@ def _parse_size(where: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     elif isinstance(value, str) and (m := _SIZE_RE.match(value.strip())):
-        size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        number = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+        # float() reads hundreds of digits as inf, which int() refuses.
+        size = int(number) if math.isfinite(number) and number <= MAX_SIZE else MAX_SIZE + 1
     else:
         raise UsageError(f'{where}: {value!r} is not a size (examples: "256M", "1G", 65536)')
     if size < 0:
         raise UsageError(f"{where} must not be negative")
+    if size > MAX_SIZE:
+        raise UsageError(f"{where} is larger than 1P")
     return size
 
 
@@ -504,8 +518,10 @@ def _parse_limits(value: Any) -> RunLimits:
             raise UsageError("limits.timeout is longer than 7 days")
     if "pids" in limits:
         raw = limits["pids"]
-        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
-            raise UsageError(f"limits.pids must be a positive integer, not {raw!r}")
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 1 <= raw <= MAX_PIDS:
+            raise UsageError(
+                f"limits.pids must be a positive integer up to {MAX_PIDS}, not {raw!r}"
+            )
         pids = raw
     if "cpu" in limits:
         raw = limits["cpu"]
