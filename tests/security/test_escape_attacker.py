@@ -339,6 +339,58 @@ def test_a_kept_alive_connection_cannot_flood_the_ledger(ledger: Ledger, tmp_pat
     assert events[-1]["details"]["requests"] == requests
 
 
+def test_requests_inside_a_kept_alive_connection_are_charged_too(
+    ledger: Ledger, tmp_path: Path
+) -> None:
+    ca = UpstreamCA.make()
+    (tmp_path / "up-ca.pem").write_bytes(ca.pem())
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(ca.issue(["localhost"], tmp_path / "up.pem"))
+    upstream = Upstream(tls)
+    upstream.RequestHandlerClass = type("NoDelay", (upstream.RequestHandlerClass,),
+                                        {"disable_nagle_algorithm": True})  # fmt: skip
+    proxy = EgressProxy(tmp_path / "ca", upstream_cafile=str(tmp_path / "up-ca.pem"))
+    handlers = Handlers(sql=_never, read_object=_never, write_object=_never,
+                        connect=proxy.handle_connect, forward=proxy.handle_forward)  # fmt: skip
+    host = f"localhost:{upstream.port}"
+    secret = SecretBinding("api", "value-" + os.urandom(8).hex(), (host,))
+    policies = capability_policies("acme", "churn", {"egress": [host], "secrets": ["api"]})
+    statuses = []
+    with Broker(handlers, os.urandom(32), rate_limit=RateLimit(per_second=0.5, burst=10)) as b:
+        scope = _scope(ledger, "r1", policies=compile_policies(policies),
+                       secrets={"api": secret}, allowed_ranges=("127.0.0.0/8",))  # fmt: skip
+        channel = b.open_run(scope, ttl=60)
+        client = ssl.create_default_context(cadata=proxy.tenant_ca("acme").ca_pem().decode())
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.settimeout(10)
+        raw.connect(str(channel.socket))
+        raw.sendall(f"CONNECT {host} HTTP/1.1\r\nProctor-Token: {channel.token}\r\n\r\n".encode())
+        assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+        with client.wrap_socket(raw, server_hostname="localhost") as t:
+            reader = t.makefile("rb")
+            for i in range(30):
+                t.sendall(f"GET /n/{i} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+                status = int(reader.readline().split()[1])
+                statuses.append(status)
+                length = 0
+                while (line := reader.readline()) != b"\r\n":
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                body = reader.read(length)
+                if status == 429:
+                    assert json.loads(body)["error"] == "rate_limited"
+                    break
+        b.close_run("r1")
+    upstream.shutdown()
+    # The CONNECT took one token of ten, the first request rode on it: ten requests.
+    assert statuses == [200] * 10 + [429]
+    events = _events(ledger, "r1")
+    assert [e["action"] for e in events] == [
+        "http.request", "secret.use", "http.request.end", "broker.rate_limited",
+    ]  # fmt: skip
+    assert events[2]["details"]["requests"] == 10 and events[3]["details"]["refused"] == 1
+
+
 # -- the tenant CA's name constraints ------------------------------------------------
 
 
@@ -539,6 +591,9 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
     marker_a, marker_b = "proctor-scratch-", os.urandom(8).hex()
     host_process = f"proctor-host-process-{os.urandom(4).hex()}"
 
+    # The attacker's budget, from its manifest: low, so that the flood outruns it however
+    # loaded the machine is (the ~30 calls before the flood fit in the burst).
+    rate = RateLimit(per_second=10, burst=100)
     rt.resources.set_secret("acme", "api_token", SECRET, [f"localhost:{secret_port}"], gov.op)
     rt.allow_egress_range("acme", "127.0.0.1/32", gov.op)
     rt.subprocessors.add("acme", "upstream-co", purpose="test upstreams", location="here",
@@ -556,12 +611,11 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
         reports = "write"
         [limits]
         timeout = "{RUN_SECONDS}s"
+        calls_per_second = {rate.per_second}
+        call_burst = {rate.burst}
         """)  # fmt: skip
     _deploy(gov, "victim", VICTIM, f'[limits]\ntimeout = "{RUN_SECONDS}s"\n')
     flood_calls = 20_000 if SOAK else 2_000
-    # Low, so that the flood outruns it however loaded the machine is: the ~30 calls
-    # before the flood fit in the burst.
-    rate = RateLimit(per_second=10, burst=100)
     victim_env = {"VICTIM_MARKER_A": marker_a, "VICTIM_MARKER_B": marker_b}
     log_before = len(_events(rt.ledger))
 
@@ -569,7 +623,6 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
     started: list[_Run] = []
     try:
         with rt.make_broker(upstream_cafile=str(tmp_path / "up-ca.pem")) as broker:
-            broker.rate_limit = rate  # the runtime's default for runs that name none
             sup = Supervisor(rt, broker, backend)
             victim = _Run(sup, "victim", victim_env)
             started.append(victim)
@@ -644,6 +697,10 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
     assert "bundle.pem" in attempts["ca_private_key"]["detail"]
     tenant_ca = x509.load_pem_x509_certificate(verdict["tenant_ca_pem"].encode())
     assert tenant_ca.subject.rfc4514_string() == "CN=Proctor egress CA for acme,O=Proctor"
+    # Constrained to the run's one secret host: it vouches for no other name.
+    constraints = tenant_ca.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical
+    assert [g.value for g in constraints.value.permitted_subtrees or []] == ["localhost"]
     assert any(b"proctor-secret:api_token" in h for h in plain_seen), "the blind tunnel worked"
     assert secret_seen == [], "the fronted request never reached the secret's host"
     assert not any(SECRET.encode() in h for h in plain_seen)

@@ -41,6 +41,8 @@ timeout = "60s"
 pids = 32
 cpu = 0.5
 output = "1M"
+calls_per_second = 250
+call_burst = 500
 [lifecycle]
 mode = "job"
 """
@@ -70,6 +72,8 @@ def test_full_manifest() -> None:
         "pids": 32,
         "cpu": 0.5,
         "output_bytes": 1024 * 1024,
+        "calls_per_second": 250,
+        "call_burst": 500,
     }
     assert m.lifecycle.to_json() == {"mode": "job"}
 
@@ -233,6 +237,11 @@ BAD: list[tuple[str, str]] = [
     (_with("[limits]\npids = true\n"), "limits.pids must be a positive integer"),
     (_with("[limits]\ncpu = 5000\n"), "limits.cpu must be a number of CPUs"),
     (_with("[limits]\ndisk = '1G'\n"), "limits: unknown key 'disk'"),
+    (_with("[limits]\ncalls_per_second = 0\n"), "limits.calls_per_second must be a number"),
+    (_with("[limits]\ncalls_per_second = 'fast'\n"), "limits.calls_per_second must be a number"),
+    (_with("[limits]\ncalls_per_second = true\n"), "limits.calls_per_second must be a number"),
+    (_with("[limits]\ncall_burst = 0\n"), "limits.call_burst must be a positive integer"),
+    (_with("[limits]\ncall_burst = 2.5\n"), "limits.call_burst must be a positive integer"),
     (_with("[lifecycle]\nmode = 'daemon'\n"), "lifecycle.mode: unknown mode 'daemon'"),
     (_with("[lifecycle]\nmode = 'schedule'\n"), "lifecycle.every is missing"),
     (_with("[lifecycle]\nmode = 'schedule'\nevery = '0.5s'\n"), "at least 1s"),

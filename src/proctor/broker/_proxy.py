@@ -345,6 +345,9 @@ class EgressProxy:
                 queue.put_nowait(BadCall("request head too large"))
                 return
             try:
+                if outcome.requests:
+                    # The CONNECT was charged as one call; each further request is one too.
+                    scope.admit_call()
                 method, target, headers = _parse_request_head(head)
                 if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
                     raise BadCall("only origin-form requests may follow CONNECT")

@@ -41,6 +41,8 @@ MAX_PURPOSE = 2000
 MAX_SIZE = 1 << 50
 # Linux's PID_MAX_LIMIT: a cgroup cannot hold more.
 MAX_PIDS = 4 * 1024 * 1024
+MAX_CALLS_PER_SECOND = 100_000
+MAX_CALL_BURST = 1_000_000
 # The longest host:port there is: a 253-byte name (or a bracketed IPv6 address
 # with a zone) and a port; anything longer is refused before it is parsed.
 MAX_EGRESS_ENTRY = 300
@@ -74,8 +76,8 @@ _TOP_KEYS = ("artifact", "datasets", "egress", "secrets", "buckets", "limits", "
 class RunLimits:
     """Resource ceilings the manifest asks for; ``None`` leaves the runtime's default.
 
-    Field names are those of :class:`proctor.sandbox.Limits`, so
-    ``Limits(**limits.to_json())`` builds the sandbox's limits.
+    The first five are the sandbox's (:class:`proctor.sandbox.Limits`); the last
+    two are the run's call budget at the broker (``proctor.broker.RateLimit``).
     """
 
     memory_bytes: int | None = None
@@ -83,10 +85,13 @@ class RunLimits:
     pids: int | None = None
     cpu: float | None = None
     output_bytes: int | None = None
+    calls_per_second: float | None = None
+    call_burst: int | None = None
 
     def to_json(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
-        for key in ("memory_bytes", "wall_seconds", "pids", "cpu", "output_bytes"):
+        for key in ("memory_bytes", "wall_seconds", "pids", "cpu", "output_bytes",
+                    "calls_per_second", "call_burst"):  # fmt: skip
             value = getattr(self, key)
             if value is not None:
                 out[key] = _number(value)
@@ -506,8 +511,10 @@ def _parse_duration(where: str, value: Any) -> float:
 
 def _parse_limits(value: Any) -> RunLimits:
     limits = _table("limits", value)
-    _known("limits", limits, ("memory", "timeout", "pids", "cpu", "output"))
-    memory = timeout = pids = cpu = output = None
+    keys = ("memory", "timeout", "pids", "cpu", "output", "calls_per_second", "call_burst")
+    _known("limits", limits, keys)
+    memory = timeout = pids = cpu = output = burst = None
+    rate: float | None = None
     if "memory" in limits:
         memory = _parse_size("limits.memory", limits["memory"])
         if memory < 8 * MiB:
@@ -535,7 +542,22 @@ def _parse_limits(value: Any) -> RunLimits:
             )
     if "output" in limits:
         output = _parse_size("limits.output", limits["output"])
-    return RunLimits(memory, timeout, pids, cpu, output)
+    if "calls_per_second" in limits:
+        raw = limits["calls_per_second"]
+        rate = float(raw) if isinstance(raw, int | float) and not isinstance(raw, bool) else 0.0
+        if not 0 < rate <= MAX_CALLS_PER_SECOND:
+            raise UsageError(
+                f"limits.calls_per_second must be a number of calls between 0 and "
+                f"{MAX_CALLS_PER_SECOND}, not {raw!r}"
+            )
+    if "call_burst" in limits:
+        raw = limits["call_burst"]
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 1 <= raw <= MAX_CALL_BURST:
+            raise UsageError(
+                f"limits.call_burst must be a positive integer up to {MAX_CALL_BURST}, not {raw!r}"
+            )
+        burst = raw
+    return RunLimits(memory, timeout, pids, cpu, output, rate, burst)
 
 
 def _parse_lifecycle(value: Any) -> Lifecycle:

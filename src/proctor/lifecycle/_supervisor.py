@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proctor.broker import Broker, DatasetBinding, RunScope, SecretBinding
+from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
 from proctor.errors import NotFound, ProctorError
 from proctor.governance import ApprovalRequired, Deployment, subprocessor_forbid
 from proctor.ledger import Actor, EventDraft, utc_now
@@ -167,8 +167,9 @@ class Supervisor:
         pid = os.getpid()
         self.supervisor_id = f"{os.uname().nodename}:{pid}:{process_start_time(pid)}"
 
-    def _ca_dir(self, tenant: str, pem: bytes) -> Path:
-        directory = self.rt.home / "ca-bundles" / tenant
+    def _ca_dir(self, tenant: str, run_id: str, pem: bytes) -> Path:
+        # One bundle per run: each run's CA certificate names its own secrets' hosts.
+        directory = self.rt.home / "ca-bundles" / tenant / run_id
         directory.mkdir(parents=True, exist_ok=True, mode=0o755)
         system = _SYSTEM_BUNDLE.read_bytes() if _SYSTEM_BUNDLE.exists() else b""
         bundle = directory / "bundle.pem"
@@ -259,6 +260,14 @@ class Supervisor:
             "memory_bytes": limits.memory_bytes, "pids": limits.pids, "cpu": str(limits.cpu),
             "wall_seconds": str(limits.wall_seconds), "output_bytes": limits.output_bytes,
         }  # fmt: skip
+        # The manifest's call budget, else the broker's default when the run opens.
+        rate_limit = None
+        if manifest.limits.calls_per_second or manifest.limits.call_burst:
+            base = RateLimit()
+            rate_limit = RateLimit(manifest.limits.calls_per_second or base.per_second,
+                                   manifest.limits.call_burst or base.burst)  # fmt: skip
+            limits_doc["calls_per_second"] = str(rate_limit.per_second)
+            limits_doc["call_burst"] = rate_limit.burst
         scope = RunScope(
             tenant=tenant,
             run_id=run_id,
@@ -274,6 +283,7 @@ class Supervisor:
             buckets_dir=rt.resources.bucket_dir(tenant),
             lineage_key=rt.keys.lineage_key(tenant),
             allowed_ranges=rt.egress_ranges(tenant),
+            rate_limit=rate_limit,
         )
         started_at = utc_now()
 
@@ -331,12 +341,14 @@ class Supervisor:
             watcher = threading.Thread(
                 target=self._watch, args=(tenant, dep, artifact, stop, finished), daemon=True
             )
+            ca_dir: Path | None = None
             try:
                 watcher.start()
                 rt.artifacts.materialize(tenant, dep.digest, code)
-                ca_dir = None
                 if secrets:
-                    ca_dir = self._ca_dir(tenant, self.broker_ca_pem(tenant))
+                    # Constrained to this run's secrets' hosts: the CA vouches for no other name.
+                    hosts = sorted({h for s in secrets.values() for h in s.hosts})
+                    ca_dir = self._ca_dir(tenant, run_id, rt.egress_ca_pem(tenant, hosts))
                 result = run_brokered(
                     self.broker, scope, self.driver, tuple(manifest.entrypoint),
                     code_dir=code, limits=limits, ca_dir=ca_dir, env=env,
@@ -349,6 +361,8 @@ class Supervisor:
             finally:
                 finished.set()
                 shutil.rmtree(code, ignore_errors=True)
+                if ca_dir is not None:
+                    shutil.rmtree(ca_dir, ignore_errors=True)
                 if any(b.kind == "postgresql" for b in datasets.values()):
                     from proctor.broker._pg_sql import close_pg_pools
 
