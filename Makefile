@@ -16,8 +16,8 @@ test: setup lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench fuzz
+	$(VENV)/bin/ruff format --check src tests bench fuzz
 
 typecheck: setup
 	$(VENV)/bin/mypy

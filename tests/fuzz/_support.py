@@ -32,6 +32,8 @@ from proctor.store import open_store
 
 SOAK = os.environ.get("PROCTOR_SOAK") == "1"
 SCALE = 20 if SOAK else 1
+#: Per-test timeout for the fuzz modules: x20 the examples outlast the suite's 300 s.
+TIMEOUT = 1800 if SOAK else 300
 
 
 def one_in(n: int) -> st.SearchStrategy[bool]:

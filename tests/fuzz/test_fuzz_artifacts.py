@@ -40,7 +40,9 @@ from proctor.governance import Artifacts, Tenants
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
 from proctor.store import open_store
 from tests.fuzz._oracle_archive import check_extract, check_inside, snapshot
-from tests.fuzz._support import fuzz_settings, one_in
+from tests.fuzz._support import TIMEOUT, fuzz_settings, one_in
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 MANIFEST = b"""[artifact]
 name = "fuzzed"

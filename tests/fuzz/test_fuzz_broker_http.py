@@ -26,7 +26,9 @@ from proctor.broker import DatasetBinding, EgressProxy
 from proctor.broker._egress import IPAddress, UpstreamFailed
 from proctor.broker._http import MAX_HEAD
 from tests.fuzz._oracle_http import check
-from tests.fuzz._support import Served, exchange, fuzz_settings, one_in, served_broker
+from tests.fuzz._support import TIMEOUT, Served, exchange, fuzz_settings, one_in, served_broker
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 TOKEN_SLOT = "\x00TOKEN\x00"  # replaced by the run's real token at the socket level
 

@@ -11,11 +11,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.fuzz._oracle_manifest import check_manifest
-from tests.fuzz._support import fuzz_settings
+from tests.fuzz._support import TIMEOUT, fuzz_settings
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -38,7 +38,9 @@ from tests.fuzz._oracle_proxy import (
     check_request_head,
     check_url,
 )
-from tests.fuzz._support import Served, exchange, fuzz_settings, one_in, served_broker
+from tests.fuzz._support import TIMEOUT, Served, exchange, fuzz_settings, one_in, served_broker
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 # -- heads -----------------------------------------------------------------------------
 

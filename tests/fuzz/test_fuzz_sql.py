@@ -45,7 +45,9 @@ from proctor.broker import BadCall, BrokerError, CallDenied, DatasetBinding, Run
 from proctor.broker._sql import StatementTimeout, handle_sql
 from proctor.ledger import Ledger
 from proctor.policy import capability_policies, compile_policies
-from tests.fuzz._support import fuzz_settings, one_in, sqlite_ledger
+from tests.fuzz._support import TIMEOUT, fuzz_settings, one_in, sqlite_ledger
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 ROWS = 3
 TABLE_NAMES = ["customers", "orders", "t", "Events", "a b", 'q"t', "é"]

@@ -348,8 +348,15 @@ def _unpack_and_submit(ctx: Ctx, tenant: str, upload: Any) -> Any:
             upload, root, max_bytes=limits.artifact_upload, max_files=limits.artifact_files
         )
         entries = list(root.iterdir())
-        if not (root / "proctor.toml").exists() and len(entries) == 1 and entries[0].is_dir():
-            root = entries[0]
+        # One top-level folder is the artifact; a link to a folder is not followed.
+        only = entries[0] if len(entries) == 1 else None
+        if (
+            not (root / "proctor.toml").exists()
+            and only
+            and only.is_dir()
+            and not only.is_symlink()
+        ):
+            root = only
         return ctx.rt.artifacts.submit(
             tenant, root, ctx.principal.actor,
             max_bytes=limits.artifact_upload, max_files=limits.artifact_files,

@@ -97,6 +97,6 @@ def split_host_port(entry: str) -> tuple[str, int | None]:
 
 
 def _port(entry: str, text: str) -> int:
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not text.isascii() or not text.isdigit() or len(text) > 5 or not 1 <= int(text) <= 65535:
         raise PolicyError(f"invalid port in egress entry {entry!r}")
     return int(text)
