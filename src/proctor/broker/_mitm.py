@@ -99,32 +99,8 @@ class TenantCA:
             ]
         )
         now = _now()
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _CLOCK_SKEW)
-            .not_valid_after(now + datetime.timedelta(days=365 * _CA_YEARS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-            .sign(key, hashes.SHA256())
-        )
+        expires = now + datetime.timedelta(days=365 * _CA_YEARS)
+        cert = _ca_builder(name, key, expires).sign(key, hashes.SHA256())
         data = cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
@@ -153,33 +129,10 @@ class TenantCA:
         """
         if hosts is None:
             return self._cert.public_bytes(serialization.Encoding.PEM)
-        constraints = name_constraints(hosts)
-        now = _now()
+        # The same CA (subject, key, expiry) re-issued with the constraints added.
         cert = (
-            x509.CertificateBuilder()
-            .subject_name(self._cert.subject)
-            .issuer_name(self._cert.subject)
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - _CLOCK_SKEW)
-            .not_valid_after(self._cert.not_valid_after_utc)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), False)
-            .add_extension(constraints, critical=True)
+            _ca_builder(self._cert.subject, self._key, self._cert.not_valid_after_utc)
+            .add_extension(name_constraints(hosts), critical=True)
             .sign(self._key, hashes.SHA256())
         )
         return cert.public_bytes(serialization.Encoding.PEM)
@@ -433,3 +386,34 @@ class TlsStream:
             self._obj.unwrap()
         with contextlib.suppress(ConnectionError, OSError):
             await self._flush()
+
+
+def _ca_builder(
+    name: x509.Name, key: ec.EllipticCurvePrivateKey, expires: datetime.datetime
+) -> x509.CertificateBuilder:
+    """A self-issued CA certificate for ``key``: may sign leaves, nothing below them."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _CLOCK_SKEW)
+        .not_valid_after(expires)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+    )
