@@ -290,10 +290,10 @@ def test_a_token_dies_with_its_socket_and_a_replay_on_another_run_is_named(
     ]
 
 
-def test_a_kept_alive_connection_cannot_flood_the_ledger(ledger: Ledger, tmp_path: Path) -> None:
-    """Requests inside one CONNECT (TLS terminated to inject a secret) are not recorded
-    one by one: the connection was charged and decided once, and its events are a
-    constant few however many requests it carries."""
+def _secret_upstream(
+    tmp_path: Path,
+) -> tuple[Upstream, EgressProxy, Handlers, str, SecretBinding, str]:
+    """A TLS upstream on loopback whose credential the broker injects, and its proxy."""
     ca = UpstreamCA.make()
     (tmp_path / "up-ca.pem").write_bytes(ca.pem())
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -309,6 +309,14 @@ def test_a_kept_alive_connection_cannot_flood_the_ledger(ledger: Ledger, tmp_pat
     host = f"localhost:{upstream.port}"
     secret = SecretBinding("api", "value-" + os.urandom(8).hex(), (host,))
     policies = capability_policies("acme", "churn", {"egress": [host], "secrets": ["api"]})
+    return upstream, proxy, handlers, host, secret, policies
+
+
+def test_a_kept_alive_connection_cannot_flood_the_ledger(ledger: Ledger, tmp_path: Path) -> None:
+    """Requests inside one CONNECT (TLS terminated to inject a secret) are not recorded
+    one by one: the connection was charged and decided once, and its events are a
+    constant few however many requests it carries."""
+    upstream, proxy, handlers, host, secret, policies = _secret_upstream(tmp_path)
     requests = 2000 if SOAK else 300
     with Broker(handlers, os.urandom(32)) as b:
         scope = _scope(ledger, "r1", policies=compile_policies(policies),
@@ -342,19 +350,7 @@ def test_a_kept_alive_connection_cannot_flood_the_ledger(ledger: Ledger, tmp_pat
 def test_requests_inside_a_kept_alive_connection_are_charged_too(
     ledger: Ledger, tmp_path: Path
 ) -> None:
-    ca = UpstreamCA.make()
-    (tmp_path / "up-ca.pem").write_bytes(ca.pem())
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(ca.issue(["localhost"], tmp_path / "up.pem"))
-    upstream = Upstream(tls)
-    upstream.RequestHandlerClass = type("NoDelay", (upstream.RequestHandlerClass,),
-                                        {"disable_nagle_algorithm": True})  # fmt: skip
-    proxy = EgressProxy(tmp_path / "ca", upstream_cafile=str(tmp_path / "up-ca.pem"))
-    handlers = Handlers(sql=_never, read_object=_never, write_object=_never,
-                        connect=proxy.handle_connect, forward=proxy.handle_forward)  # fmt: skip
-    host = f"localhost:{upstream.port}"
-    secret = SecretBinding("api", "value-" + os.urandom(8).hex(), (host,))
-    policies = capability_policies("acme", "churn", {"egress": [host], "secrets": ["api"]})
+    upstream, proxy, handlers, host, secret, policies = _secret_upstream(tmp_path)
     statuses = []
     with Broker(handlers, os.urandom(32), rate_limit=RateLimit(per_second=0.5, burst=10)) as b:
         scope = _scope(ledger, "r1", policies=compile_policies(policies),
