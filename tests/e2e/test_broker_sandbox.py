@@ -155,7 +155,12 @@ def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
 ) -> None:
     port, ca = upstream
     rt = gov.rt
-    rt.resources.set_secret("acme", "crm_token", SECRET, [f"localhost:{port}"], gov.op)
+    # A sandbox run gets the test twin of a secret, never the real one, and reaches
+    # only hosts marked for sandbox use (governance/_environments.py).
+    rt.resources.set_secret("acme", "crm_token", "real-" + SECRET, [f"localhost:{port}"], gov.op)
+    rt.resources.set_secret("acme", "crm_token_test", SECRET, [f"localhost:{port}"], gov.op,
+                            twin_of="crm_token")  # fmt: skip
+    rt.resources.allow_sandbox_host("acme", f"localhost:{port}", gov.op)
     rt.allow_egress_range("acme", "127.0.0.1/32", gov.op)
     rt.subprocessors.add("acme", "upstream-co", purpose="test upstream", location="here",
                          hosts=[f"localhost:{port}"], actor=gov.op)  # fmt: skip
@@ -216,13 +221,13 @@ def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
     assert all(v in (403, "refused: Tunnel connection failed: 403 Forbidden")
                for v in ssrf.values()), ssrf  # fmt: skip
     assert len(ssrf) == 10
-    # The manifest names localhost:PORT+2 and the deployment permits it, but no
-    # registered subprocessor covers it: the tenant-wide forbid wins.
+    # The manifest names localhost:PORT+2 and the deployment permits it, but it is
+    # not marked for sandbox use: the sandbox environment's forbid wins.
     by_sub = [
         json.loads(e) for e in rt.ledger.entries("acme")
         if f"host/localhost:{port + 2}".encode() in e and b'"http.request"' in e
     ]  # fmt: skip
-    assert by_sub and all(e["policies"] == ["tenant:subprocessors"] for e in by_sub)
+    assert by_sub and all(e["policies"] == ["tenant:sandbox-egress"] for e in by_sub)
     assert all(e["decision"] == "deny" for e in by_sub)
     assert res["direct"] == "refused"
     with pytest.raises(TimeoutError):

@@ -32,6 +32,7 @@ CAPS = """
 columns = ["id", "country"]
 access = "read"
 """
+SERVICE = '[lifecycle]\nmode = "service"\n'
 
 
 @pytest.fixture
@@ -129,7 +130,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_crashing_service_is_restarted_then_stopped_as_a_crash_loop(gov: Gov) -> None:
-    digest = submit(gov, main=CRASHER, caps="", name="svc")
+    digest = submit(gov, main=CRASHER, caps=SERVICE, name="svc")
     gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
                               environment="sandbox", mode="service", instruction="svc",
                               actor=gov.op)  # fmt: skip
@@ -176,7 +177,7 @@ def _wait(cond: Any, what: str, timeout: float = 60) -> Any:
 
 
 def test_serve_killed_and_restarted_marks_interrupted_runs_and_resumes(gov: Gov) -> None:
-    digest = submit(gov, main=SLEEPER, caps="", name="svc")
+    digest = submit(gov, main=SLEEPER, caps=SERVICE, name="svc")
     gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
                               environment="sandbox", mode="service", instruction="svc",
                               actor=gov.op)  # fmt: skip
@@ -203,7 +204,7 @@ def test_serve_killed_and_restarted_marks_interrupted_runs_and_resumes(gov: Gov)
 
 
 def test_freeze_stops_everything_until_unfreeze(gov: Gov) -> None:
-    digest = submit(gov, main=SLEEPER, caps="", name="svc")
+    digest = submit(gov, main=SLEEPER, caps=SERVICE, name="svc")
     gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
                               environment="sandbox", mode="service", instruction="svc",
                               actor=gov.op)  # fmt: skip

@@ -532,7 +532,8 @@ def wait_for_moment(node: Node, mode: str, rng: random.Random) -> None:
 
 def _deploy(gov: Gov, name: str, main: str, caps: str, env: str, mode: str,
             every: float | None = None) -> None:  # fmt: skip
-    art = gov.artifact_dir(name, main, caps)
+    lifecycle = f'\n[lifecycle]\nmode = "{mode}"\n' + (f'every = "{every:g}s"\n' if every else "")
+    art = gov.artifact_dir(name, main, caps + lifecycle)
     digest = gov.submit("acme", art)
     artifact = gov.rt.artifacts.get("acme", digest)
     if env == "production":

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
-from proctor.governance import KeyRing, Resources, Tenants
+from proctor.governance import KeyRing, Lifecycle, Manifest, Resources, SyntheticOnly, Tenants
 from proctor.governance._approvals import ApprovalRequired, Approvals
 from proctor.governance._control import ControlDenied, ControlPlane
-from proctor.governance._deployments import Deployments, SyntheticOnly
+from proctor.governance._deployments import Deployments
 from proctor.governance._principals import AuthenticationFailed, Principals
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, utc_now
 from tests.conftest import LedgerEnv
@@ -31,6 +31,12 @@ class Art:
     purpose: str
     author: str
     capabilities: dict[str, Any] = field(default_factory=dict)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+
+    @property
+    def manifest(self) -> Manifest:
+        return Manifest(self.purpose, ("true",), self.purpose, self.capabilities,
+                        lifecycle=self.lifecycle)  # fmt: skip
 
 
 @dataclass
@@ -89,8 +95,10 @@ def _people(gov: Gov, tenant: str = "acme") -> dict[str, Any]:
     return out
 
 
-def _artifact(gov: Gov, tenant: str, author: str, n: int = 1, **caps: Any) -> Art:
-    art = Art(f"sha256:{n:064x}", f"sha256:{'c' * 64}", "churn report", author, caps)
+def _artifact(gov: Gov, tenant: str, author: str, n: int = 1, mode: str = "job",
+              **caps: Any) -> Art:  # fmt: skip
+    art = Art(f"sha256:{n:064x}", f"sha256:{'c' * 64}", "churn report", author, caps,
+              Lifecycle(mode))  # fmt: skip
     gov.artifacts[(tenant, art.digest)] = art
     return art
 
@@ -264,8 +272,8 @@ def test_sandbox_deploy_needs_no_approval_but_only_synthetic_data(gov: Gov, tmp_
 
 
 def test_versions_and_history(gov: Gov) -> None:
-    a1 = _artifact(gov, "acme", "acme/dev", n=1)
-    a2 = _artifact(gov, "acme", "acme/dev", n=2)
+    a1 = _artifact(gov, "acme", "acme/dev", n=1, mode="service")
+    a2 = _artifact(gov, "acme", "acme/dev", n=2, mode="service")
     d1 = gov.deployments.deploy(
         "acme", a1, "svc", environment="sandbox", mode="service", instruction="i", actor=OP
     )

@@ -21,6 +21,8 @@ from proctor.governance import (
     ApprovalRequired,
     AuthenticationFailed,
     ControlDenied,
+    NotApproved,
+    ProductionName,
     SyntheticOnly,
 )
 from proctor.lifecycle import RunRefused
@@ -32,6 +34,8 @@ CASES = [
     (AlreadyExists("twice"), 409, "already_exists"),
     (ApprovalRequired("quorum"), 409, "approval_required"),
     (SyntheticOnly("real data"), 409, "synthetic_only"),
+    (NotApproved("mode"), 409, "not_approved"),
+    (ProductionName("churn"), 409, "production_name"),
     (RunRefused("frozen"), 409, "run_refused"),
     (PolicyError("bad cedar"), 400, "invalid_policy"),
     (UsageError("bad"), 400, "invalid_request"),

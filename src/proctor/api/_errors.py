@@ -71,6 +71,8 @@ def classify(exc: BaseException) -> tuple[int, str, dict[str, str]]:
         ApprovalRequired,
         AuthenticationFailed,
         ControlDenied,
+        NotApproved,
+        ProductionName,
         SyntheticOnly,
     )
     from proctor.lifecycle import RunRefused
@@ -83,6 +85,8 @@ def classify(exc: BaseException) -> tuple[int, str, dict[str, str]]:
         (ControlDenied, 403, "forbidden", {}),
         (ApprovalRequired, 409, "approval_required", {}),
         (SyntheticOnly, 409, "synthetic_only", {}),
+        (NotApproved, 409, "not_approved", {}),
+        (ProductionName, 409, "production_name", {}),
         (RunRefused, 409, "run_refused", {}),
         (NotFound, 404, "not_found", {}),
         (AlreadyExists, 409, "already_exists", {}),

@@ -115,7 +115,8 @@ class DeploymentIn(Strict):
     digest: str = Field(min_length=1, max_length=80)
     name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,62}$")
     environment: Literal["sandbox", "production"] = "sandbox"
-    mode: Literal["job", "service", "schedule"] = "job"
+    # None: the manifest's lifecycle; anything else must equal it (it was approved).
+    mode: Literal["job", "service", "schedule"] | None = None
     every_seconds: float | None = Field(default=None, ge=1, le=366 * 86400)
     instruction: str = Field(min_length=1, max_length=4000)
     reference: str = Field(default="", max_length=400)

@@ -228,8 +228,13 @@ def deploy(
     ] = None,
     name: Annotated[str | None, typer.Option(help="Deployment name")] = None,
     env: Annotated[str, typer.Option(help="sandbox or production")] = "sandbox",
-    mode: Annotated[str, typer.Option(help="job, service or schedule")] = "job",
-    every: Annotated[str | None, typer.Option(help="Interval of a schedule, e.g. 1h")] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(help="job, service or schedule; must equal the manifest's [lifecycle]"),
+    ] = None,
+    every: Annotated[
+        str | None, typer.Option(help="Interval of a schedule, e.g. 1h; must equal the manifest's")
+    ] = None,
     instruction: Annotated[str, typer.Option(help="The documented instruction")] = "",
     reference: Annotated[str, typer.Option(help="A ticket or change reference")] = "",
     rollback: Annotated[str | None, typer.Option(help="Deployment to roll back")] = None,
@@ -492,6 +497,30 @@ def egress_allow_range(
     with open_runtime(home) as rt:
         ranges = rt.allow_egress_range(tenant, cidr, rt.operator)
     console.print(f"{tenant} may reach: {', '.join(ranges)}")
+
+
+@egress_app.command("sandbox-allow")
+def egress_sandbox_allow(
+    tenant: TenantOpt,
+    host: Annotated[
+        str, typer.Argument(help="host[:port] or *.domain[:port], e.g. mock.test:8443")
+    ],
+    home: HomeOpt = None,
+) -> None:
+    """Mark a host for sandbox use: sandbox runs may reach it, and no other."""
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        entry = rt.resources.allow_sandbox_host(tenant, host, rt.operator)
+    console.print(f"sandbox runs of {tenant} may reach {entry}")
+
+
+@egress_app.command("sandbox-hosts")
+def egress_sandbox_hosts(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
+    """The hosts sandbox runs may reach (none: sandbox runs have no egress)."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "tenant.read")
+        for entry in rt.resources.sandbox_hosts(tenant):
+            console.print(entry)
 
 
 def history(

@@ -160,6 +160,10 @@ def secret_set(
     template: Annotated[str, typer.Option(help="Header value; {secret} is replaced")] = (
         "Bearer {secret}"
     ),
+    twin_of: Annotated[
+        str | None,
+        typer.Option(help="A test secret: sandbox runs of code naming this real one get it"),
+    ] = None,
     home: HomeOpt = None,
 ) -> None:
     """Store a secret, sealed; its value comes from stdin (or --from-env), never argv."""
@@ -172,7 +176,14 @@ def secret_set(
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         secret = rt.resources.set_secret(
-            tenant, name, value, host, rt.operator, header=header, template=template
+            tenant,
+            name,
+            value,
+            host,
+            rt.operator,
+            header=header,
+            template=template,
+            twin_of=twin_of,
         )
     console.print(f"secret [bold]{secret.name}[/] set for {', '.join(secret.hosts)}")
 
@@ -182,9 +193,9 @@ def secret_list(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None)
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.resources.secrets(tenant)
-    table = Table("secret", "hosts", "header")
+    table = Table("secret", "hosts", "header", "test twin of")
     for s in rows:
-        table.add_row(s.name, ", ".join(s.hosts), s.header)
+        table.add_row(s.name, ", ".join(s.hosts), s.header, s.twin_of or "")
     console.print(table)
 
 

@@ -55,6 +55,10 @@ def _error_class(code: str) -> type[ProctorError]:
         from proctor.governance import SyntheticOnly
 
         return SyntheticOnly
+    if code in ("not_approved", "production_name"):
+        from proctor.governance import NotApproved, ProductionName
+
+        return NotApproved if code == "not_approved" else ProductionName
     if code == "run_refused":
         from proctor.lifecycle import RunRefused
 
@@ -311,7 +315,8 @@ class Client:
 
     def deploy(
         self, tenant: str, digest: str, name: str, *, instruction: str,
-        environment: str = "sandbox", mode: str = "job", every_seconds: float | None = None,
+        environment: str = "sandbox", mode: str | None = None,
+        every_seconds: float | None = None,
         reference: str = "",
     ) -> Json:  # fmt: skip
         body = {

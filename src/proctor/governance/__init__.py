@@ -24,8 +24,10 @@ from proctor.governance._deployments import (
     MODES,
     Deployment,
     Deployments,
-    SyntheticOnly,
+    NotApproved,
+    ProductionName,
 )
+from proctor.governance._environments import Bindings, SyntheticOnly, bindings
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
     Lifecycle,
@@ -67,6 +69,7 @@ __all__ = [
     "ArtifactInfo",
     "Artifacts",
     "AuthenticationFailed",
+    "Bindings",
     "CapabilityChange",
     "ControlDenied",
     "ControlPlane",
@@ -77,10 +80,12 @@ __all__ = [
     "KeyRing",
     "Lifecycle",
     "Manifest",
+    "NotApproved",
     "Policies",
     "PolicyVersion",
     "Principal",
     "Principals",
+    "ProductionName",
     "QuorumRule",
     "Resources",
     "RunLimits",
@@ -91,6 +96,7 @@ __all__ = [
     "Tenant",
     "Tenants",
     "artifact_digest",
+    "bindings",
     "capabilities_hash",
     "check_entrypoint",
     "load_manifest",

@@ -5,6 +5,11 @@ what processing, for which purpose, approved by whom. Production needs a quorum
 of valid approvals when deployed (and again at every run start); a sandbox
 deployment needs none but may only touch datasets marked synthetic. Each change
 is a new version, so ``rollback`` can go back to the previous one.
+
+What runs is what was approved: the lifecycle (mode, schedule) is part of the
+manifest and so of the digest, and a deployment that asks for another one is
+refused. A sandbox deployment never takes or replaces a production deployment's
+name, so a production name always runs approved code.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any, Protocol
 
 from proctor.errors import NotFound, ProctorError, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
+from proctor.governance._environments import check_synthetic
+from proctor.governance._manifest import Manifest
 from proctor.governance._resources import Resources
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
@@ -28,10 +35,18 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 class WithCapabilities(ArtifactInfo, Protocol):
     @property
     def capabilities(self) -> dict[str, Any]: ...
+    @property
+    def manifest(self) -> Manifest: ...
 
 
-class SyntheticOnly(ProctorError):
-    """A sandbox deployment asked for a dataset that holds real data."""
+class NotApproved(ProctorError):
+    """The deployment asks for something the approved manifest does not say."""
+
+    exit_code = 5
+
+
+class ProductionName(ProctorError):
+    """A sandbox deployment tried to take a name production uses."""
 
     exit_code = 5
 
@@ -80,15 +95,50 @@ class Deployments:
         self._resources = resources
 
     def check_synthetic(self, tenant: str, artifact: WithCapabilities) -> None:
-        wanted = sorted(artifact.capabilities.get("datasets", {}))
-        bound = self._resources.for_environment(tenant, wanted, "sandbox")
-        real = [name for name in wanted if name not in bound]
-        if real:
-            raise SyntheticOnly(
-                f"a sandbox deployment may only use synthetic data; {', '.join(real)} is "
-                "neither marked synthetic nor has a synthetic twin",
-                hint="register one with `proctor dataset add --synthetic --twin-of NAME`, "
-                "or deploy to production (with approvals)",
+        check_synthetic(self._resources, tenant, artifact.capabilities)
+
+    @staticmethod
+    def lifecycle(
+        artifact: WithCapabilities, mode: str | None, every_seconds: float | None
+    ) -> tuple[str, float | None]:
+        """The mode and interval a deployment runs with: the manifest's own. A flag
+        that asks for another one is refused, since nobody approved it."""
+        approved = artifact.manifest.lifecycle
+        want_mode = approved.mode if mode is None else mode
+        want_every = every_seconds
+        if want_every is None and want_mode == approved.mode:
+            want_every = approved.every_seconds
+        if want_mode != approved.mode or want_every != approved.every_seconds:
+            said = f'mode = "{approved.mode}"' + (
+                f", every = {approved.every_seconds:g}s" if approved.every_seconds else ""
+            )
+            asked = f"{want_mode}" + (f" every {want_every:g}s" if want_every else "")
+            raise NotApproved(
+                f"the deployment asks for {asked}, but the artifact's approved manifest says"
+                f" {said}; the lifecycle is part of what is approved",
+                hint="deploy without --mode/--every to use the manifest's lifecycle, or change"
+                " [lifecycle] in proctor.toml and submit the new digest for approval",
+            )
+        return want_mode, want_every
+
+    def check_name(
+        self, tenant: str, name: str, environment: str, conn: Conn | None = None
+    ) -> None:
+        if environment != "sandbox":
+            return
+        query = (
+            "SELECT 1 FROM deployments WHERE tenant = ? AND name = ? AND environment = 'production'"
+        )
+        if conn is None:
+            with self._store.read() as reader:
+                taken = reader.query_one(query, (tenant, name)) is not None
+        else:
+            taken = conn.query_one(query, (tenant, name)) is not None
+        if taken:
+            raise ProductionName(
+                f"{name!r} is a production deployment of {tenant!r}; a sandbox deployment"
+                " never takes or replaces a production name",
+                hint=f"deploy to the sandbox under another name, e.g. {name}-sandbox",
             )
 
     def deploy(
@@ -98,9 +148,9 @@ class Deployments:
         name: str,
         *,
         environment: str,
-        mode: str,
         instruction: str,
         actor: Actor,
+        mode: str | None = None,
         every_seconds: float | None = None,
         reference: str = "",
         rollback_of: int | None = None,
@@ -109,19 +159,17 @@ class Deployments:
             raise UsageError(f"invalid deployment name {name!r} (lowercase, digits, '-')")
         if environment not in ENVIRONMENTS:
             raise UsageError(f"--env must be one of {', '.join(ENVIRONMENTS)}")
-        if mode not in MODES:
+        if mode is not None and mode not in MODES:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}")
-        if mode == "schedule" and not every_seconds:
-            raise UsageError("a schedule needs --every (e.g. --every 1h)")
-        if mode != "schedule" and every_seconds:
-            raise UsageError("--every applies only to --mode schedule")
         if every_seconds is not None and every_seconds < 1:
             raise UsageError("--every must be at least one second")
+        mode, every_seconds = self.lifecycle(artifact, mode, every_seconds)
         if not instruction.strip():
             raise UsageError(
                 "a deployment needs an --instruction: the documented instruction for this "
                 "processing (GDPR Art. 28(3)(a))"
             )
+        self.check_name(tenant, name, environment, None)
         approvals: list[str] = []
         if environment == "production":
             approvals = [a.id for a in self._approvals.require_quorum(tenant, artifact)]
@@ -136,6 +184,7 @@ class Deployments:
                 (tenant, name),
             )
             version = int(row[0]) + 1 if row and row[0] is not None else 1
+            self.check_name(tenant, name, environment, conn)  # again, under the write lock
             conn.execute(
                 "UPDATE deployments SET status = 'superseded' WHERE tenant = ? AND name = ?"
                 " AND status = 'active'",

@@ -2,6 +2,9 @@
 
 Only the runtime holds a dataset's location and a secret's value. Registering
 one is a control action recorded in the tenant's log (the value never is).
+Each has a sandbox counterpart (a synthetic dataset twin, a test secret twin,
+the sandbox bucket tree, the hosts marked for sandbox use); which one a run
+gets is decided in one place, governance/_environments.py.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class Secret:
     hosts: tuple[str, ...]
     header: str
     template: str
+    twin_of: str | None = None  # a test secret: sandbox runs get it instead of twin_of
+
+
+#: Bucket trees of the sandbox environment live apart from production's, under a
+#: name no tenant can take (tenant names start with a letter or digit).
+SANDBOX_BUCKETS = ".sandbox"
 
 
 def _dataset_location(where: Path | str) -> tuple[str, str]:
@@ -159,27 +168,6 @@ class Resources:
             for r in rows
         ]  # fmt: skip
 
-    def for_environment(
-        self, tenant: str, names: list[str], environment: str
-    ) -> dict[str, Dataset]:
-        """The datasets a run binds under the names its manifest uses: in the sandbox
-        environment only synthetic data (a real dataset's synthetic twin stands in)."""
-        all_sets = self.datasets(tenant)
-        by_name = {d.name: d for d in all_sets}
-        twins = {d.twin_of: d for d in all_sets if d.twin_of}
-        out: dict[str, Dataset] = {}
-        for name in names:
-            ds = by_name.get(name)
-            if ds is None:
-                continue
-            if environment == "sandbox" and not ds.synthetic:
-                twin = twins.get(name)
-                if twin is None:
-                    continue
-                ds = twin
-            out[name] = ds
-        return out
-
     # -- secrets ------------------------------------------------------------
 
     def set_secret(
@@ -192,7 +180,10 @@ class Resources:
         *,
         header: str = "Authorization",
         template: str = "Bearer {secret}",
+        twin_of: str | None = None,
     ) -> Secret:
+        """Store a secret sealed; ``twin_of`` makes it the test stand-in of a real
+        secret, the only one sandbox runs of code that names the real one get."""
         _check_name("secret", name)
         if not value:
             raise UsageError("a secret's value must not be empty")
@@ -205,15 +196,35 @@ class Resources:
         if not hosts:
             raise UsageError("bind the secret to at least one host")
         norm = tuple(sorted({egress_entry(h, "--host") for h in hosts}))
+        if twin_of is not None:
+            if twin_of == name:
+                raise UsageError("a secret cannot be its own twin")
+            real = {s.name: s for s in self.secrets(tenant)}.get(twin_of)
+            if real is None or real.twin_of is not None:
+                raise UsageError(f"--twin-of: {twin_of!r} is not a real secret of {tenant!r}")
         sealed = self._keys.seal(value)
 
         def upsert(conn: Conn) -> None:
+            row = conn.query_one(
+                "SELECT twin_of FROM secrets WHERE tenant = ? AND name = ?", (tenant, name)
+            )
+            # A real secret never quietly becomes a test one, nor the reverse.
+            if row is not None and row[0] != twin_of:
+                was = f"the test twin of {row[0]!r}" if row[0] else "a real secret"
+                raise UsageError(
+                    f"secret {name!r} is {was}; it keeps that role when its value changes"
+                )
+            if twin_of is not None and conn.query_one(
+                "SELECT 1 FROM secrets WHERE tenant = ? AND twin_of = ? AND name <> ?",
+                (tenant, twin_of, name),
+            ):
+                raise AlreadyExists(f"secret {twin_of!r} has a test twin already")
             conn.execute(
-                "INSERT INTO secrets (tenant, name, sealed, hosts, header, template, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE SET"
-                " sealed = excluded.sealed, hosts = excluded.hosts, header = excluded.header,"
+                "INSERT INTO secrets (tenant, name, sealed, hosts, header, template, created_at,"
+                " twin_of) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) DO UPDATE"
+                " SET sealed = excluded.sealed, hosts = excluded.hosts, header = excluded.header,"
                 " template = excluded.template, created_at = excluded.created_at",
-                (tenant, name, sealed, ",".join(norm), header, template, utc_now()),
+                (tenant, name, sealed, ",".join(norm), header, template, utc_now(), twin_of),
             )
 
         self._record(
@@ -221,21 +232,23 @@ class Resources:
             actor,
             "secret.register",
             f"secret/{name}",
-            {"hosts": list(norm), "header": header},
+            {"hosts": list(norm), "header": header, "twin_of": twin_of},
             upsert,
         )
-        return Secret(tenant, name, norm, header, template)
+        return Secret(tenant, name, norm, header, template, twin_of)
 
     def secrets(self, tenant: str) -> list[Secret]:
         with self._store.read() as conn:
             rows = conn.query(
-                "SELECT name, hosts, header, template FROM secrets WHERE tenant = ? ORDER BY name",
+                "SELECT name, hosts, header, template, twin_of FROM secrets WHERE tenant = ?"
+                " ORDER BY name",
                 (tenant,),
             )
         return [
-            Secret(tenant, str(r[0]), tuple(str(r[1]).split(",")), str(r[2]), str(r[3]))
+            Secret(tenant, str(r[0]), tuple(str(r[1]).split(",")), str(r[2]), str(r[3]),
+                   None if r[4] is None else str(r[4]))
             for r in rows
-        ]
+        ]  # fmt: skip
 
     def secret_value(self, tenant: str, name: str) -> str:
         with self._store.read() as conn:
@@ -248,8 +261,15 @@ class Resources:
 
     # -- buckets ------------------------------------------------------------
 
-    def bucket_dir(self, tenant: str) -> Path:
-        return self._buckets_root / tenant
+    def bucket_dir(self, tenant: str, environment: str = "production") -> Path:
+        """The tenant's bucket tree in ``environment``: sandbox runs get a tree of
+        their own, so code nobody approved never reads or overwrites production
+        objects."""
+        if environment == "production":
+            return self._buckets_root / tenant
+        if environment == "sandbox":
+            return self._buckets_root / SANDBOX_BUCKETS / tenant
+        raise UsageError(f"unknown environment {environment!r}")
 
     def add_bucket(self, tenant: str, name: str, actor: Actor) -> Path:
         _check_name("bucket", name)
@@ -265,6 +285,9 @@ class Resources:
                 (tenant, name, utc_now()),
             )
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self.bucket_dir(tenant, "sandbox") / name).mkdir(
+                mode=0o700, parents=True, exist_ok=True
+            )
 
         self._record(tenant, actor, "bucket.create", f"bucket/{name}", {}, insert)
         return path
@@ -272,4 +295,37 @@ class Resources:
     def buckets(self, tenant: str) -> list[str]:
         with self._store.read() as conn:
             rows = conn.query("SELECT name FROM buckets WHERE tenant = ? ORDER BY name", (tenant,))
+        return [str(r[0]) for r in rows]
+
+    # -- the hosts sandbox runs may reach ----------------------------------------
+
+    def allow_sandbox_host(self, tenant: str, host: str, actor: Actor) -> str:
+        """Mark a host for sandbox use: sandbox runs reach no other (a mock API, a
+        test instance), whatever their manifest or the tenant's policies permit."""
+        entry = egress_entry(host, "host")
+
+        def insert(conn: Conn) -> None:
+            if conn.query_one(
+                "SELECT 1 FROM sandbox_hosts WHERE tenant = ? AND host = ?", (tenant, entry)
+            ):
+                raise AlreadyExists(f"{entry} is marked for sandbox use already in {tenant!r}")
+            conn.execute(
+                "INSERT INTO sandbox_hosts (tenant, host, created_at, created_by)"
+                " VALUES (?, ?, ?, ?)",
+                (tenant, entry, utc_now(), actor.id),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(actor, "egress.sandbox.allow", f"host/{entry}",
+                       reason="marked for sandbox use", details={"host": entry}),
+            hook=insert,
+        )  # fmt: skip
+        return entry
+
+    def sandbox_hosts(self, tenant: str) -> list[str]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                "SELECT host FROM sandbox_hosts WHERE tenant = ? ORDER BY host", (tenant,)
+            )
         return [str(r[0]) for r in rows]

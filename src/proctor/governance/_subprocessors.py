@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,11 +94,15 @@ def subprocessor_forbid(tenant: str, subprocessors: list[Subprocessor]) -> str:
     """
     # Normalized again here, so a register row written by other means cannot smuggle
     # text into the policy.
-    entries = sorted(
-        {egress_entry(h, "host") for s in subprocessors if s.tenant == tenant for h in s.hosts}
-    )
+    entries = {h for s in subprocessors if s.tenant == tenant for h in s.hosts}
+    return egress_forbid(FORBID_ID, entries)
+
+
+def egress_forbid(policy_id: str, hosts: Iterable[str]) -> str:
+    """A forbid of every ``http.request`` to a host that none of ``hosts`` covers."""
+    entries = sorted({egress_entry(h, "host") for h in hosts})
     head = (
-        f"@id({json.dumps(FORBID_ID)})\n"
+        f"@id({json.dumps(policy_id)})\n"
         'forbid (\n  principal,\n  action == Proctor::Action::"http.request",\n  resource\n)'
     )
     if not entries:

@@ -23,7 +23,7 @@ from typing import Any
 
 from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
 from proctor.errors import NotFound, ProctorError
-from proctor.governance import ApprovalRequired, Deployment, subprocessor_forbid
+from proctor.governance import ApprovalRequired, Deployment, bindings
 from proctor.ledger import Actor, EventDraft, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
@@ -199,6 +199,13 @@ class Supervisor:
         if dep.status != "active":
             raise self._refuse(tenant, actor, name, f"the deployment is {dep.status}")
         artifact = rt.artifacts.get(tenant, dep.digest)
+        try:
+            # The stored deployment still asks for what the manifest says, and a sandbox
+            # one holds no production name (a store row changed by hand included).
+            rt.deployments.lifecycle(artifact, dep.mode, dep.every_seconds)
+            rt.deployments.check_name(tenant, name, dep.environment)
+        except ProctorError as exc:
+            raise self._refuse(tenant, actor, name, exc.message, dep.digest) from exc
         approvals: tuple[str, ...] = ()
         if dep.environment == "production":
             try:
@@ -230,15 +237,13 @@ class Supervisor:
         )
         caps = manifest.capabilities
         permits = capability_policies(tenant, name, caps)
-        # Tenant-wide, whatever the deployment asks: no egress to a host that no
-        # registered subprocessor covers (GDPR Art. 28(2)/(4)).
-        forbid = subprocessor_forbid(tenant, rt.subprocessors.list(tenant))
-        policies = rt.policies.compiled(tenant, f"{permits}\n{forbid}")
+        # Every binding comes from the environment's one rule: in the sandbox only
+        # stand-ins (synthetic twins, test secrets, sandbox buckets, sandbox hosts).
+        env_bound = bindings(rt.resources, rt.subprocessors, tenant, dep.environment, caps)
+        policies = rt.policies.compiled(tenant, f"{permits}\n{env_bound.forbid}")
         datasets = {
-            name: DatasetBinding(name, d.kind, d.location, d.synthetic)
-            for name, d in rt.resources.for_environment(
-                tenant, sorted(caps.get("datasets", {})), dep.environment
-            ).items()
+            ds_name: DatasetBinding(ds_name, d.kind, d.location, d.synthetic)
+            for ds_name, d in env_bound.datasets.items()
         }
         for ds_name, binding in datasets.items():
             if binding.kind == "postgresql":
@@ -248,12 +253,12 @@ class Supervisor:
 
                 grant_deployment_role(binding.location, tenant, name, ds_name,
                                       caps["datasets"][ds_name].get("tables", {}))  # fmt: skip
+        # Bound under the name the code uses; in the sandbox the value is the twin's.
         secrets = {
-            s.name: SecretBinding(
-                s.name, rt.resources.secret_value(tenant, s.name), s.hosts, s.header, s.template
+            used: SecretBinding(
+                used, rt.resources.secret_value(tenant, s.name), s.hosts, s.header, s.template
             )
-            for s in rt.resources.secrets(tenant)
-            if s.name in caps.get("secrets", [])
+            for used, s in env_bound.secrets.items()
         }
         limits = _limits(manifest.limits)
         limits_doc = {
@@ -280,7 +285,7 @@ class Supervisor:
             ledger=rt.ledger,
             datasets=datasets,
             secrets=secrets,
-            buckets_dir=rt.resources.bucket_dir(tenant),
+            buckets_dir=env_bound.buckets_dir,
             lineage_key=rt.keys.lineage_key(tenant),
             allowed_ranges=rt.egress_ranges(tenant),
             rate_limit=rate_limit,

@@ -208,4 +208,17 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (tenant, name)
         )""",
     ],
+    # 6: the sandbox environment, defined in one place (governance/_environments.py):
+    # a secret may be the test twin of a real one, and the tenant names the hosts
+    # its sandbox runs may reach.
+    [
+        "ALTER TABLE secrets ADD COLUMN twin_of TEXT",
+        """CREATE TABLE sandbox_hosts (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            host TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            PRIMARY KEY (tenant, host)
+        )""",
+    ],
 ]

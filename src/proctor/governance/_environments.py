@@ -1,0 +1,130 @@
+"""The two environments, defined and enforced in this one place.
+
+``production`` is approved code on real data: the tenant's datasets, secrets and
+buckets, and egress only to hosts a registered subprocessor covers.
+
+``sandbox`` is the build loop, for code nobody approved, and it reaches only
+stand-ins, whatever its manifest asks and whatever the tenant's policies permit:
+
+- datasets: synthetic ones, or the synthetic twin of the real one the manifest
+  names (a deployment whose datasets have neither is refused);
+- buckets: the sandbox tree (``<buckets>/.sandbox/<tenant>``), empty until sandbox
+  runs write to it; never the production objects;
+- secrets: the test twin registered for the real secret (``secret set --twin-of``),
+  or none at all: the real value is never bound;
+- egress: only the hosts the tenant marked for sandbox use; a tenant-wide forbid,
+  so no permit can widen it.
+
+The supervisor takes every binding of a run from :func:`bindings`, in both
+environments, so there is no second place where the rule could differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proctor.errors import ProctorError
+from proctor.governance._resources import Dataset, Resources, Secret
+from proctor.governance._subprocessors import Subprocessors, egress_forbid, subprocessor_forbid
+
+SANDBOX_EGRESS_FORBID_ID = "tenant:sandbox-egress"
+
+
+class SyntheticOnly(ProctorError):
+    """A sandbox deployment asked for a dataset that holds real data."""
+
+    exit_code = 5
+
+
+@dataclass(frozen=True)
+class Bindings:
+    """What one run of a deployment is given, by the names its manifest uses."""
+
+    environment: str
+    datasets: Mapping[str, Dataset]
+    secrets: Mapping[str, Secret]
+    buckets_dir: Path
+    forbid: str  # Cedar text added to the run's policy set; forbid wins over permit
+
+
+def check_synthetic(resources: Resources, tenant: str, capabilities: Mapping[str, Any]) -> None:
+    """Refuse a sandbox deployment whose datasets would be real data."""
+    wanted = sorted(capabilities.get("datasets", {}))
+    bound = _datasets(resources, tenant, wanted, "sandbox")
+    real = [name for name in wanted if name not in bound]
+    if real:
+        raise SyntheticOnly(
+            f"a sandbox deployment may only use synthetic data; {', '.join(real)} is "
+            "neither marked synthetic nor has a synthetic twin",
+            hint="register one with `proctor dataset add --synthetic --twin-of NAME`, "
+            "or deploy to production (with approvals)",
+        )
+
+
+def bindings(
+    resources: Resources,
+    subprocessors: Subprocessors,
+    tenant: str,
+    environment: str,
+    capabilities: Mapping[str, Any],
+) -> Bindings:
+    """Everything a run binds in ``environment``, for the capabilities it was given."""
+    if environment not in ("sandbox", "production"):
+        raise ProctorError(f"unknown environment {environment!r}")
+    datasets = _datasets(resources, tenant, sorted(capabilities.get("datasets", {})), environment)
+    secrets = _secrets(resources, tenant, list(capabilities.get("secrets", [])), environment)
+    buckets_dir = resources.bucket_dir(tenant, environment)
+    if environment == "sandbox":
+        # The sandbox tree has a directory for every registered bucket (tenants made
+        # before it existed get theirs here), so sandbox writes have somewhere to go.
+        for name in resources.buckets(tenant):
+            (buckets_dir / name).mkdir(mode=0o700, parents=True, exist_ok=True)
+        forbid = egress_forbid(SANDBOX_EGRESS_FORBID_ID, resources.sandbox_hosts(tenant))
+    else:
+        # No egress to a host no registered subprocessor covers (GDPR Art. 28(2)/(4)).
+        forbid = subprocessor_forbid(tenant, subprocessors.list(tenant))
+    return Bindings(environment, datasets, secrets, buckets_dir, forbid)
+
+
+def _datasets(
+    resources: Resources, tenant: str, names: list[str], environment: str
+) -> dict[str, Dataset]:
+    all_sets = resources.datasets(tenant)
+    by_name = {d.name: d for d in all_sets}
+    twins = {d.twin_of: d for d in all_sets if d.twin_of}
+    out: dict[str, Dataset] = {}
+    for name in names:
+        ds = by_name.get(name)
+        if ds is None:
+            continue
+        if environment == "sandbox" and not ds.synthetic:
+            twin = twins.get(name)
+            if twin is None:
+                continue
+            ds = twin
+        out[name] = ds
+    return out
+
+
+def _secrets(
+    resources: Resources, tenant: str, names: list[str], environment: str
+) -> dict[str, Secret]:
+    all_secrets = resources.secrets(tenant)
+    by_name = {s.name: s for s in all_secrets}
+    twins = {s.twin_of: s for s in all_secrets if s.twin_of}
+    out: dict[str, Secret] = {}
+    for name in names:
+        secret = by_name.get(name)
+        if secret is None:
+            continue
+        if environment == "sandbox":
+            # A test secret is itself fit for the sandbox; a real one only through its twin.
+            stand_in = secret if secret.twin_of is not None else twins.get(name)
+            if stand_in is not None:
+                out[name] = stand_in
+        elif secret.twin_of is None:
+            out[name] = secret
+    return out
