@@ -5,7 +5,8 @@ the bytes in random pieces (every property in ``_oracle_http.check``), and a
 subset through a real Broker on a Unix socket with every real handler (SQL on a
 real SQLite file, buckets, the egress proxy), where the property is an answer:
 a 2xx or a clean 4xx, never a 500, never silence on a non-empty request, never a
-hang, and the broker still serving afterwards.
+hang, the broker still serving afterwards, and an event in the ledger for every
+answer but a rate-limited one.
 """
 
 from __future__ import annotations
@@ -268,10 +269,14 @@ CLEAN = {200, 400, 401, 403, 404, 405, 408, 413, 429, 502}
 )
 def test_the_broker_answers_every_request_cleanly(served: Served, data: bytes) -> None:
     wire = data.replace(TOKEN_SLOT.encode(), served.token.encode())
+    before = sum(1 for _ in served.ledger.entries("acme"))
     answer = exchange(served.socket, wire)
     if not wire:
         assert answer == b""
         return
+    # Every answer but a rate-limited one (counted) is recorded before it is sent.
+    recorded = sum(1 for _ in served.ledger.entries("acme")) - before
+    assert recorded >= 1 or answer.startswith(b"HTTP/1.1 429 "), (wire[:200], answer[:200])
     match = STATUS.match(answer)
     assert match, f"no HTTP answer to {wire[:200]!r}: {answer[:200]!r}"
     status = int(match.group(1))

@@ -199,7 +199,7 @@ def test_a_flood_is_answered_429_and_counted_in_one_event_per_window(ledger: Led
 
         def worker(n: int, k: int) -> None:
             for i in range(n):
-                # Half forged (each would be a broker.auth event), half good (no event).
+                # Half forged (each a broker.auth event), half good (each a broker.whoami).
                 token = channel.token if (i + k) % 2 else "pt1.r1.1.forged"
                 status, headers, body = _call(channel.socket, token)
                 with lock:
@@ -246,7 +246,9 @@ def test_a_flood_is_answered_429_and_counted_in_one_event_per_window(ledger: Led
         assert e["decision"] == "deny" and e["policies"] == [RATE_LIMIT_RULE]
         assert e["resource"] == "run/r1" and e["actor"]["id"].endswith("/run/r1")
         assert e["details"]["per_second"] == 40 and e["details"]["burst"] == 20
-    assert len(r1) == len(auth) + len(counted), "nothing else was written for the flood"
+    whoami = [e for e in r1 if e["action"] == "broker.whoami"]
+    assert len(whoami) == statuses.get(200, 0), "every good call that got through is recorded"
+    assert len(r1) == len(auth) + len(whoami) + len(counted), "nothing else for the flood"
     r2 = [e for e in _events(ledger, "r2") if e["action"] == "broker.rate_limited"]
     assert [e["details"]["refused"] for e in r2] == [1]
     assert ledger.verify("acme").size == len(_events(ledger))

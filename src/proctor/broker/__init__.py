@@ -3,7 +3,8 @@
 Every call (HTTP(S) through the egress proxy, SQL on a dataset, a file in a
 bucket, a secret used on the code's behalf) is authenticated as the run's
 workload, decided by Cedar, recorded in the ledger before it is answered, and
-refused if the ledger cannot record it.
+refused if the ledger cannot record it; so is every answer the socket gives
+itself (whoami, malformed requests, unknown endpoints, refused tokens).
 """
 
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
@@ -18,6 +19,7 @@ from proctor.broker._mitm import CAError, TenantCA
 from proctor.broker._proxy import SECRET_BINDING_RULE, EgressProxy, system_resolver
 from proctor.broker._scope import (
     RATE_LIMIT_RULE,
+    WHOAMI_RULE,
     BadCall,
     BrokerError,
     CallDenied,
@@ -36,6 +38,7 @@ __all__ = [
     "RATE_LIMIT_RULE",
     "SECRET_BINDING_RULE",
     "SPECIAL_ADDRESS_RULE",
+    "WHOAMI_RULE",
     "BadCall",
     "Broker",
     "BrokerError",

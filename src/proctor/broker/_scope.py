@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,23 @@ DEFAULT_CALL_BURST = 2000
 RATE_LIMITED_WINDOW = 1.0
 #: The rule named in a ``broker.rate_limited`` event.
 RATE_LIMIT_RULE = "proctor:broker:rate-limit"
+#: The rule named in a ``broker.whoami`` event: a run may always ask who it is.
+WHOAMI_RULE = "proctor:broker:whoami"
+
+
+@dataclass
+class RequestEvents:
+    """How many events :meth:`RunScope.record` made durable for the request being
+    answered: the server records a refusal itself only when its handler did not."""
+
+    count: int = 0
+
+
+#: Set by the server for each request (one per connection task; worker threads
+#: started with ``asyncio.to_thread`` see the same object).
+REQUEST_EVENTS: ContextVar[RequestEvents | None] = ContextVar(
+    "proctor_request_events", default=None
+)
 
 
 class BrokerError(ProctorError):
@@ -280,11 +298,15 @@ class RunScope:
             },
         )
         try:
-            return await self.ledger.append_async(self.tenant, draft)
+            appended = await self.ledger.append_async(self.tenant, draft)
         except LedgerError as exc:
             raise CallRefused(
                 f"the call was refused because the ledger cannot record it: {exc.message}"
             ) from exc
+        counter = REQUEST_EVENTS.get()
+        if counter is not None:
+            counter.count += 1
+        return appended
 
     async def decide_and_record(
         self,

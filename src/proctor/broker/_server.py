@@ -8,6 +8,13 @@ stops, no socket remains and the sandbox has no way out at all.
 Each request is charged to the run's call budget (:class:`RateLimit`) before it
 is authenticated: over the limit it is answered 429 and only counted, so a
 guest cannot flood the ledger with calls, nor with refusals of calls.
+
+Every other answer has its event in the run's ledger before it is sent: the
+handlers record their own calls; the server records what it answers itself
+(``broker.whoami``, ``broker.auth`` for a refused token, ``broker.request``
+for a malformed request, an unknown endpoint or a wrong method, and for any
+refusal a handler raised without recording it). If that event cannot be
+recorded, the answer is 503 ``not_recorded`` instead.
 """
 
 from __future__ import annotations
@@ -32,10 +39,19 @@ from typing import Any
 from urllib.parse import unquote
 
 from proctor.broker._http import RequestHead, read_body, read_head, respond, respond_json
-from proctor.broker._scope import BadCall, BrokerError, RateLimit, RateLimited, RunScope
+from proctor.broker._scope import (
+    REQUEST_EVENTS,
+    WHOAMI_RULE,
+    BadCall,
+    BrokerError,
+    CallRefused,
+    RateLimit,
+    RateLimited,
+    RequestEvents,
+    RunScope,
+)
 from proctor.broker._tokens import RunTokens
-from proctor.errors import ProctorError
-from proctor.ledger import EventDraft
+from proctor.policy import Decision
 
 log = logging.getLogger("proctor.broker")
 
@@ -66,6 +82,69 @@ class Handlers:
     write_object: WriteHandler
     connect: ConnectHandler
     forward: ForwardHandler
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One kind of request the run's socket answers.
+
+    ``path`` is an exact path, a prefix when it ends in ``/``, ``authority`` for
+    CONNECT's ``host:port``, or ``absolute-form`` for an ``http(s)://`` target
+    (any method: the egress proxy). ``serve`` names the Broker method answering it.
+    """
+
+    method: str
+    path: str
+    serve: str
+
+    def matches_path(self, path: str) -> bool:
+        if not self.path.startswith("/"):
+            return False
+        return path == self.path or (self.path.endswith("/") and path.startswith(self.path))
+
+
+#: The dispatch table: everything the socket answers with 2xx. Anything else is
+#: refused (404 no such endpoint, 405 wrong method) and recorded.
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/v1/whoami", "_whoami"),
+    Endpoint("POST", "/v1/sql", "_sql"),
+    Endpoint("GET", "/v1/files/", "_read_file"),
+    Endpoint("PUT", "/v1/files/", "_write_file"),
+    Endpoint("CONNECT", "authority", "_connect"),
+    Endpoint("*", "absolute-form", "_forward"),
+)
+_CONNECT = next(e for e in ENDPOINTS if e.path == "authority")
+_ABSOLUTE = next(e for e in ENDPOINTS if e.path == "absolute-form")
+_SHOWN_METHOD = 16
+_SHOWN_REASON = 160
+
+
+def match_endpoint(method: str, target: str) -> Endpoint:
+    """The endpoint for ``method target``; :class:`BadCall` 404 or 405 if none."""
+    if method == "CONNECT":
+        return _CONNECT
+    if target.startswith(("http://", "https://")):
+        return _ABSOLUTE
+    path = target.split("?", 1)[0]
+    known = [e for e in ENDPOINTS if e.matches_path(path)]
+    for endpoint in known:
+        if endpoint.method == method:
+            return endpoint
+    if known:
+        methods = " or ".join(sorted({e.method for e in known}))
+        err = BadCall(f"use {methods} for {known[0].path}")
+        err.status = 405
+        raise err
+    err = BadCall(f"no such broker endpoint: {method} {path}")
+    err.status = 404
+    raise err
+
+
+def _shown(text: str, limit: int) -> str:
+    """Guest text made safe for an event: printable ASCII, cut at ``limit``."""
+    out = text.encode("ascii", "backslashreplace").decode()
+    out = "".join(c if c.isprintable() else "?" for c in out)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -209,15 +288,23 @@ class Broker:
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        # Counts what the handlers record for this request (this task's context only).
+        REQUEST_EVENTS.set(RequestEvents())
+        head: RequestHead | None = None
         try:
-            head = await read_head(reader)
+            try:
+                head = await read_head(reader)
+            except BadCall:
+                # A malformed request is a call: charged before its refusal is recorded.
+                scope.admit_call()
+                raise
             if head is None:
-                return
+                return  # nothing asked, nothing answered
             # Before anything that costs a ledger write, the refusal of a bad token included.
             scope.admit_call()
             problem = self._authenticate(scope, head)
             if problem is not None:
-                await self._record_refusal(scope, head, problem)
+                await self._record_auth_refusal(scope, head, problem)
                 await respond_json(
                     writer,
                     401,
@@ -228,14 +315,51 @@ class Broker:
         except RateLimited as exc:
             await self._send_error(writer, exc, extra=[("Retry-After", "1")])
         except BrokerError as exc:
-            await self._send_error(writer, exc)
+            await self._refuse(scope, head, writer, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug must not kill the broker, nor reach the guest
             log.exception("broker: unexpected failure in run %s", scope.run_id)
-            await self._send_error(writer, BrokerError("internal broker error"), status=500)
+            error = BrokerError("internal broker error")
+            await self._refuse(scope, head, writer, error, status=500, always=True)
+
+    async def _refuse(
+        self,
+        scope: RunScope,
+        head: RequestHead | None,
+        writer: asyncio.StreamWriter,
+        exc: BrokerError,
+        *,
+        status: int | None = None,
+        always: bool = False,
+    ) -> None:
+        """Answer a refusal, recorded first unless its handler recorded it; if it
+        cannot be recorded, the answer is 503 ``not_recorded`` instead."""
+        counter = REQUEST_EVENTS.get()
+        if always or counter is None or counter.count == 0:
+            code = status or exc.status
+            details: dict[str, Any] = {"status": code, "error": exc.code}
+            if head is not None:
+                details["method"] = _shown(head.method, _SHOWN_METHOD)
+                # The target is the guest's text (it could hold a value it read):
+                # kept as a keyed hash, like a statement.
+                details["target_hmac"] = scope.key_hmacs([head.target])[0]
+            reason = exc.message
+            if code == 404:
+                reason = "no such broker endpoint"  # the path is in target_hmac
+            try:
+                await scope.record(
+                    "broker.request",
+                    f"run/{scope.run_id}",
+                    Decision(False, exc.policies, scope.policies.version),
+                    reason=f"refused: {_shown(reason, _SHOWN_REASON)}",
+                    details=details,
+                )
+            except CallRefused as refused:
+                exc, status = refused, None
+        await self._send_error(writer, exc, status=status)
 
     async def _send_error(
         self,
@@ -279,23 +403,15 @@ class Broker:
                 return "token belongs to another run"
         return problem
 
-    async def _record_refusal(self, scope: RunScope, head: RequestHead, problem: str) -> None:
-        # The call is refused either way; a failed record of the refusal changes nothing.
-        with contextlib.suppress(ProctorError):
-            await scope.ledger.append_async(
-                scope.tenant,
-                EventDraft(
-                    scope.actor,
-                    "broker.auth",
-                    f"run/{scope.run_id}",
-                    decision="deny",
-                    reason=problem,
-                    deployment=scope.deployment,
-                    run=scope.run_id,
-                    artifact=scope.artifact,
-                    details={"method": head.method},
-                ),
-            )
+    async def _record_auth_refusal(self, scope: RunScope, head: RequestHead, problem: str) -> None:
+        """Record a refused token; raises :class:`CallRefused` if it cannot be."""
+        await scope.record(
+            "broker.auth",
+            f"run/{scope.run_id}",
+            Decision(False, (), scope.policies.version),
+            reason=problem,
+            details={"method": _shown(head.method, _SHOWN_METHOD)},
+        )
 
     async def _route(
         self,
@@ -304,58 +420,103 @@ class Broker:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        h = self._handlers
-        if head.method == "CONNECT":
-            await h.connect(scope, head.target, reader, writer)
-            return
-        if head.target.startswith(("http://", "https://")):
-            headers = head.without(TOKEN_HEADER, "Proxy-Authorization", "Proxy-Connection")
-            await h.forward(scope, head.method, head.target, headers, reader, writer)
-            return
+        endpoint = match_endpoint(head.method, head.target)
+        serve: Callable[
+            [RunScope, RequestHead, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
+        ] = getattr(self, endpoint.serve)
+        await serve(scope, head, reader, writer)
+
+    async def _whoami(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        await scope.record(
+            "broker.whoami",
+            f"run/{scope.run_id}",
+            Decision(True, (WHOAMI_RULE,), scope.policies.version),
+            reason="the run's own identity",
+            details={},
+        )
+        await respond_json(
+            writer,
+            200,
+            {
+                "tenant": scope.tenant,
+                "run": scope.run_id,
+                "workload": scope.workload,
+                "deployment": scope.deployment,
+                "artifact": scope.artifact,
+                "environment": scope.environment,
+            },
+        )
+
+    async def _sql(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        body = await read_body(reader, head, MAX_SQL_BODY)
+        try:
+            request = json.loads(body)
+        except ValueError as exc:
+            raise BadCall(f"the body is not JSON: {exc}") from exc
+        if not isinstance(request, dict):
+            raise BadCall("the body must be a JSON object")
+        await respond_json(writer, 200, await self._handlers.sql(scope, request))
+
+    @staticmethod
+    def _object(head: RequestHead) -> tuple[str, str]:
         path = head.target.split("?", 1)[0]
-        if path == "/v1/whoami" and head.method == "GET":
-            await respond_json(
-                writer,
-                200,
-                {
-                    "tenant": scope.tenant,
-                    "run": scope.run_id,
-                    "workload": scope.workload,
-                    "deployment": scope.deployment,
-                    "artifact": scope.artifact,
-                    "environment": scope.environment,
-                },
-            )
-            return
-        if path == "/v1/sql":
-            if head.method != "POST":
-                raise BadCall("use POST for /v1/sql")
-            body = await read_body(reader, head, MAX_SQL_BODY)
-            try:
-                request = json.loads(body)
-            except ValueError as exc:
-                raise BadCall(f"the body is not JSON: {exc}") from exc
-            if not isinstance(request, dict):
-                raise BadCall("the body must be a JSON object")
-            await respond_json(writer, 200, await h.sql(scope, request))
-            return
-        if path.startswith("/v1/files/"):
-            bucket, sep, key = path.removeprefix("/v1/files/").partition("/")
-            if not sep or not bucket or not key:
-                raise BadCall("use /v1/files/<bucket>/<key>")
-            key = unquote(key)
-            if head.method == "GET":
-                data = await h.read_object(scope, bucket, key)
-                await respond(writer, 200, data, "application/octet-stream")
-                return
-            if head.method == "PUT":
-                data = await read_body(reader, head, MAX_OBJECT)
-                await respond_json(writer, 200, await h.write_object(scope, bucket, key, data))
-                return
-            raise BadCall("use GET or PUT for /v1/files")
-        err = BadCall(f"no such broker endpoint: {head.method} {path}")
-        err.status = 404
-        raise err
+        bucket, sep, key = path.removeprefix("/v1/files/").partition("/")
+        if not sep or not bucket or not key:
+            raise BadCall("use /v1/files/<bucket>/<key>")
+        return bucket, unquote(key)
+
+    async def _read_file(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        bucket, key = self._object(head)
+        data = await self._handlers.read_object(scope, bucket, key)
+        await respond(writer, 200, data, "application/octet-stream")
+
+    async def _write_file(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        bucket, key = self._object(head)
+        data = await read_body(reader, head, MAX_OBJECT)
+        await respond_json(writer, 200, await self._handlers.write_object(scope, bucket, key, data))
+
+    async def _connect(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        await self._handlers.connect(scope, head.target, reader, writer)
+
+    async def _forward(
+        self,
+        scope: RunScope,
+        head: RequestHead,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        headers = head.without(TOKEN_HEADER, "Proxy-Authorization", "Proxy-Connection")
+        await self._handlers.forward(scope, head.method, head.target, headers, reader, writer)
 
 
 def wait_for_socket(path: Path, timeout: float = 5.0) -> None:
