@@ -195,6 +195,7 @@ class SecretOut(BaseModel):
     name: str
     hosts: list[str]
     header: str
+    twin_of: str | None = None  # a test secret: what sandbox runs get instead of twin_of
 
 
 class SecretIn(Strict):
@@ -202,6 +203,7 @@ class SecretIn(Strict):
     hosts: list[str] = Field(min_length=1, max_length=64)
     header: str = Field(default="Authorization", max_length=200)
     template: str = Field(default="Bearer {secret}", max_length=1000)
+    twin_of: str | None = Field(default=None, max_length=63)
 
 
 class CheckpointOut(BaseModel):

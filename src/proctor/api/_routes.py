@@ -269,7 +269,7 @@ def list_secrets(ctx: CtxDep, tenant: str) -> list[SecretOut]:
     ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     return [
-        SecretOut(name=s.name, hosts=list(s.hosts), header=s.header)
+        SecretOut(name=s.name, hosts=list(s.hosts), header=s.header, twin_of=s.twin_of)
         for s in ctx.rt.resources.secrets(tenant)
     ]
 
@@ -284,8 +284,9 @@ def set_secret(ctx: CtxDep, tenant: str, name: str, body: SecretIn) -> SecretOut
     ctx.authorize("secret.register", tenant, f"secret/{tenant}/{name}", ref)
     ctx.rt.tenants.get(tenant)
     s = ctx.rt.resources.set_secret(tenant, name, body.value, body.hosts, ctx.principal.actor,
-                                    header=body.header, template=body.template)  # fmt: skip
-    return SecretOut(name=s.name, hosts=list(s.hosts), header=s.header)
+                                    header=body.header, template=body.template,
+                                    twin_of=body.twin_of)  # fmt: skip
+    return SecretOut(name=s.name, hosts=list(s.hosts), header=s.header, twin_of=s.twin_of)
 
 
 @router.get("/tenants/{tenant}/buckets", response_model=list[str], tags=["resources"])

@@ -261,8 +261,10 @@ class Client:
     def set_secret(
         self, tenant: str, name: str, value: str, hosts: list[str], *,
         header: str = "Authorization", template: str = "Bearer {secret}",
+        twin_of: str | None = None,
     ) -> Json:  # fmt: skip
-        body = {"value": value, "hosts": hosts, "header": header, "template": template}
+        body = {"value": value, "hosts": hosts, "header": header, "template": template,
+                "twin_of": twin_of}  # fmt: skip
         return self._json("PUT", f"{self._t(tenant)}/secrets/{_seg(name)}", json=body)
 
     def buckets(self, tenant: str) -> Json:
