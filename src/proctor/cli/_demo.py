@@ -176,9 +176,9 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
                               actor=dev.actor)  # fmt: skip
         rec = sup.start("acme", "churn-sandbox", dev.actor, on_stdout=_out("sandbox |"), env=env)
         console.print(f"   run {rec.id}: [green]{rec.status}[/] on {sup.driver.name}")
-        console.print("   the sandbox reaches stand-ins only: the synthetic twin, its own bucket tree"
-                      " (production's report is untouched), no host (none is marked for sandbox"
-                      " use)")  # fmt: skip
+        console.print("   the sandbox reaches stand-ins only: the synthetic twin, its own bucket"
+                      " tree (production's report is untouched), no host (none is marked for"
+                      " sandbox use)")  # fmt: skip
 
         _step(4, "production without approval: refused")
         try:
