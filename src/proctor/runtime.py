@@ -3,14 +3,21 @@
 A home directory holds ``config.json`` (written last by ``init``: its presence
 means the home is complete), ``proctor.db`` (the SQLite store) and
 ``keys/ledger.pem`` (the Ed25519 checkpoint key, mode 0600).
+
+Opening a home also closes the record of runs whose owning process died on
+this host (a ``proctor run`` killed with SIGKILL, a crashed server): they are
+recorded as interrupted, after their sandboxes and broker sockets are removed,
+by whichever process opens the home next.
 """
 
 from __future__ import annotations
 
-import getpass
 import json
+import logging
 import os
+import pwd
 import re
+import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -18,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from proctor.errors import AlreadyExists, NotInitialized, UsageError
+from proctor.errors import AlreadyExists, NotInitialized, ProctorError, UsageError
 from proctor.governance import (
     Approvals,
     Artifacts,
@@ -31,11 +38,13 @@ from proctor.governance import (
     Subprocessors,
     Tenants,
 )
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer
+from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer, utc_now
 from proctor.store import Conn, Store, open_store
 
 if TYPE_CHECKING:
     from proctor.broker import Broker, RateLimit
+
+log = logging.getLogger("proctor.runtime")
 
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
@@ -61,6 +70,43 @@ def reap_broker_sockets() -> list[Path]:
     from proctor.sandbox import reap_owned_dirs
 
     return reap_owned_dirs(broker_socket_root())
+
+
+def local_operator_id() -> str:
+    """``local-operator:<user>@<host>``: the OS user this process runs as (its
+    effective uid, not the environment's USER, which anyone can set) and the host."""
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid{uid}"
+    return f"local-operator:{user}@{socket.gethostname()}"
+
+
+def run_owner_alive(owner: str) -> bool:
+    """Whether a run's owner ``host:pid[:start]`` is a live process of this host.
+
+    Owners on another host count as dead here: see docs/sandbox.md on shared
+    stores. Ids written before start times were kept (``host:pid``) are judged
+    by the pid alone.
+    """
+    from proctor.sandbox import owner_alive, process_start_time
+
+    host, _, rest = owner.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != os.uname().nodename or not pid.isdigit():
+        return False
+    if start:
+        return owner_alive(int(pid), start)
+    return process_start_time(int(pid)) is not None
+
+
+#: The reason a run whose owner died is closed with (``run.end`` says "interrupted: …").
+OWNER_DIED = "supervisor died"
+
+
+class _AlreadyClosed(ProctorError):
+    """Another process closed the run first: nothing to record."""
 
 
 def default_home() -> Path:
@@ -122,7 +168,7 @@ def init_home(
     signer = Signer.generate(trust_domain)
     signer.save(key_path)
     KeyRing.load_or_create(home / "keys" / "runtime.key")
-    operator = f"local-operator:{getpass.getuser()}@{socket.gethostname()}"
+    operator = local_operator_id()
     config = Config(
         trust_domain, store or f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator
     )
@@ -192,11 +238,99 @@ class Runtime:
         config = load_config(home)
         signer = Signer.load(config.trust_domain, home / config.key)
         store = open_store(config.store)
-        return cls(home, config, store, signer)
+        rt = cls(home, config, store, signer)
+        try:
+            rt.close_orphaned_runs()
+        except (ProctorError, OSError) as exc:
+            # Opening must not fail for it: the next process to open the home tries again.
+            why = exc.message if isinstance(exc, ProctorError) else str(exc)
+            log.warning("proctor: runs of dead processes not closed yet: %s", why)
+        except BaseException:
+            rt.close()
+            raise
+        return rt
 
     @property
     def operator(self) -> Actor:
-        return self.config.operator_actor
+        """The local operator as this process runs: which OS user, on which host. Not
+        the user who ran ``init``: the record names who acted, not who set up."""
+        return Actor("operator", local_operator_id())
+
+    # -- runs whose owner died -------------------------------------------------------
+
+    def close_orphaned_runs(
+        self, actor: Actor | None = None, *, other_hosts: bool = False, skip: str | None = None
+    ) -> list[tuple[str, str]]:
+        """Record as interrupted every run left 'running' by an owner that is gone;
+        returns their (tenant, run id).
+
+        One query of the running runs, then a liveness check of each owner
+        (host, pid and start time): cheap enough for every opening of the home.
+        Only this host's runs unless ``other_hosts`` (``proctor serve`` at start,
+        see docs/sandbox.md): another node's runs are not ours to judge every
+        few seconds. ``skip`` is the caller's own owner id. The dead owner's
+        sandboxes are killed first (they hold its broker sockets), then its
+        sockets go, then each run is closed; a run another process closes
+        meanwhile is recorded once, by whichever commits first.
+        """
+        with self.store.read() as conn:
+            rows = conn.query(
+                "SELECT id, tenant, deployment, digest, supervisor FROM runs"
+                " WHERE status = 'running'"
+            )
+        host = os.uname().nodename
+        dead = []
+        for run_id, tenant, name, digest, supervisor in rows:
+            owner = "" if supervisor is None else str(supervisor)
+            if owner == skip or (not other_hosts and owner.partition(":")[0] != host):
+                continue
+            if not run_owner_alive(owner):
+                dead.append((str(run_id), str(tenant), str(name), str(digest)))
+        if not dead:
+            return []
+        self._reap_dead_owners()
+        if actor is None:
+            from proctor.sandbox import process_start_time
+
+            pid = os.getpid()
+            actor = Actor("runtime", f"sweeper:{host}:{pid}:{process_start_time(pid)}")
+        closed = []
+        for run_id, tenant, name, digest in dead:
+
+            def update(conn: Conn, run_id: str = run_id) -> None:
+                changed = conn.execute(
+                    "UPDATE runs SET status = 'interrupted', reason = ?, ended_at = ?"
+                    " WHERE id = ? AND status = 'running'",
+                    (OWNER_DIED, utc_now(), run_id),
+                )
+                if changed != 1:
+                    raise _AlreadyClosed(f"run {run_id} is closed already")
+
+            try:
+                self.ledger.append(
+                    tenant,
+                    EventDraft(actor, "run.end", f"run/{run_id}",
+                               reason=f"interrupted: {OWNER_DIED}", deployment=name, run=run_id,
+                               artifact=digest, details={"status": "interrupted"}),
+                    hook=update,
+                )  # fmt: skip
+            except _AlreadyClosed:
+                continue
+            # What the dead owner made for the run: its copy of the approved code, its CA bundle.
+            shutil.rmtree(self.home / "runs" / run_id / "code", ignore_errors=True)
+            shutil.rmtree(self.home / "ca-bundles" / tenant / run_id, ignore_errors=True)
+            closed.append((tenant, run_id))
+        return closed
+
+    def _reap_dead_owners(self) -> None:
+        from proctor.sandbox import SandboxCleanupFailed, reap_orphans
+
+        try:
+            reap_orphans()
+        except SandboxCleanupFailed as exc:
+            # Left registered for the next attempt; the run is over either way.
+            log.warning("proctor: %s", exc.message)
+        reap_broker_sockets()
 
     def log_name(self, tenant: str) -> str:
         """The log a tenant name addresses: ``system`` or an existing tenant."""

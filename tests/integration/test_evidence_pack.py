@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shutil
+import socket
 import subprocess
 import zipfile
 from collections.abc import Iterator
@@ -237,3 +240,39 @@ def test_cli(home: Path, tmp_path: Path) -> None:
         json.loads(r.output)
     r = runner.invoke(app, ["subprocessor", "remove", "-t", "acme", "stripe"], env=env)
     assert r.exit_code == 0, r.output
+
+
+def test_the_report_names_who_started_each_production_run(home: Path, tmp_path: Path) -> None:
+    """The demo's production run was started by a principal (acme/dev). Another is
+    started here by the local operator, with no token, in a home set up by someone
+    else: the record names the OS user and host that started it, not who ran init."""
+    config = json.loads((home / "config.json").read_text())
+    config["operator"] = "local-operator:someone-else@elsewhere"
+    (home / "config.json").write_text(json.dumps(config))
+    env = dict(os.environ, PROCTOR_HOME=str(home))
+    env.pop("PROCTOR_TOKEN", None)
+    # It fails (the demo's stand-in API is gone with the demo): a production run all the same.
+    subprocess.run([PROCTOR, "run", "churn", "-t", "acme"], env=env, capture_output=True,
+                   check=False, timeout=120)  # fmt: skip
+    me = f"local-operator:{pwd.getpwuid(os.geteuid()).pw_name}@{socket.gethostname()}"
+    with Runtime.open(home) as rt:
+        export_pack(rt, "acme", *ALL, tmp_path / "p.zip")
+        assert verify_pack(tmp_path / "p.zip", rt.ledger.vkey()).production_runs == 2
+        sample = sample_runs(rt, "acme", 5, "who")
+    assert sorted(item["started_by"] for item in sample["runs"]) == sorted(["acme/dev", me])
+    with zipfile.ZipFile(tmp_path / "p.zip") as zf:
+        doc = json.loads(zf.read("report/report.json"))
+        md = zf.read("report/report.md").decode()
+        html = zf.read("report/report.html").decode()
+    runs = {r["started_by"]: r for r in doc["runs"] if r["environment"] == "production"}
+    assert set(runs) == {"acme/dev", me}
+    assert runs["acme/dev"]["started_by_type"] == "user"
+    assert runs[me]["started_by_type"] == "operator"
+    for r in runs.values():
+        # Under which deployment, deployed by whom, approved by whom.
+        assert r["deployment"] == "churn" and r["deployed_by"] == "acme/dev"
+        assert [a["principal"] for a in r["approval_chain"]] == ["acme/alice"]
+        row = next(line for line in md.splitlines() if line.startswith(f"| [{r['run']}]"))
+        assert r["started_by"] in row and "deployed by acme/dev" in row
+    assert "| started by |" in md and "<th>started by</th>" in html
+    assert f"{me} (operator)" in html and "acme/dev (user)" in html

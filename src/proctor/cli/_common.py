@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +17,9 @@ from proctor.errors import UsageError
 from proctor.governance import Principal
 from proctor.ledger import Actor
 from proctor.runtime import Runtime, default_home
+
+if TYPE_CHECKING:
+    from proctor.lifecycle import Interrupt
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -43,6 +49,34 @@ def open_runtime(home: Path | None) -> Runtime:
             hint="run it on the runtime's machine, or unset PROCTOR_SERVER",
         )
     return Runtime.open(home or default_home())
+
+
+#: What asks a command that runs something to end: Ctrl-C, kill, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[Interrupt]:
+    """While the block lasts, SIGINT, SIGTERM and SIGHUP set the returned event
+    instead of ending the process, so that a run in progress is stopped, its
+    sandbox removed and its end recorded before the command exits (with
+    128 + the signal: see ``exit_if_interrupted``). Main thread only."""
+    from proctor.lifecycle import Interrupt
+
+    stop = Interrupt()
+    previous = {s: signal.signal(s, lambda signum, _frame: stop.interrupt(signum))
+                for s in STOP_SIGNALS}  # fmt: skip
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def exit_if_interrupted(stop: Interrupt) -> None:
+    """Exit as a process ended by the signal would, by the shell's convention."""
+    if stop.signum is not None:
+        raise typer.Exit(128 + stop.signum)
 
 
 def remote(token: str | None) -> Client | None:

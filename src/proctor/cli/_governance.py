@@ -19,9 +19,11 @@ from proctor.cli._common import (
     authorize_read,
     console,
     emit_json,
+    exit_if_interrupted,
     open_runtime,
     parse_time,
     remote,
+    stop_on_signals,
 )
 from proctor.cli._units import parse_duration
 from proctor.errors import UsageError
@@ -353,7 +355,10 @@ def run(
         code = doc.get("exit_code")
         raise typer.Exit(code if isinstance(code, int) else 1)
 
-    with open_runtime(home) as rt:
+    # From here on a signal stops the run and records its end instead of killing us
+    # (which would leave it 'running', its sandbox too); before the run starts, it
+    # keeps the run from starting.
+    with stop_on_signals() as stop, open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         _authorize(rt, principal, "run.start", EntityRef.deployment(tenant, name), tenant,
                    f"deployment/{name}")  # fmt: skip
@@ -369,10 +374,13 @@ def run(
                 err.write(data)
                 err.flush()
 
-            record = sup.start(tenant, name, actor, on_stdout=to_out, on_stderr=to_err)
-    print(f"run {record.id}: {record.status} ({record.reason}, exit {record.exit_code})",
-          file=sys.stderr)  # fmt: skip
-    raise typer.Exit(record.exit_code if record.exit_code is not None else 1)
+            exit_if_interrupted(stop)
+            record = sup.start(tenant, name, actor, on_stdout=to_out, on_stderr=to_err,
+                               cancel=stop)  # fmt: skip
+        code = 128 + stop.signum if stop.signum is not None else record.exit_code
+        print(f"run {record.id}: {record.status} ({record.reason}, exit {code})",
+              file=sys.stderr)  # fmt: skip
+    raise typer.Exit(code if code is not None else 1)
 
 
 @runs_app.command("list")

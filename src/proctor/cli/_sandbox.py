@@ -16,7 +16,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from proctor.cli._common import HomeOpt, console, open_runtime
+from proctor.cli._common import (
+    HomeOpt,
+    console,
+    exit_if_interrupted,
+    open_runtime,
+    stop_on_signals,
+)
 from proctor.cli._units import parse_duration, parse_size
 from proctor.errors import AlreadyExists, UsageError
 from proctor.ledger import EventDraft
@@ -106,7 +112,9 @@ def run(
         cwd="/code" if directory else None,
     )
     driver = get_driver(backend)
-    with open_runtime(home) as rt:
+    # A signal stops the sandbox (removed, like any run's) and is recorded as the
+    # end, rather than killing this process and leaving the sandbox running.
+    with stop_on_signals() as stop, open_runtime(home) as rt:
         _ensure_tenant(rt)
         common = {
             "backend": driver.name,
@@ -144,14 +152,16 @@ def run(
             err.write(data)
             err.flush()
 
-        result = driver.run(spec, on_stdout=to_out, on_stderr=to_err)
+        exit_if_interrupted(stop)
+        result = driver.run(spec, on_stdout=to_out, on_stderr=to_err, cancel=stop)
+        interrupted = result.reason is Reason.STOPPED and stop.reason is not None
         rt.ledger.append(
             SANDBOX_TENANT,
             EventDraft(
                 rt.operator,
                 "sandbox.run",
                 f"sandbox/{result.run_id}",
-                reason=result.reason.value,
+                reason=f"interrupted: {stop.reason}" if interrupted else result.reason.value,
                 run=result.run_id,
                 details={
                     "phase": "end",
@@ -168,6 +178,9 @@ def run(
                 },
             ),
         )
+        if stop.reason is not None:
+            print(f"sandbox: interrupted by {stop.reason}", file=sys.stderr)
+            exit_if_interrupted(stop)
     if result.reason is not Reason.EXIT:
         console_err = f"sandbox: stopped by {result.reason.value} (exit {result.exit_code})"
         print(console_err, file=sys.stderr)

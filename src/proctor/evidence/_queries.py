@@ -101,6 +101,7 @@ def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
     # random.Random with a string seed is stable across runs and platforms (SHA-512
     # of the seed), so the same seed gives the auditor the same sample.
     picked = random.Random(f"proctor-sample/v1:{seed}").sample(population, min(n, len(population)))
+    starters = _starters(rt, tenant, {r.id for r in picked})
     items = []
     for r in sorted(picked, key=lambda r: (r.started_at, r.id)):
         artifact = rt.artifacts.get(tenant, r.digest)
@@ -112,6 +113,9 @@ def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
         items.append(
             {
                 "run": r.as_json(),
+                # Who started it (the run.start event's actor): {"type", "id"}.
+                "started_by": starters.get(r.id, {}).get("id"),
+                "started_by_type": starters.get(r.id, {}).get("type"),
                 "artifact": {
                     "digest": artifact.digest,
                     "name": artifact.name,
@@ -132,6 +136,29 @@ def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
         "n": len(items),
         "runs": items,
     }
+
+
+def _starters(rt: Runtime, tenant: str, runs: set[str]) -> dict[str, dict[str, str]]:
+    """The actor of each of ``runs``' run.start event: the store's run rows do not
+    keep it, the record does."""
+    found: dict[str, dict[str, str]] = {}
+    if not runs:
+        return found
+    entries = rt.ledger.entries(tenant)
+    try:
+        for data in entries:
+            if b'"action":"run.start"' not in data or b'"decision":"allow"' not in data:
+                continue
+            ev = json.loads(data)
+            if ev.get("run") in runs:
+                actor = ev["actor"]
+                found[str(ev["run"])] = {"type": str(actor["type"]), "id": str(actor["id"])}
+                if len(found) == len(runs):
+                    break
+    finally:
+        # A generator: closing it ends its read transaction now, not at collection.
+        getattr(entries, "close", lambda: None)()
+    return found
 
 
 def egress_seen(rt: Runtime, tenant: str) -> dict[str, int]:

@@ -85,6 +85,13 @@ def _md_cell(value: Any) -> str:
     return str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")
 
 
+def _starter(r: dict[str, Any]) -> str:
+    """Who started a run, and as what: ``acme/dev (user)``, ``local-operator:root@h
+    (operator)``, or the runtime's supervisor (for a service or schedule)."""
+    kind = r.get("started_by_type")
+    return f"{r.get('started_by')} ({kind})" if kind else str(r.get("started_by"))
+
+
 def render_markdown(
     meta: dict[str, Any], s: dict[str, Any], appendix: list[dict[str, Any]], chart: str | None
 ) -> str:
@@ -115,9 +122,9 @@ def render_markdown(
         "",
         "## Runs and their approval chains",
         "",
-        "| run | deployment | env | started | status | author | approved by (when) | calls "
-        "| denied |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | deployment | env | started | started by | status | author | approved by (when) "
+        "| calls | denied |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in s["runs"][:_MAX_ROWS]:
         chain = (
@@ -127,10 +134,14 @@ def render_markdown(
             )
             or "—"
         )
+        deployment = str(r["deployment"])
+        if r.get("deployed_by"):
+            deployment += f", deployed by {r['deployed_by']} ([{r['deployed_seq']}]"
+            deployment += f"(#ev-{r['deployed_seq']}))"
         out.append(
-            f"| [{r['run']}](#ev-{r['start_seq']}) | {r['deployment']} | {r['environment']} | "
-            f"{r['started_at']} | {r['status']} | {r['author']} | {_md_cell(chain)} | "
-            f"{r['calls']} | {r['denied']} |"
+            f"| [{r['run']}](#ev-{r['start_seq']}) | {_md_cell(deployment)} | "
+            f"{r['environment']} | {r['started_at']} | {_md_cell(_starter(r))} | {r['status']} | "
+            f"{r['author']} | {_md_cell(chain)} | {r['calls']} | {r['denied']} |"
         )
     out += ["", "## Denied calls by reason", "", "| reason | count | events |", "|---|---|---|"]
     for d in s["denied"][:_MAX_ROWS]:
@@ -237,12 +248,19 @@ def render_html(
             )
             or "—"
         )
+        deployment = e(str(r["deployment"]))
+        if r.get("deployed_by"):
+            deployment += (
+                f"<br>deployed by {e(str(r['deployed_by']))} "
+                f"(<a href='#ev-{r['deployed_seq']}'>{r['deployed_seq']}</a>)"
+            )
         rows.append(
             [
                 f"<a href='#ev-{r['start_seq']}'>{e(r['run'])}</a>",
-                e(str(r["deployment"])),
+                deployment,
                 e(str(r["environment"])),
                 e(r["started_at"]),
+                e(_starter(r)),
                 e(str(r["status"])),
                 e(str(r["author"])),
                 chain,
@@ -257,6 +275,7 @@ def render_html(
                 "deployment",
                 "env",
                 "started",
+                "started by",
                 "status",
                 "author",
                 "approved by",
@@ -336,5 +355,7 @@ def cited_seqs(s: dict[str, Any]) -> set[int]:
         seqs.update(d["events"])
     for r in s["runs"][:_MAX_ROWS]:
         seqs.add(int(r["start_seq"]))
+        if r.get("deployed_seq") is not None:
+            seqs.add(int(r["deployed_seq"]))
         seqs.update(int(a["seq"]) for a in r["approval_chain"] if a.get("seq") is not None)
     return seqs

@@ -7,6 +7,7 @@ not trusted.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -187,7 +188,11 @@ class Summary:
                 "started_at": ev["time"],
                 "start_seq": seq,
                 "approvals": list(ev.get("approvals") or []),
+                # Who started it: a principal (user or service), the local operator
+                # (its id names the OS user and host), or the runtime (a service or
+                # schedule of ``proctor serve``; then ``deployed_by`` says who asked).
                 "started_by": ev["actor"]["id"],
+                "started_by_type": ev["actor"]["type"],
                 "status": "running",
                 "ended_at": None,
                 "end_seq": None,
@@ -218,6 +223,7 @@ class Summary:
         approvals: dict[str, dict[str, Any]] = {}
         authors: dict[str, str] = {}
         instructions: dict[str, dict[str, Any]] = {}
+        deploys: dict[str, list[tuple[int, str]]] = defaultdict(list)
         for ev in [*context, *period_events]:
             details = ev.get("details") or {}
             if ev["action"] == "approval.grant" and ev["decision"] == "allow":
@@ -231,6 +237,7 @@ class Summary:
             elif ev["action"] == "artifact.submit" and ev["decision"] == "allow":
                 authors[str(ev.get("artifact"))] = str(ev["actor"]["id"])
             elif ev["action"] in ("deployment.create", "deployment.rollback"):
+                deploys[str(ev.get("deployment"))].append((int(ev["seq"]), str(ev["actor"]["id"])))
                 instructions[str(ev.get("deployment"))] = {
                     "instruction": details.get("instruction"),
                     "reference": details.get("reference"),
@@ -238,15 +245,23 @@ class Summary:
                     "environment": details.get("environment"),
                     "seq": ev["seq"],
                 }
+        for versions in deploys.values():
+            versions.sort()
         runs = []
         for run in sorted(self.runs.values(), key=lambda r: int(r["start_seq"])):
             chain = [
                 approvals.get(a, {"id": a, "principal": None, "at": None, "seq": None})
                 for a in run["approvals"]
             ]
+            # The deployment the run started under: its latest version before the start.
+            versions = deploys.get(str(run["deployment"]), [])
+            i = bisect.bisect_left(versions, (int(run["start_seq"]), ""))
+            deployed = versions[i - 1] if i else (None, None)
             runs.append(
                 {
                     **run,
+                    "deployed_by": deployed[1],
+                    "deployed_seq": deployed[0],
                     "author": authors.get(str(run["artifact"])),
                     "approval_chain": chain,
                     "instruction": instructions.get(str(run["deployment"]), {}).get("instruction"),

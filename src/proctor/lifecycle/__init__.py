@@ -4,10 +4,11 @@ them and keeps services up, and the answer to "what ran here at time T?"."""
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
 from proctor.lifecycle._history import what_ran
 from proctor.lifecycle._serve import Server
-from proctor.lifecycle._supervisor import RunRecord, RunRefused, Runs, Supervisor
+from proctor.lifecycle._supervisor import Interrupt, RunRecord, RunRefused, Runs, Supervisor
 
 __all__ = [
     "GUEST_SOCKET",
+    "Interrupt",
     "RunRecord",
     "RunRefused",
     "Runs",

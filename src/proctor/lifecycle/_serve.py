@@ -7,7 +7,9 @@ many failures in a window (a crash loop, recorded); a schedule fires when its
 interval has passed since its last start; a frozen tenant's runs are stopped.
 Each run watches its own approvals (see Supervisor). On start, runs that a
 previous, dead supervisor left 'running' are recorded as interrupted, after its
-sandboxes and broker sockets are removed.
+sandboxes and broker sockets are removed; then, every few seconds, so are the
+runs of any other process of this host that died meanwhile (a `proctor run`
+killed with SIGKILL), without waiting for a restart.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 
 log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
+SWEEP_SECONDS = 5.0
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Server:
         crash_limit: int = 5,
         crash_window: float = 300.0,
         backoff: tuple[float, ...] = BACKOFF,
+        sweep: float = SWEEP_SECONDS,
     ) -> None:
         self.supervisor = supervisor
         self.rt = supervisor.rt
@@ -64,6 +68,7 @@ class Server:
         self.crash_limit = crash_limit
         self.crash_window = crash_window
         self.backoff = backoff
+        self.sweep_seconds = sweep
         self.actor = Actor("runtime", f"supervisor:{supervisor.supervisor_id}")
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._stop = threading.Event()
@@ -83,13 +88,23 @@ class Server:
         reap_broker_sockets()
         self.supervisor.mark_interrupted(self.actor)
 
+    def sweep(self) -> None:
+        """Close the runs of this host's processes that died since the last look
+        (their sandboxes and sockets first). Our own runs are ours to end."""
+        self.rt.close_orphaned_runs(self.actor, skip=self.supervisor.supervisor_id)
+
     def serve(self) -> None:
         self.reap()
+        next_sweep = time.monotonic() + self.sweep_seconds
         try:
             while not self._stop.is_set():
                 # A failed tick (a busy store, say) is tried again at the next one.
                 with contextlib.suppress(ProctorError):
                     self.tick()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self.sweep_seconds
+                    with contextlib.suppress(ProctorError, OSError):
+                        self.sweep()
                 self._stop.wait(self.tick_seconds)
         finally:
             for slot in self._slots.values():

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,13 +33,28 @@ from proctor.sandbox import (
     Limits,
     SandboxResult,
     get_driver,
-    owner_alive,
     process_start_time,
 )
 from proctor.store import Conn
 
 _SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _WATCH_INTERVAL = 0.5
+
+
+class Interrupt(threading.Event):
+    """A run's ``cancel`` that says why: a run it stops ends 'interrupted' with that
+    reason (``proctor run`` sets it on SIGINT, SIGTERM or SIGHUP), not 'stopped'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+        self.signum: int | None = None
+
+    def interrupt(self, signum: int) -> None:
+        if self.signum is None:  # the first signal is the one that counts
+            self.signum = signum
+            self.reason = signal.Signals(signum).name
+        self.set()
 
 
 class RunRefused(ProctorError):
@@ -372,7 +388,8 @@ class Supervisor:
                     from proctor.broker._pg_sql import close_pg_pools
 
                     close_pg_pools(scope)
-        return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest())
+        return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest(),
+                            cancel)  # fmt: skip
 
     def _watch(
         self,
@@ -402,13 +419,20 @@ class Supervisor:
     def _finish(
         self, tenant: str, run_id: str, actor: Actor, dep: Deployment,
         result: SandboxResult | None, failure: str | None, output: str,
+        cancel: threading.Event | None = None,
     ) -> RunRecord:  # fmt: skip
+        event_reason: str | None = None
         if result is None:
             status, reason, code, platform = "failed", f"start failed: {failure}", None, None
         else:
             reason = result.reason.value
             code, platform = result.exit_code, result.platform
-            if result.reason.value == "stopped":
+            why = cancel.reason if isinstance(cancel, Interrupt) else None
+            if result.reason.value == "stopped" and why is not None:
+                # Stopped because its own process was told to end (a signal): the run
+                # did not choose to stop, and was not stopped by governance.
+                status, reason, event_reason = "interrupted", why, f"interrupted: {why}"
+            elif result.reason.value == "stopped":
                 status = "stopped"
             elif result.reason.value == "exit" and result.exit_code == 0:
                 status = "succeeded"
@@ -434,8 +458,8 @@ class Supervisor:
             )
         end = self.rt.ledger.append(
             tenant,
-            EventDraft(actor, "run.end", f"run/{run_id}", reason=reason, deployment=dep.name,
-                       run=run_id, artifact=dep.digest, details=details),
+            EventDraft(actor, "run.end", f"run/{run_id}", reason=event_reason or reason,
+                       deployment=dep.name, run=run_id, artifact=dep.digest, details=details),
             hook=update,
         )  # fmt: skip
         if dep.environment == "production":
@@ -449,48 +473,7 @@ class Supervisor:
         return self.runs.get(tenant, run_id)
 
     def mark_interrupted(self, actor: Actor) -> list[RunRecord]:
-        """Runs left 'running' by a supervisor that is gone: record them as interrupted."""
-        with self.rt.store.read() as conn:
-            rows = conn.query(
-                "SELECT id, tenant, deployment, digest, supervisor FROM runs"
-                " WHERE status = 'running'"
-            )
-        marked = []
-        for run_id, tenant, name, digest, supervisor in rows:
-            if supervisor == self.supervisor_id or _supervisor_alive(str(supervisor)):
-                continue
-
-            def update(conn: Conn, run_id: str = str(run_id)) -> None:
-                conn.execute(
-                    "UPDATE runs SET status = 'interrupted', reason = 'supervisor died',"
-                    " ended_at = ? WHERE id = ? AND status = 'running'",
-                    (utc_now(), run_id),
-                )
-
-            self.rt.ledger.append(
-                str(tenant),
-                EventDraft(actor, "run.end", f"run/{run_id}", reason="interrupted: supervisor died",
-                           deployment=str(name), run=str(run_id), artifact=str(digest),
-                           details={"status": "interrupted"}),
-                hook=update,
-            )  # fmt: skip
-            # The copy of the approved code the dead supervisor materialized for it.
-            shutil.rmtree(self.rt.home / "runs" / str(run_id) / "code", ignore_errors=True)
-            marked.append(self.runs.get(str(tenant), str(run_id)))
-        return marked
-
-
-def _supervisor_alive(supervisor: str) -> bool:
-    """Whether the supervisor ``host:pid[:start]`` is a live process of this host.
-
-    Runs of another host count as dead here, as they always have: see
-    docs/sandbox.md on shared stores. Ids written before start times were kept
-    (``host:pid``) are judged by the pid alone.
-    """
-    host, _, rest = supervisor.partition(":")
-    pid, _, start = rest.partition(":")
-    if host != os.uname().nodename or not pid.isdigit():
-        return False
-    if start:
-        return owner_alive(int(pid), start)
-    return process_start_time(int(pid)) is not None
+        """Runs left 'running' by a supervisor that is gone, on any host (see
+        ``Runtime.close_orphaned_runs``): record them as interrupted."""
+        closed = self.rt.close_orphaned_runs(actor, other_hosts=True, skip=self.supervisor_id)
+        return [self.runs.get(tenant, run_id) for tenant, run_id in closed]
