@@ -35,6 +35,20 @@ if ! id postgres >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   useradd --system --gid postgres --home-dir /var/lib/postgresql --shell /bin/bash postgres
 fi
 
+# The host identity of every bubblewrap guest: a system user that owns nothing and
+# cannot log in, so that a guest is never root on the host (the driver refuses to
+# run without it). Its uid is whatever the system allocates; the driver looks it up.
+if ! id proctor-guest >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "setup: creating the proctor-guest system user (the host identity of sandboxed code)"
+    getent group proctor-guest >/dev/null || groupadd --system proctor-guest
+    useradd --system --gid proctor-guest --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin --comment "Proctor sandboxed code" proctor-guest
+  else
+    echo "setup: no proctor-guest user; the bubblewrap backend needs it (run setup as root)" >&2
+  fi
+fi
+
 stamp=.venv/.proctor-installed
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv

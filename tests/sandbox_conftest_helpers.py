@@ -69,6 +69,7 @@ def snapshot() -> Snapshot:
     for parent in parents:
         cgroups.update(glob.glob(str(parent / "proctor-*")))
     tempdirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "proctor-gvisor-*")))
+    tempdirs |= set(glob.glob(os.path.join(tempfile.gettempdir(), "proctor-bwrap-*")))
     procs: set[int] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

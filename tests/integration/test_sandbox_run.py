@@ -69,6 +69,16 @@ def test_code_dir_env_and_file_sink(backend: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_guest_runs_the_host_interpreter(backend: str) -> None:
+    # The prefix may sit under a private directory (/root/.pyenv): the guest, which is
+    # not root, must still reach it, not fall through PATH to another python3.
+    driver = driver_or_skip(backend)
+    run = run_code(driver, "import os, sys; print(os.path.realpath(sys.executable))")
+    assert run.result.ok, run.stderr
+    assert run.stdout.decode().strip() == str(driver.plan.interpreter.executable)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_killed_by_signal(backend: str) -> None:
     driver = driver_or_skip(backend)
     run = run_code(driver, "import os, signal\nos.kill(os.getpid(), signal.SIGABRT)")
@@ -218,3 +228,22 @@ def test_warm_pool_applies_limits_from_dispatch() -> None:
         assert result.reason is Reason.EXIT
         result = pool.run(["python3", "-c", "while True: pass"])
         assert result.reason is Reason.TIMEOUT
+
+
+@pytest.mark.gvisor
+@pytest.mark.sandbox
+def test_warm_pool_reads_a_private_code_dir(tmp_path: Path) -> None:
+    driver = driver_or_skip("gvisor")
+    assert isinstance(driver, GVisorDriver)
+    code = tmp_path / "code"
+    code.mkdir(mode=0o700)
+    (code / "job.py").write_text("print('pooled', open('data.txt').read())")
+    (code / "data.txt").write_text("private")
+    for name in ("job.py", "data.txt"):
+        (code / name).chmod(0o600)
+    template = SandboxSpec(argv=("unused",), code_dir=code, limits=Limits(wall_seconds=10))
+    with WarmPool(driver, template, size=1) as pool:
+        out = bytearray()
+        result = pool.run(["python3", "job.py"], on_stdout=out.extend)
+    assert result.ok
+    assert out == b"pooled private\n"

@@ -1,7 +1,8 @@
 """The bubblewrap driver: Linux namespaces, a seccomp filter, cgroup limits.
 
 Lighter than gVisor (the guest talks to the host kernel, through the filter)
-and used where gVisor cannot run.
+and used where gVisor cannot run. The guest is the dedicated ``proctor-guest``
+user on the host, never root (see ``_identity``), and sees ``/proc`` read-only.
 """
 
 from __future__ import annotations
@@ -12,20 +13,32 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping
+from pathlib import Path
 
 from proctor.sandbox import _seccomp
 from proctor.sandbox._cgroup import RunCgroup, layout
 from proctor.sandbox._errors import SandboxSpecInvalid, SandboxStartFailed, SandboxUnavailable
+from proctor.sandbox._identity import (
+    GUEST_USER,
+    HostIdentity,
+    guest_namespaces,
+    host_identity,
+    tools,
+)
 from proctor.sandbox._model import BackendStatus, SandboxResult, SandboxSpec
 from proctor.sandbox._rootfs import RootPlan, guest_env, root_plan
+from proctor.sandbox._sources import guest_sources, needing_copies
 from proctor.sandbox._supervise import GATE_FAILED, Sink, launch, watch
 
 #: bwrap itself and the init it runs as pid 1 of the new pid namespace.
 _OWN_TASKS = 2
-_GUEST_UID = 65534
+#: What the guest's first step (setpriv) needs to become 65534 and drop the rest.
+_SETUP_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
 
 class _Tee:
@@ -55,13 +68,20 @@ def check_sockets(spec: SandboxSpec) -> None:
 
 
 class BubblewrapDriver:
-    """Runs a spec under ``bwrap`` with every namespace unshared."""
+    """Runs a spec under ``bwrap`` with every namespace unshared, as the dedicated guest user."""
 
     name = "bubblewrap"
 
-    def __init__(self, bwrap: str | None = None, plan: RootPlan | None = None) -> None:
+    def __init__(
+        self,
+        bwrap: str | None = None,
+        plan: RootPlan | None = None,
+        *,
+        guest_user: str = GUEST_USER,
+    ) -> None:
         self._bwrap = bwrap or shutil.which("bwrap") or "/usr/bin/bwrap"
         self._plan = plan
+        self._guest_user = guest_user
         self._bpf: bytes | None = None
         self._bpf_tcp: bytes | None = None
 
@@ -70,6 +90,10 @@ class BubblewrapDriver:
         if self._plan is None:
             self._plan = root_plan()
         return self._plan
+
+    def identity(self) -> HostIdentity:
+        """The host user guests run as; SandboxUnavailable (with the fix) when it is missing."""
+        return host_identity(self._guest_user)
 
     def status(self) -> BackendStatus:
         if not os.access(self._bwrap, os.X_OK):
@@ -80,28 +104,41 @@ class BubblewrapDriver:
             layout()
             self._filter()
             self.plan  # noqa: B018 - raises when the interpreter cannot be mounted
-        except SandboxUnavailable as exc:
-            return BackendStatus(self.name, False, exc.message)
-        probe = subprocess.run(
-            [
-                self._bwrap,
-                "--unshare-all",
-                "--unshare-user",
-                "--ro-bind",
-                "/usr",
-                "/usr",
-                *self._link_args(),
-                "--",
-                "/usr/bin/true",
-            ],
-            capture_output=True,
-            timeout=10,
-            check=False,
-        )
+            identity = self.identity()
+            t = tools()
+            with guest_namespaces(identity, t) as userns:
+                probe = subprocess.run(
+                    [
+                        self._bwrap,
+                        *self._namespace_args(userns),
+                        "--ro-bind",
+                        "/usr",
+                        "/usr",
+                        *self._link_args(),
+                        "--proc",
+                        "/proc",
+                        "--",
+                        *t.guest_prefix(),
+                        "/usr/bin/true",
+                    ],
+                    capture_output=True,
+                    timeout=10,
+                    check=False,
+                    pass_fds=userns,
+                    extra_groups=[],
+                )
+        except (SandboxUnavailable, SandboxStartFailed) as exc:
+            hint = f" (hint: {exc.hint})" if exc.hint else ""
+            return BackendStatus(self.name, False, exc.message + hint)
         if probe.returncode != 0:
             why = probe.stderr.decode(errors="replace").strip() or f"exit {probe.returncode}"
             return BackendStatus(self.name, False, f"bwrap cannot create namespaces here: {why}")
-        return BackendStatus(self.name, True, "bwrap works: all namespaces, seccomp, cgroup limits")
+        return BackendStatus(
+            self.name,
+            True,
+            f"bwrap works: all namespaces, guest is {identity.user} (uid {identity.uid}) "
+            "on the host, seccomp, cgroup limits",
+        )
 
     def _filter(self, loopback_tcp: bool = False) -> bytes:
         if loopback_tcp:
@@ -118,25 +155,58 @@ class BubblewrapDriver:
             args += ["--symlink", target, link]
         return args
 
-    def command(self, spec: SandboxSpec, seccomp_fd: int, status_fd: int) -> list[str]:
-        """The full bwrap command line for ``spec`` (public for tests and the docs)."""
-        plan = self.plan
+    @staticmethod
+    def _namespace_args(userns: tuple[int, int]) -> list[str]:
+        outer, inner = userns
         args = [
-            self._bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
+            # Set-up as root in the outer namespace, then the guest in the inner one,
+            # where 65534 (the dedicated user) is the only id (see _identity).
+            "--userns",
+            str(outer),
+            "--userns2",
+            str(inner),
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            # bwrap makes sure: no namespace can be created below the guest's.
+            "--assert-userns-disabled",
             "--die-with-parent",
             "--new-session",
             "--cap-drop",
             "ALL",
-            "--uid",
-            str(_GUEST_UID),
-            "--gid",
-            str(_GUEST_UID),
+        ]
+        for cap in _SETUP_CAPS:
+            args += ["--cap-add", cap]
+        return args
+
+    def command(
+        self,
+        spec: SandboxSpec,
+        seccomp_fd: int,
+        status_fd: int,
+        userns: tuple[int, int],
+        *,
+        sources: Mapping[Path, Path] | None = None,
+        guest_prefix: list[str] | None = None,
+    ) -> list[str]:
+        """The full bwrap command line for ``spec`` (public for tests and the docs).
+
+        ``userns`` are the outer and inner user namespaces' descriptors;
+        ``sources`` maps a host directory of the spec to the one to bind instead
+        (a copy the guest can read); ``guest_prefix`` is what runs before the
+        guest's argv (setpriv, from :func:`_identity.tools`).
+        """
+        plan = self.plan
+        sources = sources or {}
+        args = [
+            self._bwrap,
+            *self._namespace_args(userns),
             "--hostname",
             "sandbox",
             "--clearenv",
+            *self._parent_dirs(spec),
         ]
         for key, value in guest_env(plan, spec.scratch_path, dict(spec.env)).items():
             args += ["--setenv", key, value]
@@ -144,10 +214,13 @@ class BubblewrapDriver:
             args += ["--ro-bind", str(path), str(path)]
         args += self._link_args()
         if spec.code_dir is not None:
-            args += ["--ro-bind", str(spec.code_dir), "/code"]
+            args += ["--ro-bind", str(sources.get(spec.code_dir, spec.code_dir)), "/code"]
         for host_dir, guest_dir in spec.ro_dirs.items():
-            args += ["--ro-bind", str(host_dir), guest_dir]
-        args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+            args += ["--ro-bind", str(sources.get(host_dir, host_dir)), guest_dir]
+        # /proc read-only as a whole: /proc/sys, /proc/sysrq-trigger and the rest of the
+        # kernel's knobs refuse writes whoever asks. No /sys at all.
+        args += ["--proc", "/proc", "--remount-ro", "/proc"]
+        args += ["--dev", "/dev", "--remount-ro", "/dev"]
         args += ["--size", str(spec.scratch_bytes), "--perms", "1777", "--tmpfs", spec.scratch_path]
         for host, guest in spec.sockets.items():
             args += ["--bind", str(host), guest]
@@ -161,9 +234,56 @@ class BubblewrapDriver:
             "--chdir",
             spec.guest_cwd,
             "--",
+            *(guest_prefix if guest_prefix is not None else tools().guest_prefix()),
             *spec.argv,
         ]
         return args
+
+    def _parent_dirs(self, spec: SandboxSpec) -> list[str]:
+        """Make every directory above a mount point searchable by the guest.
+
+        bwrap creates the parents of a bind's destination with mode 0700 (its
+        options are zero-filled, and zero is taken as the mode the file wants),
+        which only ever worked for a guest that was root: the guest would not
+        reach the interpreter under /root, the guest library under /opt or the
+        broker socket under /run. Made first, 0755, they are made only once.
+        """
+        targets = [
+            *map(str, self.plan.ro_binds),
+            "/code",
+            *spec.ro_dirs.values(),
+            spec.scratch_path,
+            *spec.sockets.values(),
+        ]
+        parents: list[str] = []
+        for target in targets:
+            for above in reversed(Path(target).parents):
+                if str(above) != "/" and str(above) not in parents:
+                    parents.append(str(above))
+        args: list[str] = []
+        for directory in parents:
+            args += ["--perms", "0755", "--dir", directory]
+        return args
+
+    def _prepare_sources(
+        self, spec: SandboxSpec, cgroup: RunCgroup, run_id: str
+    ) -> dict[Path, Path]:
+        """Bind what the guest can read in place; copy the rest into a work directory."""
+        paths = [*([spec.code_dir] if spec.code_dir is not None else []), *spec.ro_dirs]
+        copies = needing_copies(paths)
+        if not copies:
+            return {}
+        # Named and registered before it exists, like gVisor's: a kill mid-copy
+        # leaves an entry that names it, for the reaper.
+        workdir = Path(tempfile.gettempdir()) / f"proctor-bwrap-{run_id}"
+        cgroup.workdir = workdir
+        cgroup.register()
+        try:
+            workdir.mkdir(mode=0o700)
+        except OSError as exc:
+            cgroup.workdir = None  # someone else's, if it exists: not ours to remove
+            raise SandboxUnavailable(f"cannot create {workdir}: {exc.strerror}") from exc
+        return guest_sources(paths, copies, workdir)
 
     def run(
         self,
@@ -174,22 +294,42 @@ class BubblewrapDriver:
         cancel: threading.Event | None = None,
     ) -> SandboxResult:
         check_sockets(spec)
+        # Before anything of the run exists: without its guest user it does not start.
+        identity = self.identity()
+        t = tools()
         setup_start = time.monotonic()
         run_id = uuid.uuid4().hex[:16]
         cgroup = RunCgroup(layout(), f"proctor-{run_id}")
         limits = spec.limits
-        cgroup.create(
-            memory_bytes=limits.memory_bytes, pids=limits.pids + _OWN_TASKS, cpu=limits.cpu
-        )
+        try:
+            sources = self._prepare_sources(spec, cgroup, run_id)
+            cgroup.create(
+                memory_bytes=limits.memory_bytes, pids=limits.pids + _OWN_TASKS, cpu=limits.cpu
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                cgroup.remove()  # the copies, then the entry
+            raise
         seccomp_fd = os.memfd_create("proctor-seccomp", os.MFD_CLOEXEC)
         status_r, status_w = os.pipe()
         tee = _Tee(on_stderr)
         try:
             os.write(seccomp_fd, self._filter(spec.loopback_tcp))
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
-            argv = self.command(spec, seccomp_fd, status_w)
-            started = time.monotonic()
-            proc = launch(argv, cgroup, pass_fds=(seccomp_fd, status_w))
+            with guest_namespaces(identity, t) as userns:
+                argv = self.command(
+                    spec,
+                    seccomp_fd,
+                    status_w,
+                    userns,
+                    sources=sources,
+                    guest_prefix=t.guest_prefix(),
+                )
+                started = time.monotonic()
+                # No supplementary group of ours reaches the guest (root's would).
+                proc = launch(
+                    argv, cgroup, pass_fds=(seccomp_fd, status_w, *userns), extra_groups=()
+                )
             os.close(status_w)
             status_w = -1
             outcome = watch(

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +25,12 @@ from proctor.sandbox import _seccomp
 from proctor.sandbox._bubblewrap import check_sockets
 from proctor.sandbox._cgroup import RunCgroup, layout
 from proctor.sandbox._errors import SandboxCleanupFailed, SandboxStartFailed, SandboxUnavailable
+from proctor.sandbox._identity import GUEST_ID
 from proctor.sandbox._model import BackendStatus, Limits, MiB, Reason, SandboxResult, SandboxSpec
 from proctor.sandbox._rootfs import RootPlan, guest_env, root_plan
+from proctor.sandbox._sources import guest_sources, needing_copies
 from proctor.sandbox._supervise import Outcome, Sink, launch, watch
 
-_GUEST_UID = 65534
 #: runsc, the sentry, the gofer and the ptrace stub master use about 40 host
 #: tasks idle; each guest process adds a stub process of about 3 threads.
 #: The host pids ceiling is translated so that ``Limits.pids`` means guest processes.
@@ -171,9 +173,16 @@ class GVisorDriver:
 
     # -- bundle -------------------------------------------------------------------
 
-    def config(self, spec: SandboxSpec) -> dict[str, object]:
-        """The OCI runtime config for ``spec`` (public for tests and the docs)."""
+    def config(
+        self, spec: SandboxSpec, sources: Mapping[Path, Path] | None = None
+    ) -> dict[str, object]:
+        """The OCI runtime config for ``spec`` (public for tests and the docs).
+
+        ``sources`` maps a host directory of the spec to the one to bind instead
+        (a copy the guest can read, see ``_sources``).
+        """
         plan = self.plan
+        sources = sources or {}
         env = guest_env(plan, spec.scratch_path, dict(spec.env))
         mounts: list[dict[str, object]] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -192,7 +201,7 @@ class GVisorDriver:
                 {
                     "destination": "/code",
                     "type": "bind",
-                    "source": str(spec.code_dir),
+                    "source": str(sources.get(spec.code_dir, spec.code_dir)),
                     "options": ["rbind", "ro"],
                 }
             )
@@ -201,7 +210,7 @@ class GVisorDriver:
                 {
                     "destination": guest_dir,
                     "type": "bind",
-                    "source": str(host_dir),
+                    "source": str(sources.get(host_dir, host_dir)),
                     "options": ["rbind", "ro"],
                 }
             )
@@ -222,7 +231,7 @@ class GVisorDriver:
             "ociVersion": "1.0.2",
             "process": {
                 "terminal": False,
-                "user": {"uid": _GUEST_UID, "gid": _GUEST_UID},
+                "user": {"uid": GUEST_ID, "gid": GUEST_ID},
                 "args": list(spec.argv),
                 "env": [f"{k}={v}" for k, v in env.items()],
                 "cwd": spec.guest_cwd,
@@ -244,7 +253,7 @@ class GVisorDriver:
             },
         }
 
-    def _write_bundle(self, spec: SandboxSpec, bundle: Path) -> None:
+    def _write_bundle(self, spec: SandboxSpec, bundle: Path, sources: Mapping[Path, Path]) -> None:
         rootfs = bundle / "rootfs"
         rootfs.mkdir(parents=True)
         guest_dirs = [
@@ -263,7 +272,7 @@ class GVisorDriver:
             dest = rootfs / guest.lstrip("/")
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.touch()
-        (bundle / "config.json").write_text(json.dumps(self.config(spec)))
+        (bundle / "config.json").write_text(json.dumps(self.config(spec, sources)))
 
     def _prepare(self, spec: SandboxSpec, *, platform: str | None = None) -> _Prepared:
         run_id = uuid.uuid4().hex[:16]
@@ -281,8 +290,12 @@ class GVisorDriver:
                 cgroup.remove()
             raise SandboxUnavailable(f"cannot create {workdir}: {exc.strerror}") from exc
         try:
+            # The guest (65534 in the sentry) reads its code in place only where
+            # anyone may; else a copy in the work directory, as bubblewrap does.
+            paths = [*([spec.code_dir] if spec.code_dir is not None else []), *spec.ro_dirs]
+            sources = guest_sources(paths, needing_copies(paths), workdir)
             bundle = workdir / "bundle"
-            self._write_bundle(spec, bundle)
+            self._write_bundle(spec, bundle, sources)
             (workdir / "state").mkdir()
             limits = spec.limits
             # Scratch is a tmpfs inside the sentry, so its pages count as memory too.

@@ -69,8 +69,12 @@ def launch(
     pass_fds: Sequence[int] = (),
     env: dict[str, str] | None = None,
     keep_stdin: bool = False,
+    extra_groups: Sequence[int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` inside ``cgroup``: gate first, attach, then open the gate."""
+    """Start ``argv`` inside ``cgroup``: gate first, attach, then open the gate.
+
+    ``extra_groups`` replaces the supplementary groups (``()``: none at all).
+    """
     try:
         proc = subprocess.Popen(
             ["/bin/sh", "-c", _GATE, "proctor-gate", *argv],
@@ -80,6 +84,7 @@ def launch(
             pass_fds=tuple(pass_fds),
             env=env if env is not None else {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             start_new_session=True,
+            extra_groups=list(extra_groups) if extra_groups is not None else None,
         )
     except OSError as exc:
         raise SandboxStartFailed(f"cannot start {argv[0]}: {exc.strerror}") from exc
