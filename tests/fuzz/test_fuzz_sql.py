@@ -1,7 +1,8 @@
 """The SQL authorizer (``handle_sql``) against random schemas, policies and statements.
 
 Each example builds a random schema (tables with awkward names, integer, text,
-composite and no primary keys, WITHOUT ROWID tables, views) in two real SQLite files
+composite and no primary keys, WITHOUT ROWID tables, indexes (unique or not, on
+permitted and denied columns), views) in two real SQLite files
 that differ only in the cells of the columns the policy denies, and a Cedar policy
 (from real capability permits) that allows a random subset of each table's columns.
 Every text cell is a marker naming its table and column. Statements come from a
@@ -22,8 +23,10 @@ Properties, for every statement:
   GROUP BY, HAVING, JOIN, subquery, LIMIT) is denied: reading a column to filter or
   sort on it is reading it;
 - a statement that names only permitted columns, and that SQLite runs, is answered
-  (so the test cannot pass by refusing everything); and every permitted column read
-  plainly returns exactly its cells.
+  (so the test cannot pass by refusing everything), unless a table it reads is
+  ordered by a denied column (an index on one, a WITHOUT ROWID or text key) and the
+  refusal says the plan reads through it; and every permitted column read plainly
+  returns exactly its cells (with NOT INDEXED where the plain read is refused so).
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ class Table:
     pk: str
     permitted: set[str]
     ipk: str | None = None  # the INTEGER PRIMARY KEY column (the rowid alias)
+    indexes: list[tuple[list[str], bool]] = field(default_factory=list)  # (columns, unique)
+
+    def ordered_by_denied(self) -> bool:
+        """Whether a b-tree of this table is sorted by a denied column: a plan may
+        read through it, and the broker then refuses (docs/datasets.md)."""
+        keyed = self.pk in ("text", "composite", "without_rowid")
+        orders = [cols for cols, _ in self.indexes] + ([self.key_columns] if keyed else [])
+        return any(set(cols) - self.permitted for cols in orders)
 
     @property
     def key_columns(self) -> list[str]:
@@ -143,6 +154,9 @@ def schemas(draw: st.DrawFn) -> Schema:
             table.ipk = cols[0]
         elif pk == "ipk":
             table.pk = "none"
+        for _ in range(draw(st.integers(0, 2))):
+            on = draw(st.lists(st.sampled_from(cols), min_size=1, max_size=2, unique=True))
+            table.indexes.append((on, draw(one_in(3))))
         tables.append(table)
     views = []
     for t in tables:
@@ -172,6 +186,12 @@ def build(schema: Schema, path: Path, variant: str) -> None:
             values = [t.marker(c, r, variant) for c in t.columns]
             marks = ", ".join("?" for _ in values)
             conn.execute(f"INSERT INTO {q(t.name)} VALUES ({marks})", values)
+        # Every column's cells are distinct within a table: a unique index always fits.
+        for n, (on, unique) in enumerate(t.indexes):
+            conn.execute(
+                f"CREATE {'UNIQUE ' if unique else ''}INDEX {q(f'i{t.index}_{n}')}"
+                f" ON {q(t.name)} ({', '.join(q(c) for c in on)})"
+            )
     for v in schema.views:
         conn.execute(
             f"CREATE VIEW {q(v.name)} AS SELECT {', '.join(q(c) for c in v.columns)}"
@@ -330,6 +350,8 @@ class Gen:
             items[0] += f" AS {self.pick(['v', 'name', 'FROM_', q('x y')])}"
         sql = f"SELECT {'DISTINCT ' if self.draw(one_in(6)) else ''}{', '.join(items)}"
         sql += f" FROM {self.ident(t.name)}" + (f" AS {alias}" if alias else "")
+        if self.draw(one_in(4)):
+            sql += " NOT INDEXED"
         if self.draw(one_in(2)):
             sql += f" WHERE {self.cond(s, t, qual)}"
         if self.draw(one_in(2)):
@@ -651,6 +673,13 @@ def strings_in(value: Any) -> Iterator[str]:
         yield str(value)
 
 
+def plan_refusal(answer: dict[str, Any] | BrokerError) -> bool:
+    """A refusal because the plan reads through a b-tree ordered by a denied column."""
+    return isinstance(answer, CallDenied) and (
+        "write NOT INDEXED" in answer.message or "WITHOUT ROWID table" in answer.message
+    )
+
+
 def assert_no_leak(schema: Schema, answer: dict[str, Any] | BrokerError, sql: str) -> None:
     texts, ints = schema.denied_tokens()
     shown = answer.as_json() if isinstance(answer, BrokerError) else answer
@@ -673,11 +702,27 @@ def test_no_statement_reads_a_denied_cell(env: Env, case: tuple[Schema, list[Stm
     entries_before = sum(1 for _ in env.ledger.entries("acme"))
     permitted = {(t.name, c) for t in [*schema.tables, *schema.views] for c in t.permitted}
     with_permit = {t.name for t in [*schema.tables, *schema.views] if t.permitted}
+    ordered = {t.name for t in schema.tables if t.ordered_by_denied()}
 
-    # Every permitted column, read plainly, answers exactly its cells.
+    # Every permitted column, read plainly, answers exactly its cells; where the
+    # plan would read through an index on a denied column, NOT INDEXED does.
     for t in schema.tables:
         for c in sorted(t.permitted):
             out = ask(env, a_scope, f"SELECT {q(c)} FROM {q(t.name)}", [])
+            if plan_refusal(out) and t.ordered_by_denied():
+                if t.pk == "without_rowid":
+                    # Stored in its key's order, and NOT INDEXED does not keep SQLite
+                    # off its indexes: ORDER BY a permitted key (the planner may still
+                    # pick an index that starts with it and holds a denied column),
+                    # or nothing reads it.
+                    if not set(t.key_columns) <= t.permitted:
+                        continue
+                    order = ", ".join(q(k) for k in t.key_columns)
+                    out = ask(env, a_scope, f"SELECT {q(c)} FROM {q(t.name)} ORDER BY {order}", [])
+                    if plan_refusal(out):
+                        continue
+                else:
+                    out = ask(env, a_scope, f"SELECT {q(c)} FROM {q(t.name)} NOT INDEXED", [])
             assert not isinstance(out, BrokerError), f"{t.name}.{c} is permitted: {out}"
             assert sorted(map(str, (r[0] for r in out["rows"]))) == sorted(
                 str(t.marker(c, r, "a")) for r in range(ROWS)
@@ -700,6 +745,7 @@ def test_no_statement_reads_a_denied_cell(env: Env, case: tuple[Schema, list[Stm
             statements.append(Stmt(f"SELECT {q(c)}, $a::FROM {q(t.name)} FROM {q(t.name)}", [1]))
             for stmt in statements[-2:]:
                 stmt.exact = False
+                stmt.tables.add(t.name)
 
     for s in statements:
         a = ask(env, a_scope, s.sql, s.params)
@@ -718,8 +764,10 @@ def test_no_statement_reads_a_denied_cell(env: Env, case: tuple[Schema, list[Stm
             assert isinstance(a, CallDenied) and "not allowed" in a.message, (s.sql, a)
         elif s.exact and runs and named_denied:
             assert isinstance(a, CallDenied), f"{s.sql!r} names a denied column: {a!r}"
-        elif s.exact and runs and not named_denied:
-            assert not isinstance(a, BrokerError), f"{s.sql!r} names only permitted ones: {a!r}"
+        elif s.exact and runs and not named_denied and not (plan_refusal(a) and s.tables & ordered):
+            assert not isinstance(a, BrokerError), f"{s.sql!r} names only permitted: {a!r}"
+        if plan_refusal(a) and s.exact:
+            assert s.tables & ordered, f"{s.sql!r}: refused for an order no index has: {a!r}"
         if isinstance(a, BrokerError):
             assert isinstance(a, CallDenied | BadCall), repr(a)
 

@@ -11,7 +11,11 @@ reported with the view as source), subqueries, CTEs and triggers. The handler:
    may allow (ATTACH, PRAGMA, DDL, transaction control, functions outside an
    allow-list, writes to SQLite's own tables, other schemas), and what it would
    not see: NATURAL JOIN and JOIN ... USING compare columns the authorizer is
-   never told about, and INDEXED BY orders rows by an index's columns;
+   never told about, and INDEXED BY orders rows by an index's columns; then
+   reads the compiled program for what the plan reads through (the columns of
+   an index it scans or searches, the key of a WITHOUT ROWID table: the rows
+   come back in their order) and for tables the authorizer did not name
+   (``sqlite_master`` when only counted);
 3. asks Cedar about every table touched: ``sql.select`` with the set of
    columns read, ``sql.write`` with the columns written. One deny denies the
    whole statement, recorded as one event naming tables, columns, policies;
@@ -86,7 +90,10 @@ _DENY = 1
 # come back in its order). A word search over the whole text, strings and
 # comments included, finds every keyword SQLite could read, whatever a tokenizer
 # makes of the rest; a string holding the word goes in a parameter instead.
+# NOT INDEXED (only whitespace between the words) is let through: it only keeps
+# the planner off indexes, which is what the plan check below asks for.
 _UNCHECKABLE = re.compile(r"\b(natural|using|indexed)\b", re.IGNORECASE)
+_NOT_BEFORE = re.compile(r"\bnot\s+\Z", re.IGNORECASE)
 _UNCHECKABLE_REASONS = {
     "natural": "NATURAL JOIN is not allowed: SQLite does not report the columns it "
     "compares, so they cannot be checked (write the join with ON)",
@@ -105,8 +112,29 @@ _REFUSED_ACTIONS = {
 }
 
 
+# SQLite's schema table answers to two names in main and two in temp; the
+# authorizer reports a column read as sqlite_master and a "table, no column"
+# read as spelled. Decided as one table, ``sqlite_master``.
+SCHEMA_TABLE = "sqlite_master"
+_SCHEMA_NAMES = frozenset({"sqlite_master", "sqlite_schema"})
+_TEMP_SCHEMA_NAMES = frozenset({"sqlite_temp_master", "sqlite_temp_schema"})
+_OUTSIDE = "only the dataset's own tables may be read"
+
+
 def _words(text: str) -> frozenset[str]:
     return frozenset(text.split())
+
+
+# Opcodes whose P1 is never a cursor (a register, an address, a database): a
+# cursor whose number shows up as P1 only in these, and in OpenRead, Count and
+# Close, was opened to be counted, never positioned, so its order is not used.
+_COUNT_ONLY = _words(
+    """
+    OpenRead ReopenIdx Count Close ColumnsUsed Init Goto Halt Transaction Copy SCopy
+    Integer Int64 Real String8 Null Variable Move ResultRow AggFinal Once Gosub Return
+    BeginSubrtn InitCoroutine Yield EndCoroutine
+    """
+)
 
 
 # Pure functions of their arguments. Everything else is refused: load_extension,
@@ -163,6 +191,11 @@ class _Accesses:
     selects: int = 0
     result_width: int | None = None  # columns of a result row, from the compiled program
     refusal: str | None = None
+    # What the plan reads that the authorizer did not report (see _PlanRead).
+    plan: list[_PlanRead] = field(default_factory=list)
+
+    def plan_columns(self, table: str) -> set[str]:
+        return {c for p in self.plan if p.table == table for c in p.columns}
 
     @property
     def is_write(self) -> bool:
@@ -182,8 +215,10 @@ class _Accesses:
         if action == _READ:
             table = arg1 or ""
             # db is None only for the "table read, no column" report (count(*)).
-            if db not in ("main", None):
-                return self.refuse(f"only the dataset's own tables may be read, not {db}.{table}")
+            if db not in ("main", None) or _fold(table) in _TEMP_SCHEMA_NAMES:
+                return self.refuse(f"{_OUTSIDE}, not {db or 'temp'}.{table}")
+            if _fold(table) in _SCHEMA_NAMES:
+                table = SCHEMA_TABLE  # never a CTE's name: decided like any table
             self.reads.setdefault(table, set()).add(arg2 or "")
             return _OK
         if action in (_INSERT, _UPDATE, _DELETE):
@@ -214,6 +249,46 @@ class _Accesses:
 
 
 @dataclass(frozen=True)
+class _PlanRead:
+    """Columns the compiled plan orders rows by, which the authorizer never reports.
+
+    An index's entries are sorted by its columns; reading through it (a covering
+    scan, a search, ORDER BY or MIN/MAX satisfied by it) returns rows in that
+    order, so the guest learns how the rows rank by a column it may not read.
+    A WITHOUT ROWID table is itself stored in its primary key's order. Decided
+    as reads of those columns (Cedar sees them in ``columns``)."""
+
+    table: str
+    via: str  # "index <name>" or "WITHOUT ROWID table <name>"
+    columns: frozenset[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"table": self.table, "via": self.via, "columns": sorted(self.columns)}
+
+    def hint(self) -> str:
+        cols = ", ".join(sorted(self.columns))
+        if self.via.startswith("index "):
+            return (
+                f"the plan reads {self.table} through {self.via} on ({cols}), so the rows "
+                f"would come back ranked by it: write NOT INDEXED after {self.table} "
+                "(for a WITHOUT ROWID table, ORDER BY its key)"
+            )
+        return (
+            f"{self.table} is a WITHOUT ROWID table stored in the order of its key ({cols}): "
+            "it cannot be read without that key"
+        )
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """What one b-tree of the dataset is, and the columns that order its entries."""
+
+    table: str
+    via: str | None  # None: a rowid table (its order is the rowid's, not a column's)
+    columns: frozenset[str]
+
+
+@dataclass(frozen=True)
 class _Grant:
     """One Cedar question about one table, and its answer."""
 
@@ -221,6 +296,8 @@ class _Grant:
     action: str
     columns: tuple[str, ...]
     decision: Decision
+    # Denied only because of columns the plan reads through (an index, a key).
+    through_plan: bool = False
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -302,8 +379,10 @@ class _ReadPool:
         self.location = location
         self._idle: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        # Row keys by table, valid for one schema version (PRAGMA schema_version).
+        # Row keys by table and b-trees by root page, valid for one schema
+        # version (PRAGMA schema_version).
         self._keys: dict[str, list[str] | None] = {}
+        self._trees: dict[int, _Tree | None] = {}
         self._keys_version = -1
 
     def take(self, busy_timeout: float) -> sqlite3.Connection:
@@ -324,17 +403,39 @@ class _ReadPool:
                 return
         conn.close()
 
-    def row_key(self, conn: sqlite3.Connection, table: str) -> list[str] | None:
+    def _check_version(self, conn: sqlite3.Connection) -> None:
         version = int(conn.execute("PRAGMA schema_version").fetchone()[0])
         with self._lock:
             if version != self._keys_version:
-                self._keys, self._keys_version = {}, version
+                self._keys, self._trees, self._keys_version = {}, {}, version
+
+    def row_key(
+        self, conn: sqlite3.Connection, table: str, *, check: bool = True
+    ) -> list[str] | None:
+        if check:
+            self._check_version(conn)
+        with self._lock:
             if table in self._keys:
                 return self._keys[table]
         key = _row_key(conn, table)
         with self._lock:
             self._keys[table] = key
         return key
+
+    def trees(
+        self, conn: sqlite3.Connection, roots: set[int], *, check: bool = True
+    ) -> dict[int, _Tree | None]:
+        """What each root page of main is (None: no table or index the schema names).
+        ``check=False``: the schema version was checked moments ago in this statement."""
+        if check:
+            self._check_version(conn)
+        with self._lock:
+            out = {r: self._trees[r] for r in roots if r in self._trees}
+        for root in roots - out.keys():
+            out[root] = tree = _tree(conn, root)
+            with self._lock:
+                self._trees[root] = tree
+        return out
 
 
 def _read_pool(scope: RunScope, binding: DatasetBinding) -> _ReadPool:
@@ -388,6 +489,75 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _tree(conn: sqlite3.Connection, root: int) -> _Tree | None:
+    """The table or index whose b-tree starts at ``root`` in main, and what orders it.
+
+    Run without an authorizer, on the broker's behalf. An index is ordered by all
+    its columns, the ones SQLite appends (a WITHOUT ROWID table's key) included;
+    a column that is an expression could be of any column, so it stands for all
+    of them. A WITHOUT ROWID table is ordered by its key columns."""
+    if root == 1:
+        return _Tree(SCHEMA_TABLE, None, frozenset())
+    row = conn.execute(
+        "SELECT type, name, tbl_name FROM main.sqlite_schema WHERE rootpage = ?"
+        " AND type IN ('table', 'index')",
+        (root,),
+    ).fetchone()
+    if row is None:
+        return None
+    kind, name, table = str(row[0]), str(row[1]), str(row[2])
+    # (seqno, cid, name, desc, coll, key); a rowid table's own name gives no rows.
+    info = conn.execute(f"PRAGMA main.index_xinfo({_quote(name)})").fetchall()
+    if kind == "table":
+        key = frozenset(str(r[2]) for r in info if int(r[5]) and r[2] is not None)
+        return _Tree(table, f"WITHOUT ROWID table {name}", key) if key else _Tree(table, None, key)
+    if any(int(r[1]) == -2 for r in info):
+        return _Tree(table, f"index {name}", frozenset(_columns_of(conn, table)))
+    cols = frozenset(str(r[2]) for r in info if int(r[1]) >= 0 and r[2] is not None)
+    return _Tree(table, f"index {name}", cols)
+
+
+def _plan_reads(
+    program: Sequence[Sequence[Any]], pool: _ReadPool, conn: sqlite3.Connection, check: bool
+) -> tuple[list[_PlanRead], set[str]]:
+    """What the compiled ``program`` (EXPLAIN's rows) reads through b-trees: the
+    orders it relies on, and every table it opens. Raises :class:`_Refused` for a
+    b-tree outside the dataset (temp, another schema) or one the schema does not name.
+
+    Only cursors opened to read (OpenRead, ReopenIdx) count: a write's own cursors
+    (OpenWrite) only maintain the table and its indexes, and what a write reads to
+    choose its rows is opened with OpenRead."""
+    opened: dict[int, int] = {}
+    for row in program:
+        if row[1] in ("OpenRead", "ReopenIdx"):
+            if int(row[4]) != 0:
+                raise _Refused(f"{_OUTSIDE} (the statement opens the temp schema)")
+            opened[int(row[2])] = int(row[3])
+    trees = pool.trees(conn, set(opened.values()), check=check)
+    if not opened:
+        return [], set()
+    reads: dict[tuple[str, str], set[str]] = {}
+    tables: set[str] = set()
+    for cursor, root in opened.items():
+        tree = trees[root]
+        if tree is None:
+            raise _Refused(
+                f"the plan reads a b-tree (page {root}) the dataset's schema does not name"
+            )
+        tables.add(tree.table)
+        if tree.via is None or not tree.columns or _counted_only(program, cursor):
+            continue
+        reads.setdefault((tree.table, tree.via), set()).update(tree.columns)
+    plan = [_PlanRead(t, via, frozenset(c)) for (t, via), c in sorted(reads.items())]
+    return plan, tables
+
+
+def _counted_only(program: Sequence[Sequence[Any]], cursor: int) -> bool:
+    """Whether ``cursor`` is only counted (count(*) reads the smallest b-tree)."""
+    uses = {str(row[1]) for row in program if int(row[2]) == cursor}
+    return "Count" in uses and uses <= _COUNT_ONLY
+
+
 class _Statement:
     """One guest statement on one dataset, from compile to commit. Not thread-safe;
     used by one worker thread at a time."""
@@ -425,10 +595,12 @@ class _Statement:
             return self._analyse()
 
     def _analyse(self) -> _Accesses:
-        unseen = _UNCHECKABLE.search(self.sql)
-        if unseen is not None:
+        for unseen in _UNCHECKABLE.finditer(self.sql):
+            word = unseen.group(1).lower()
+            if word == "indexed" and _NOT_BEFORE.search(self.sql, 0, unseen.start()):
+                continue
             raise _Refused(
-                _UNCHECKABLE_REASONS[unseen.group(1).lower()],
+                _UNCHECKABLE_REASONS[word],
                 write=bool(re.match(r"\s*(insert|update|delete|replace)\b", self.sql, re.I)),
             )
         self.conn = conn = self.pool.take(self._busy_timeout())
@@ -457,7 +629,7 @@ class _Statement:
         widths = {int(row[3]) for row in program if row[1] == "ResultRow"}
         accesses.result_width = widths.pop() if len(widths) == 1 else None
         for table, cols in list(accesses.reads.items()):
-            if cols != {""}:
+            if cols != {""} or table == SCHEMA_TABLE:
                 continue
             # "Referenced, no column read" is also reported for a CTE or a
             # subquery's alias; only the dataset's own tables and views count.
@@ -473,6 +645,22 @@ class _Statement:
                     accesses.reads.setdefault(declared, set()).add("")
         for table in accesses.whole_row_writes:
             accesses.writes.setdefault(table, set()).update(_columns_of(conn, table))
+        # What the plan reads that the authorizer did not say: every table it opens
+        # is decided (it always is, this is a backstop), and the columns of the
+        # indexes and WITHOUT ROWID keys whose order it uses.
+        try:
+            plan, opened = _plan_reads(program, self.pool, conn, check=True)
+        except _Refused as exc:
+            exc.write = accesses.is_write
+            raise
+        for table in opened:
+            if table not in accesses.reads and table not in accesses.writes:
+                accesses.reads[table] = {""}
+        for read in plan:
+            extra = read.columns - accesses.reads.get(read.table, set())
+            if extra:
+                accesses.reads.setdefault(read.table, set())
+                accesses.plan.append(_PlanRead(read.table, read.via, frozenset(extra)))
         return accesses
 
     # -- step 4: run it --------------------------------------------------------
@@ -497,7 +685,9 @@ class _Statement:
                 if db is None and not column and table in aliases:
                     return _OK
                 if db is None and not column:
-                    return _OK if "" in folded.get(_fold(table), ()) else _DENY
+                    name = _fold(table)
+                    name = SCHEMA_TABLE if name in _SCHEMA_NAMES else name
+                    return _OK if "" in folded.get(name, ()) else _DENY
                 ok = db in ("main", None) and column in reads.get(table, ())
                 return _OK if ok else _DENY
             if action == _UPDATE:
@@ -519,7 +709,12 @@ class _Statement:
         assert conn is not None
         sentinel = "9" + secrets.token_hex(12)
         variant, table, key = self._keyed_variant(conn, accesses, sentinel)
-        if variant is not None and table is not None and key is not None:
+        if (
+            variant is not None
+            and table is not None
+            and key is not None
+            and self._plan_within(conn, variant, accesses)
+        ):
             reads = {t: set(c) for t, c in accesses.reads.items()}
             # The broker's own read of the key (the engine names a rowid read
             # after its INTEGER PRIMARY KEY alias, or ROWID); never returned.
@@ -534,6 +729,19 @@ class _Statement:
             except (sqlite3.Error, _Misread):
                 pass  # the rewrite did not fit this statement; run it as written
         return self._fetch(conn, self.sql, accesses.reads, accesses.aliases, row_limit, 0)
+
+    def _plan_within(self, conn: sqlite3.Connection, sql: str, accesses: _Accesses) -> bool:
+        """Whether ``sql`` (the keyed variant) reads through nothing that was not
+        decided for the statement: its plan may pick another index."""
+        try:
+            program = conn.execute("EXPLAIN " + sql, self.params).fetchall()
+            plan, opened = _plan_reads(program, self.pool, conn, check=False)
+        except (sqlite3.Error, _Refused):
+            return False
+        decided = {t: c | accesses.plan_columns(t) for t, c in accesses.reads.items()}
+        if not opened <= decided.keys():
+            return False
+        return all(p.columns <= decided[p.table] for p in plan)
 
     def _fetch(
         self,
@@ -585,7 +793,8 @@ class _Statement:
         if accesses.functions & _AGGREGATE_FUNCTIONS:
             return None, None, None
         (table,) = accesses.reads
-        key = self.pool.row_key(conn, table)
+        # The schema version was checked by the analysis, on this connection.
+        key = self.pool.row_key(conn, table, check=False)
         if key is None:
             return None, None, None
         variant = keyed_variant(self.sql, table, key, sentinel)
@@ -752,6 +961,13 @@ def _reads_like_sqlite(sql: str) -> bool:
     return True
 
 
+def _not_indexed(rest: list[_Token]) -> list[_Token]:
+    """``rest`` past a leading ``NOT INDEXED`` (it belongs to the table before it)."""
+    if len(rest) >= 2 and rest[0].upper == "NOT" and rest[1].upper == "INDEXED":
+        return rest[2:]
+    return rest
+
+
 def keyed_variant(
     sql: str, table: str, key: Sequence[str], sentinel: str | None = None
 ) -> str | None:
@@ -787,14 +1003,14 @@ def keyed_variant(
     if not rest or (rest[0].name or "").casefold() != table.casefold():
         return None
     qualifier = table
-    rest = rest[1:]
+    rest = _not_indexed(rest[1:])
     if rest and rest[0].upper == "AS":
         rest = rest[1:]
         if not rest or rest[0].name is None:
             return None
     if rest and rest[0].name is not None and rest[0].upper not in _AFTER_FROM:
         qualifier = rest[0].name or table
-        rest = rest[1:]
+        rest = _not_indexed(rest[1:])
     if rest and rest[0].upper not in _AFTER_FROM:
         return None
     cols = ", ".join(
@@ -854,7 +1070,7 @@ def _decide(
     scope: RunScope, dataset: str, binding: DatasetBinding, accesses: _Accesses
 ) -> list[_Grant]:
     grants: list[_Grant] = []
-    questions = [("sql.select", t, c) for t, c in accesses.reads.items()]
+    questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
     questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
     for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
         columns = tuple(sorted(c for c in cols if c))
@@ -870,8 +1086,16 @@ def _decide(
             "columns": list(columns),
             "row_limit": scope.row_limit,
         }
-        request = Request(scope.principal, action, ref, context)
-        grants.append(_Grant(table, action, columns, decide(scope.policies, request, entities)))
+        decision = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
+        through_plan = False
+        if not decision.allowed and action == "sql.select" and accesses.plan_columns(table):
+            # Would the columns the statement names alone be permitted? Then the
+            # plan is why it is denied, and the refusal says how to avoid it.
+            named = sorted(c for c in accesses.reads[table] if c)
+            context = {**context, "columns": list(named)}
+            alone = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
+            through_plan = alone.allowed
+        grants.append(_Grant(table, action, columns, decision, through_plan))
     return grants
 
 
@@ -891,7 +1115,7 @@ def _table_entities(
     return hit
 
 
-def _deny_reason(denied: Sequence[_Grant]) -> str:
+def _deny_reason(denied: Sequence[_Grant], plan: Sequence[_PlanRead] = ()) -> str:
     parts = []
     for g in denied:
         what = f"{g.action} on {g.table} ({', '.join(g.columns) or 'no columns'})"
@@ -902,6 +1126,8 @@ def _deny_reason(denied: Sequence[_Grant]) -> str:
         else:
             why = "no policy permits it"
         parts.append(f"{what}: {why}")
+        if g.through_plan:
+            parts += [p.hint() for p in plan if p.table == g.table]
     return "denied: " + "; ".join(parts)
 
 
@@ -996,6 +1222,8 @@ async def _handle(
     tables = sorted({g.table for g in grants})
     resource = _resource(dataset, tables)
     details = {**details, "tables": [g.as_json() for g in grants]}
+    if accesses.plan:
+        details["plan"] = [p.as_json() for p in accesses.plan]
     denied = [g for g in grants if not g.decision.allowed]
     if not grants:
         # Deny by default holds here too: no policy names a statement on no table.
@@ -1003,7 +1231,7 @@ async def _handle(
         await _record_refusal(scope, action, resource, reason, details)
         raise CallDenied(f"sql: refused: {reason}")
     if denied:
-        reason = _deny_reason(denied)
+        reason = _deny_reason(denied, accesses.plan)
         decision = _combined(scope, grants, allowed=False)
         await scope.record(action, resource, decision, reason=reason, details=details)
         raise CallDenied(f"sql: {reason}", policies=decision.policies)
