@@ -29,6 +29,7 @@ from proctor.broker._proxy import (
 )
 from proctor.broker._scope import BadCall
 
+BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
 TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _LOOP: asyncio.AbstractEventLoop | None = None
 
@@ -97,10 +98,13 @@ def check_forward(method: str, headers: list[tuple[str, str]], stream: bytes) ->
     Property: if h11 accepts the upstream bytes, it reads exactly one request, with
     the proxy's method, target and body, and no byte left over for a second request."""
     try:
-        framing = _request_framing(headers)
+        framing = _request_framing(headers, method)
     except BadCall as exc:
         assert exc.status == 400
         return None
+    if method in BODYLESS:
+        # A body an upstream may leave unread would be read as the next request.
+        assert framing.kind == "none" or (framing.kind == "length" and framing.length == 0)
     te = [v for k, v in headers if k.lower() == "transfer-encoding"]
     cl = {v.strip() for k, v in headers if k.lower() == "content-length"}
     assert not (te and cl), "both framings accepted"

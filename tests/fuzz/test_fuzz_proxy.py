@@ -169,7 +169,7 @@ STREAM_S = st.one_of(
 
 @st.composite
 def forward_cases(draw: st.DrawFn) -> tuple[str, list[tuple[str, str]], bytes]:
-    method = draw(st.sampled_from(["GET", "POST", "PUT", "HEAD"]))
+    method = draw(st.sampled_from(["GET", "POST", "PUT", "HEAD", "DELETE", "PATCH"]))
     headers = draw(framing_headers())
     stream = draw(STREAM_S)
     if draw(st.booleans()):

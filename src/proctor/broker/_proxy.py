@@ -21,6 +21,7 @@ proxy, decided like the first.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ipaddress
 import json
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, urlsplit
 
 from proctor.broker._egress import (
     SPECIAL_ADDRESS_RULE,
@@ -47,11 +48,12 @@ from proctor.broker._egress import (
     split_authority,
     unmap,
 )
-from proctor.broker._mitm import TenantCA, TlsStream, upstream_context
+from proctor.broker._mitm import CAError, TenantCA, TlsStream, upstream_context
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
     CallRefused,
+    RateLimited,
     RunScope,
     SecretBinding,
 )
@@ -61,6 +63,8 @@ log = logging.getLogger("proctor.broker.egress")
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
 SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
+#: The rule named when an upstream's response carries an injected secret's value back.
+ECHO_RULE = "proctor:secret:echo"
 
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 
@@ -82,6 +86,9 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# Methods whose body an upstream may leave unread (RFC 9110 gives a body on them
+# no meaning): left unread, it is read as the next request on the connection.
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
@@ -133,6 +140,9 @@ class _Outcome:
     requests: int = 0
     error: str | None = None
     injected: tuple[str, ...] = ()
+    answer: BrokerError | None = None  # the error still to answer, after the event
+    answered: int | None = None  # the status of the proxy's own answer, if it gave one
+    completed: bool = False
 
 
 class EgressProxy:
@@ -205,8 +215,12 @@ class EgressProxy:
             else:
                 await self._tunnel(admitted, reader, writer, outcome)
         finally:
+            # The completion event goes first: it is the record of any answer that
+            # follows (a 502 from dialing, say).
+            answer = await _settle(scope, admitted, outcome)
+            if answer is not None:
+                await _send_error(writer, answer)
             await _close(writer)
-            await _complete(scope, admitted, outcome)
 
     async def _tunnel(
         self,
@@ -218,8 +232,7 @@ class EgressProxy:
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
-            outcome.error = exc.message
-            await _send_error(writer, exc)
+            outcome.answer = exc
             return
         writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         try:
@@ -260,11 +273,16 @@ class EgressProxy:
                     details={"secret": binding.name, "host": host.name, "port": admitted.port},
                     entities=(Entity.in_tenant(ref, scope.tenant),),
                 )
-            server_ctx = self.tenant_ca(scope.tenant).server_context(host.name)
-            up_reader, up_writer = await self._dial(admitted, host.name)
+            try:
+                server_ctx = self.tenant_ca(scope.tenant).server_context(host.name)
+            except CAError as exc:
+                raise UpstreamFailed(f"the tenant CA cannot be used: {exc.message}") from exc
+            # The first upstream connection is made before the guest is answered, so
+            # that an unreachable host or a certificate that does not verify is a 502
+            # to the CONNECT itself. It carries the first request and no other.
+            first = await self._dial(admitted, host.name)
         except BrokerError as exc:
-            outcome.error = exc.message
-            await _send_error(writer, exc)
+            outcome.answer = exc
             return
         outcome.injected = tuple(b.name for b in bindings)
         writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
@@ -275,123 +293,141 @@ class EgressProxy:
         except (ssl.SSLError, ConnectionError, OSError, TimeoutError) as exc:
             # Usually a guest that does not trust the tenant CA.
             outcome.error = f"guest TLS handshake failed: {type(exc).__name__}"
-            await _close(up_writer)
+            first[1].transport.abort()
             return
-        others = {b.placeholder: b.name for b in scope.secrets.values() if b not in bindings}
-        # Responses are parsed too, only to know where each ends: the request
-        # side queues each request's method (HEAD has no body), then None when
-        # the guest is done or a BrokerError to answer in order after the
-        # responses already owed.
-        queue: asyncio.Queue[str | BrokerError | None] = asyncio.Queue()
-        requests = asyncio.create_task(
-            self._inject_requests(
-                scope, admitted, bindings, others, guest, up_writer, outcome, queue
-            )
-        )
-        responses = asyncio.create_task(_relay_responses_tls(up_reader, guest, queue, outcome))
-        done, _ = await asyncio.wait({requests, responses}, return_when=asyncio.FIRST_COMPLETED)
-        if requests in done and not responses.done():
-            await asyncio.wait({responses}, timeout=self.response_timeout)
-        for task in (requests, responses):
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(requests, responses, return_exceptions=True)
-        while not queue.empty():
-            item = queue.get_nowait()
-            if isinstance(item, BrokerError):
-                await _send_error_tls(guest, item)
+        outcome.answer = await self._inject_loop(scope, admitted, bindings, guest, first, outcome)
+        # Inside TLS, the answer is sent here, after the completion event that records it.
+        answer = await _settle(scope, admitted, outcome)
+        if answer is not None:
+            await _send_error_tls(guest, answer)
         await guest.close()
-        await _close(up_writer)
-
-    async def _inject_requests(
-        self,
-        scope: RunScope,
-        admitted: _Admitted,
-        bindings: list[SecretBinding],
-        others: Mapping[str, str],
-        guest: TlsStream,
-        up_writer: asyncio.StreamWriter,
-        outcome: _Outcome,
-        queue: asyncio.Queue[str | BrokerError | None],
-    ) -> None:
-        """Forward the guest's requests with the secrets' headers, until EOF or a refusal."""
-        try:
-            await self._inject_loop(
-                scope, admitted, bindings, others, guest, up_writer, outcome, queue
-            )
-        finally:
-            queue.put_nowait(None)
 
     async def _inject_loop(
         self,
         scope: RunScope,
         admitted: _Admitted,
         bindings: list[SecretBinding],
-        others: Mapping[str, str],
         guest: TlsStream,
-        up_writer: asyncio.StreamWriter,
+        first: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         outcome: _Outcome,
-        queue: asyncio.Queue[str | BrokerError | None],
-    ) -> None:
+    ) -> BrokerError | None:
+        """Forward the guest's requests one at a time, each on an upstream connection of
+        its own, until the guest is done (None) or a refusal (the error to answer).
+
+        One upstream connection per injected request, never reused: bytes the
+        upstream reads differently from us (a body it leaves unread, read as a
+        request of its own) find nothing after them on that connection, neither
+        the next request's secret nor anything of the guest's.
+        """
         host = admitted.host
         authority = {host.display, f"{host.display}:{admitted.port}"}
-        scanner = _Scanner(others)
-        while True:
-            try:
-                head = await guest.readuntil(b"\r\n\r\n", _MAX_HEAD)
-            except asyncio.IncompleteReadError:
-                return
-            except asyncio.LimitOverrunError:
-                queue.put_nowait(BadCall("request head too large"))
-                return
-            try:
-                if outcome.requests:
-                    # The CONNECT was charged as one call; each further request is one too.
-                    scope.admit_call()
-                method, target, headers = _parse_request_head(head)
-                if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
-                    raise BadCall("only origin-form requests may follow CONNECT")
-                names = {k.lower() for k, _ in headers}
-                if "upgrade" in names:
-                    raise BadCall("protocol upgrades are not supported where a secret is injected")
-                hosts = [v.strip().lower() for k, v in headers if k.lower() == "host"]
-                # The Host header picks the virtual host behind the address we
-                # verified; a different one would carry the secret elsewhere
-                # on a shared front end (domain fronting).
-                if len(hosts) != 1 or hosts[0] not in authority:
-                    raise EgressDenied(
-                        f"the Host header must name {host.display}, the host the secret "
-                        "is bound to",
-                        policies=(SECRET_BINDING_RULE,),
+        needles = _echo_needles(bindings)
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = first
+        try:
+            while True:
+                try:
+                    head = await guest.readuntil(b"\r\n\r\n", _MAX_HEAD)
+                except asyncio.IncompleteReadError:
+                    return None
+                except asyncio.LimitOverrunError:
+                    return await _record_tunnel_refusal(
+                        scope, admitted, BadCall("request head too large"), "?"
                     )
-                framing = _request_framing(headers)
-                found = scanner.scan(head)
-                if found is not None:
-                    raise _placeholder_refusal(scope, found, host, admitted.port)
-            except BrokerError as exc:
-                if isinstance(exc, EgressDenied) and exc.policies == (SECRET_BINDING_RULE,):
-                    await _record_refusal(
-                        scope, "secret.use", admitted.resource, exc, SECRET_BINDING_RULE
+                method = "?"
+                try:
+                    if outcome.requests:
+                        # The CONNECT was charged as one call; each further request is one too.
+                        scope.admit_call()
+                    method, target, headers = _parse_request_head(head)
+                    framing = _check_injected_head(
+                        scope, admitted, bindings, authority, method, target, headers
                     )
-                queue.put_nowait(exc)
-                return
-            out_headers = _inject_headers(headers, bindings)
-            queue.put_nowait(method)
-            up_writer.write(_serialize_head(f"{method} {target} HTTP/1.1", out_headers))
-            outcome.requests += 1
-            outcome.bytes_up += len(head)
-            try:
-                outcome.bytes_up += await _copy_body(guest, up_writer, framing, scanner)
-            except _PlaceholderFound as exc:
+                except RateLimited as exc:
+                    return exc  # counted, recorded in the run's broker.rate_limited events
+                except BrokerError as exc:
+                    return await _record_tunnel_refusal(scope, admitted, exc, method)
+                if upstream is None:
+                    try:
+                        upstream = await self._dial(admitted, host.name)
+                    except UpstreamFailed as exc:
+                        return exc
+                conn, upstream = upstream, None
+                answer, more = await self._exchange(
+                    scope, admitted, bindings, needles, guest, conn,
+                    (method, target, headers, framing), outcome,
+                )  # fmt: skip
+                if answer is not None or not more:
+                    return answer
+        finally:
+            if upstream is not None:
+                upstream[1].transport.abort()
+
+    async def _exchange(
+        self,
+        scope: RunScope,
+        admitted: _Admitted,
+        bindings: list[SecretBinding],
+        needles: list[tuple[bytes, str]],
+        guest: TlsStream,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        request: tuple[str, str, list[tuple[str, str]], _Framing],
+        outcome: _Outcome,
+    ) -> tuple[BrokerError | None, bool]:
+        """One injected request and its response: (the error to answer, whether the
+        guest's connection may carry another request)."""
+        up_reader, up_writer = conn
+        method, target, headers, framing = request
+        relay = _RelayState()
+        head = _serialize_head(f"{method} {target} HTTP/1.1", _inject_headers(headers, bindings))
+        up_writer.write(head)
+        outcome.requests += 1
+        outcome.bytes_up += len(head)
+        placeholders = {b.placeholder: b.name for b in scope.secrets.values()}
+        body = asyncio.create_task(_send_body(guest, up_writer, framing, placeholders, outcome))
+        response = asyncio.create_task(
+            _relay_injected(up_reader, guest, method, needles, outcome, relay,
+                            self.response_timeout)
+        )  # fmt: skip
+        try:
+            pending: set[asyncio.Task[Any]] = {body, response}
+            while pending:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if response.done() or (body.done() and body.exception() is not None):
+                    break
+            failed = body.exception() if body.done() else None
+            if isinstance(failed, (ConnectionError, OSError)):
+                # The upstream stopped reading: it may still have answered.
+                await asyncio.wait({response})
+                failed = None
+            if failed is not None:
+                response.cancel()
                 up_writer.transport.abort()
-                refusal = _placeholder_refusal(scope, exc.name, host, admitted.port)
-                await _record_refusal(
-                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE
-                )
-                queue.put_nowait(refusal)
-                return
-            except (asyncio.IncompleteReadError, BadCall):
-                return
+                if isinstance(failed, _PlaceholderFound):
+                    failed = _misplaced_refusal(scope, admitted, bindings, failed.name, "body")
+                if not isinstance(failed, BrokerError):
+                    return None, False  # the guest went away mid-body
+                answer = await _record_tunnel_refusal(scope, admitted, failed, method)
+                return (None if relay.started else answer), False
+            error = response.exception()
+            if isinstance(error, _EchoFound):
+                error = _echo_refusal(admitted, error.name, error.where)
+            if error is not None:
+                up_writer.transport.abort()
+                if isinstance(error, BrokerError):
+                    answer = await _record_tunnel_refusal(scope, admitted, error, method)
+                    if not relay.started:
+                        return answer, False
+                outcome.error = f"upstream failed: {type(error).__name__}"
+                return None, False
+            # Whatever of the body the upstream did not take before answering is
+            # still in the guest's stream: the next request would start inside it.
+            more: bool = response.result() and body.done()
+            return None, more
+        finally:
+            for task in (body, response):
+                task.cancel()
+            await asyncio.gather(body, response, return_exceptions=True)
+            up_writer.close()
 
     # -- absolute-form HTTP -------------------------------------------------
 
@@ -411,21 +447,19 @@ class EgressProxy:
                 _check_headers(headers)
                 if not method or not set(method) <= _TOKEN:
                     raise BadCall(f"invalid method {method!r}")
-                framing = _request_framing(headers)
+                framing = _request_framing(headers, method)
             except BadCall as exc:
                 await _record_bad(scope, method, url, exc)
                 raise
             # Placeholders in the head are refused before anything is decided
             # or dialed; injection happens only inside TLS (CONNECT).
-            scanner = _Scanner({b.placeholder: b.name for b in scope.secrets.values()})
-            found = scanner.scan(url.encode("latin-1", "replace")) or scanner.scan(
-                "".join(f"{k}:{v}\n" for k, v in headers).encode("latin-1", "replace")
-            )
+            found = _misplaced(scope.secrets.values(), [], method, url, headers)
             if found is not None:
-                refusal = _placeholder_refusal(scope, found, host, port, plain=True)
+                refusal = _placeholder_refusal(scope, found[0], host, port, plain=True)
                 await _record_refusal(
-                    scope, "secret.use", _resource(host, port), refusal, SECRET_BINDING_RULE
-                )
+                    scope, "secret.use", _resource(host, port), refusal, SECRET_BINDING_RULE,
+                    {"secret": found[0], "where": found[1]},
+                )  # fmt: skip
                 raise refusal
             path = origin.split("?", 1)[0]
             admitted = await self._admit(scope, host, port, method, "http", path)
@@ -435,12 +469,14 @@ class EgressProxy:
         outcome = _Outcome(requests=1)
         try:
             await self._forward(
-                scope, admitted, method, origin, authority, headers, framing, scanner,
-                reader, writer, outcome,
+                scope, admitted, method, origin, authority, headers, framing, reader, writer,
+                outcome,
             )  # fmt: skip
         finally:
+            answer = await _settle(scope, admitted, outcome)
+            if answer is not None:
+                await _send_error(writer, answer)
             await _close(writer)
-            await _complete(scope, admitted, outcome)
 
     async def _forward(
         self,
@@ -451,17 +487,18 @@ class EgressProxy:
         authority: str,
         headers: list[tuple[str, str]],
         framing: _Framing,
-        scanner: _Scanner,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         outcome: _Outcome,
     ) -> None:
+        """Send the request and relay the response; an error still to answer (after
+        the completion event) is left in ``outcome.answer``."""
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
-            outcome.error = exc.message
-            await _send_error(writer, exc)
+            outcome.answer = exc
             return
+        relay = _RelayState()
         try:
             expect = any(
                 k.lower() == "expect" and v.strip().lower() == "100-continue" for k, v in headers
@@ -475,28 +512,36 @@ class EgressProxy:
             head = _serialize_head(f"{method} {origin} HTTP/1.1", out)
             up_writer.write(head)
             outcome.bytes_up = len(head)
+            placeholders = {b.placeholder: b.name for b in scope.secrets.values()}
+
+            async def put(data: bytes) -> None:
+                outcome.bytes_up += len(data)
+                up_writer.write(data)
+                await up_writer.drain()
+
             try:
-                outcome.bytes_up += await _copy_body(reader, up_writer, framing, scanner)
+                await _walk_scanned(reader, framing, placeholders, put)
             except _PlaceholderFound as exc:
                 up_writer.transport.abort()
                 refusal = _placeholder_refusal(
                     scope, exc.name, admitted.host, admitted.port, plain=True
                 )
                 await _record_refusal(
-                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE
-                )
-                outcome.error = refusal.message
-                await _send_error(writer, refusal)
+                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE,
+                    {"secret": exc.name, "where": "body"},
+                )  # fmt: skip
+                outcome.answer = refusal
                 return
             await up_writer.drain()
-            status, down = await _relay_response(up_reader, writer, method)
+            status, down = await _relay_response(up_reader, writer, method, relay)
             outcome.status, outcome.bytes_down = status, down
-        except BadCall as exc:
-            outcome.error = exc.message
-            await _send_error(writer, exc)
-        except UpstreamFailed as exc:
-            outcome.error = exc.message
-            await _send_error(writer, exc)
+        except (BadCall, UpstreamFailed) as exc:
+            if relay.started:
+                outcome.error = exc.message  # the guest has part of a response: no answer
+            else:
+                outcome.answer = exc
+        except CallRefused as exc:
+            outcome.answer = exc
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
             outcome.error = f"connection lost: {type(exc).__name__}"
         finally:
@@ -532,7 +577,9 @@ class EgressProxy:
             entities = (Entity.host(host.name),)
             ref = EntityRef.host(host.name)
         except Exception as exc:  # PolicyError: a name Cedar's side refuses
-            raise BadCall(f"invalid host {host.name!r}") from exc
+            bad = BadCall(f"invalid host {host.name!r}")
+            await _record_bad(scope, method, host.name, bad)
+            raise bad from exc
         decision = scope.decide("http.request", ref, context, entities)
         if not decision.allowed:
             reason = _deny_reason(decision)
@@ -648,7 +695,12 @@ async def _record_bad(scope: RunScope, method: str, target: str, exc: BadCall) -
 
 
 async def _record_refusal(
-    scope: RunScope, action: str, resource: str, exc: BrokerError, rule: str
+    scope: RunScope,
+    action: str,
+    resource: str,
+    exc: BrokerError,
+    rule: str,
+    details: Mapping[str, Any] | None = None,
 ) -> None:
     try:
         await scope.record(
@@ -656,7 +708,7 @@ async def _record_refusal(
             resource,
             Decision(False, (rule,), scope.policies.version),
             reason=f"refused: {exc.message}",
-            details={},
+            details=details or {},
         )
     except CallRefused as refused:
         raise refused from exc
@@ -679,8 +731,9 @@ def _placeholder_refusal(
     return EgressDenied(message, policies=(SECRET_BINDING_RULE,))
 
 
-async def _complete(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> None:
-    """The completion event. The call already happened, so a failure here is logged."""
+async def _complete(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> bool:
+    """The completion event. The call already happened, so a failure here is logged
+    (and the caller answers ``not_recorded`` instead of an error it still owed)."""
     details: dict[str, Any] = {
         "decision_seq": admitted.seq,
         "host": admitted.host.name,
@@ -697,6 +750,8 @@ async def _complete(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> 
         details["secrets"] = list(outcome.injected)
     if outcome.error is not None:
         details["error"] = outcome.error
+    if outcome.answered is not None:
+        details["answered"] = outcome.answered
     try:
         await scope.record(
             "http.request.end",
@@ -707,6 +762,8 @@ async def _complete(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> 
         )
     except CallRefused as exc:
         log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
+        return False
+    return True
 
 
 # -- secrets ------------------------------------------------------------------
@@ -719,17 +776,174 @@ def _bindings(scope: RunScope, host: Host, port: int) -> list[SecretBinding]:
 def _inject_headers(
     headers: list[tuple[str, str]], bindings: list[SecretBinding]
 ) -> list[tuple[str, str]]:
+    """The guest's headers, with the bound headers set from their templates.
+
+    Nothing is replaced anywhere else: a placeholder outside its bound header
+    was refused before this (:func:`_misplaced`). The upstream is asked for an
+    uncoded response, the only kind the echo check can read, and to close the
+    connection after it (it carries this request alone).
+    """
     replaced = {b.header.lower() for b in bindings}
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() in ("connection", "proxy-connection")
+        for token in v.split(",")
+    } - {"host"}
     out = []
     for name, value in headers:
-        if name.lower() in replaced or name.lower().startswith("proxy-"):
+        lower = name.lower()
+        if (
+            lower in replaced
+            or lower in _HOP_BY_HOP
+            or lower in named
+            or lower.startswith("proxy-")
+            or lower == "accept-encoding"
+        ):
             continue
-        for b in bindings:
-            value = value.replace(b.placeholder, b.value)  # noqa: PLW2901
         out.append((name, value))
+    out.append(("Accept-Encoding", "identity"))
     # str.replace, not format(): a template is data, not a format string.
     out.extend((b.header, b.template.replace("{secret}", b.value)) for b in bindings)
+    out.append(("Connection", "close"))
     return out
+
+
+def _misplaced(
+    secrets: Iterable[SecretBinding],
+    bindings: list[SecretBinding],
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+) -> tuple[str, str] | None:
+    """(secret, where) of the first placeholder outside the header its secret is bound
+    to on this connection, or None. Header names count: ``name:value`` is searched."""
+    bound = {(b.name, b.header.lower()) for b in bindings}
+    for secret in secrets:
+        placeholder = secret.placeholder
+        if placeholder in f"{method} {target}":
+            return secret.name, "request line"
+        for name, value in headers:
+            if placeholder in f"{name}:{value}" and (
+                placeholder in name or (secret.name, name.lower()) not in bound
+            ):
+                return secret.name, f"header {_shown_name(name)}"
+    return None
+
+
+def _shown_name(name: str) -> str:
+    return name if len(name) <= 64 else name[:61] + "..."
+
+
+def _check_injected_head(
+    scope: RunScope,
+    admitted: _Admitted,
+    bindings: list[SecretBinding],
+    authority: set[str],
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+) -> _Framing:
+    """Everything a request in an injected tunnel must be, before a byte goes upstream."""
+    host = admitted.host
+    if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
+        raise BadCall("only origin-form requests may follow CONNECT")
+    if "upgrade" in {k.lower() for k, _ in headers}:
+        raise BadCall("protocol upgrades are not supported where a secret is injected")
+    hosts = [v.strip().lower() for k, v in headers if k.lower() == "host"]
+    # The Host header picks the virtual host behind the address we verified; a
+    # different one would carry the secret elsewhere on a shared front end
+    # (domain fronting).
+    if len(hosts) != 1 or hosts[0] not in authority:
+        raise EgressDenied(
+            f"the Host header must name {host.display}, the host the secret is bound to",
+            policies=(SECRET_BINDING_RULE,),
+        )
+    found = _misplaced(scope.secrets.values(), bindings, method, target, headers)
+    if found is not None:
+        raise _misplaced_refusal(scope, admitted, bindings, *found)
+    return _request_framing(headers, method)
+
+
+class _Misplaced(EgressDenied):
+    """A secret's placeholder where the secret is not bound (recorded as secret.use)."""
+
+    def __init__(self, message: str, details: dict[str, Any]) -> None:
+        super().__init__(message, policies=(SECRET_BINDING_RULE,))
+        self.details = details
+
+
+class _Echoed(UpstreamFailed):
+    """The upstream sent an injected secret back (recorded as secret.use)."""
+
+    def __init__(self, message: str, details: dict[str, Any]) -> None:
+        super().__init__(message, policies=(ECHO_RULE,))
+        self.details = details
+
+
+def _misplaced_refusal(
+    scope: RunScope, admitted: _Admitted, bindings: list[SecretBinding], name: str, where: str
+) -> _Misplaced:
+    host = admitted.host
+    binding = next((b for b in bindings if b.name == name), None)
+    if binding is None:
+        message = (
+            f"the placeholder of secret {name!r} was sent to {host.display}, "
+            "which it is not bound to"
+        )
+    else:
+        message = (
+            f"the placeholder of secret {name!r} was sent in the {where}; it is replaced "
+            f"only in {binding.header}, the header the secret is bound to"
+        )
+    details = {"secret": name, "where": where, "host": host.name, "port": admitted.port}
+    return _Misplaced(message, details)
+
+
+async def _record_tunnel_refusal(
+    scope: RunScope, admitted: _Admitted, exc: BrokerError, method: str
+) -> BrokerError:
+    """Record why a request inside an injected tunnel is refused, before it is answered;
+    the error to answer (``not_recorded`` if the event could not be written).
+
+    Refusals of the secret rules are ``secret.use`` denies, malformed requests
+    ``http.request`` denies; anything else (an upstream that failed) is recorded
+    by the connection's completion event, written before the answer too."""
+    version = scope.policies.version
+    if isinstance(exc, (_Misplaced, _Echoed)):
+        action, details = "secret.use", exc.details
+    elif isinstance(exc, EgressDenied):
+        action, details = "secret.use", {"host": admitted.host.name, "port": admitted.port}
+    elif isinstance(exc, BadCall):
+        action, details = "http.request", {"method": method[:32], "status": exc.status}
+    else:
+        return exc
+    try:
+        await scope.record(
+            action,
+            admitted.resource,
+            Decision(False, exc.policies, version),
+            reason=f"refused: {exc.message}",
+            details=details,
+        )
+    except CallRefused as refused:
+        return refused
+    return exc
+
+
+async def _settle(scope: RunScope, admitted: _Admitted, outcome: _Outcome) -> BrokerError | None:
+    """Write the completion event, once; the answer still owed to the guest, if any."""
+    if outcome.completed:
+        return None
+    outcome.completed = True
+    answer, outcome.answer = outcome.answer, None
+    if answer is not None:
+        outcome.error = outcome.error or answer.message
+        outcome.answered = answer.status
+    recorded = await _complete(scope, admitted, outcome)
+    if answer is not None and not recorded and not isinstance(answer, CallRefused):
+        return CallRefused("the call was refused because the ledger cannot record it")
+    return answer
 
 
 class _PlaceholderFound(Exception):
@@ -757,6 +971,234 @@ class _Scanner:
         return None
 
 
+# -- what an upstream sends back where a secret was injected --------------------
+
+#: Base64 runs shorter than this are not searched for: too likely by chance.
+_MIN_B64_RUN = 8
+
+
+def _secret_forms(value: str) -> list[bytes]:
+    """The secret as an echo would carry it: as is, percent-encoded, JSON-escaped, in
+    hex, and in base64 (standard and URL-safe) at each of the three alignments it
+    can have inside a longer encoded value (``Basic`` credentials, a token blob)."""
+    raw = value.encode()
+    forms = {
+        raw,
+        quote(value, safe="").encode(),
+        quote_plus(value, safe="").encode(),
+        json.dumps(value)[1:-1].encode(),
+        raw.hex().encode(),
+        raw.hex().upper().encode(),
+    }
+    n = len(raw)
+    for pad in range(3):
+        encoded = base64.b64encode(b"\0" * pad + raw + b"\0\0")
+        # The characters that depend on the secret's bytes alone.
+        run = encoded[-(-8 * pad // 6) : (8 * (pad + n)) // 6]
+        if len(run) >= _MIN_B64_RUN:
+            forms.add(run)
+            forms.add(run.replace(b"+", b"-").replace(b"/", b"_"))
+    return sorted((f for f in forms if f), key=len, reverse=True)
+
+
+def _echo_needles(bindings: list[SecretBinding]) -> list[tuple[bytes, str]]:
+    return [(form, b.name) for b in bindings for form in _secret_forms(b.value)]
+
+
+class _EchoFound(Exception):
+    def __init__(self, name: str, where: str) -> None:
+        super().__init__(name)
+        self.name = name
+        self.where = where
+
+
+class _Guard:
+    """Passes a response body on, holding back the bytes that could begin a secret's
+    value until the next ones show they do not: a match is found before any byte
+    of it has been passed on."""
+
+    def __init__(self, needles: list[tuple[bytes, str]]) -> None:
+        self._needles = needles
+        self._keep = max((len(n) for n, _ in needles), default=1) - 1
+        self._held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        window = self._held + data
+        for needle, name in self._needles:
+            if needle in window:
+                raise _EchoFound(name, "response body")
+        if len(window) <= self._keep:
+            self._held = window
+            return b""
+        cut = len(window) - self._keep
+        self._held = window[cut:]
+        return window[:cut]
+
+    def finish(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+@dataclass
+class _RelayState:
+    started: bool = False  # something of the response reached the guest
+
+
+def _echo_refusal(admitted: _Admitted, name: str, where: str) -> _Echoed:
+    return _Echoed(
+        f"the response of {admitted.host.display} carried the value of secret {name!r} "
+        f"back (in the {where}); it was withheld",
+        {"secret": name, "where": where, "host": admitted.host.name, "port": admitted.port},
+    )
+
+
+def _find(needles: list[tuple[bytes, str]], data: bytes) -> str | None:
+    return next((name for needle, name in needles if needle in data), None)
+
+
+async def _send_body(
+    guest: TlsStream,
+    up_writer: asyncio.StreamWriter,
+    framing: _Framing,
+    placeholders: Mapping[str, str],
+    outcome: _Outcome,
+) -> None:
+    """Stream the request body upstream; a placeholder anywhere in it (the data, a
+    chunk extension, a trailer) stops it before the upstream has a whole request."""
+
+    async def put(data: bytes) -> None:
+        outcome.bytes_up += len(data)
+        up_writer.write(data)
+        await up_writer.drain()
+
+    await _walk_scanned(guest, framing, placeholders, put)
+
+
+async def _walk_scanned(
+    src: _Source,
+    framing: _Framing,
+    placeholders: Mapping[str, str],
+    put: Callable[[bytes], Awaitable[None]],
+) -> None:
+    """:func:`_walk_body` with every byte searched for placeholders before it is passed
+    on: the raw stream (framing included), and the payload alone, so that one split
+    across two chunks is found too."""
+    raw = _Scanner(placeholders)
+    payload = _Scanner(placeholders)
+
+    async def scan_payload(data: bytes) -> None:
+        found = payload.scan(data)
+        if found is not None:
+            raise _PlaceholderFound(found)
+
+    async def scan_and_put(data: bytes) -> None:
+        found = raw.scan(data)
+        if found is not None:
+            raise _PlaceholderFound(found)
+        await put(data)
+
+    await _walk_body(src, framing, scan_and_put, payload=scan_payload)
+
+
+async def _relay_injected(
+    up: asyncio.StreamReader,
+    guest: TlsStream,
+    method: str,
+    needles: list[tuple[bytes, str]],
+    outcome: _Outcome,
+    relay: _RelayState,
+    timeout: float,
+) -> bool:
+    """Relay one response to an injected request, checked for the secret's value;
+    True if the guest's connection may carry another request."""
+    while True:
+        try:
+            head = await asyncio.wait_for(up.readuntil(b"\r\n\r\n"), timeout)
+        except TimeoutError:
+            raise UpstreamFailed(f"the upstream did not answer within {timeout:g} s") from None
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
+            raise UpstreamFailed("the upstream sent no valid response head") from exc
+        try:
+            first, headers = _parse_head_lines(head)
+        except BadCall as exc:
+            raise UpstreamFailed(f"the upstream sent a malformed response: {exc.message}") from exc
+        parts = first.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise UpstreamFailed("the upstream sent a malformed status line")
+        status = int(parts[1])
+        # Raw head bytes, so that a value split by the parser is still found.
+        echoed = _find(needles, head)
+        if echoed is not None:
+            raise _EchoFound(echoed, "response head")
+        if status == 101:
+            raise UpstreamFailed("the upstream switched protocols where a secret is injected")
+        if 100 <= status < 200:
+            data = _serialize_head(first, _response_headers(headers))
+            await guest.write(data)
+            relay.started = True
+            outcome.bytes_down += len(data)
+            continue
+        break
+    outcome.status = status
+    framing = _response_framing(method, status, headers)
+    if framing.kind != "none":
+        coded = [
+            v.strip().lower()
+            for k, v in headers
+            if k.lower() == "content-encoding" and v.strip().lower() not in ("", "identity")
+        ]
+        te = [v.strip().lower() for k, v in headers if k.lower() == "transfer-encoding"]
+        if coded or (te and te != ["chunked"]):
+            raise UpstreamFailed(
+                "the upstream sent a coded response body where a secret is injected; "
+                "it cannot be checked for the secret's value",
+                hint="the proxy asks for Accept-Encoding: identity; the upstream ignored it",
+            )
+    out = _response_headers(headers)
+    if framing.kind == "eof":
+        out.append(("Connection", "close"))
+    data = _serialize_head(first, out)
+    await guest.write(data)
+    relay.started = True
+    outcome.bytes_down += len(data)
+    guard = _Guard(needles)
+    chunked = framing.kind == "chunked"
+
+    async def send(piece: bytes) -> None:
+        if not piece:
+            return
+        # A chunked body is framed anew: chunk lines and trailers are the
+        # upstream's, and the bytes held back do not end where its chunks do.
+        out = f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece
+        outcome.bytes_down += len(out)
+        await guest.write(out)
+
+    async def payload(piece: bytes) -> None:
+        await send(guard.feed(piece))
+
+    async def ignore(_: bytes) -> None:
+        pass
+
+    await _walk_body(up, framing, ignore, payload=payload)
+    await send(guard.finish())
+    if chunked:
+        outcome.bytes_down += 5
+        await guest.write(b"0\r\n\r\n")
+    return framing.kind != "eof"
+
+
+def _response_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A response's headers without its hop-by-hop ones (those are about the upstream
+    connection, closed after each request), ``Transfer-Encoding`` kept."""
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() == "connection"
+        for token in v.split(",")
+    } - {"transfer-encoding", "content-length"}
+    return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP | named]
+
+
 # -- HTTP/1.1 framing ---------------------------------------------------------
 
 
@@ -780,7 +1222,21 @@ def _check_headers(headers: Iterable[tuple[str, str]]) -> None:
             raise BadCall(f"invalid value for header {name!r}")
 
 
-def _request_framing(headers: list[tuple[str, str]]) -> _Framing:
+def _request_framing(headers: list[tuple[str, str]], method: str | None = None) -> _Framing:
+    """How the request's body is framed; with ``method``, a body on a method whose
+    body an upstream may leave unread is refused (it would be read as a request)."""
+    framing = _framing_of(headers)
+    has_body = framing.kind == "chunked" or (framing.kind == "length" and framing.length > 0)
+    if method is not None and method.upper() in _BODYLESS and has_body:
+        raise BadCall(
+            f"a {method} request may not carry a body: an upstream may leave it unread "
+            "and read it as another request",
+            hint="send the body with POST, PUT or PATCH",
+        )
+    return framing
+
+
+def _framing_of(headers: list[tuple[str, str]]) -> _Framing:
     te = [v for k, v in headers if k.lower() == "transfer-encoding"]
     cl = [v for k, v in headers if k.lower() == "content-length"]
     # Both, or several differing lengths, are how requests get smuggled past
@@ -913,28 +1369,15 @@ def _parse_url(url: str) -> tuple[Host, int, str, str]:
     return host, port, origin, authority
 
 
-async def _copy_body(
-    src: _Source, dst: asyncio.StreamWriter, framing: _Framing, scanner: _Scanner
-) -> int:
-    total = 0
-
-    async def put(data: bytes) -> None:
-        nonlocal total
-        found = scanner.scan(data)
-        if found is not None:
-            raise _PlaceholderFound(found)
-        total += len(data)
-        dst.write(data)
-        await dst.drain()
-
-    await _walk_body(src, framing, put)
-    return total
-
-
 async def _walk_body(
-    src: _Source, framing: _Framing, put: Callable[[bytes], Awaitable[None]]
+    src: _Source,
+    framing: _Framing,
+    put: Callable[[bytes], Awaitable[None]],
+    *,
+    payload: Callable[[bytes], Awaitable[None]] | None = None,
 ) -> None:
-    """Read one message body as framed, passing its raw bytes (framing included) to put."""
+    """Read one message body as framed, passing its raw bytes (framing included) to
+    put; with ``payload``, each piece of the content alone goes there first."""
     if framing.kind == "length":
         left = framing.length
         while left:
@@ -942,6 +1385,8 @@ async def _walk_body(
             if not data:
                 raise asyncio.IncompleteReadError(b"", left)
             left -= len(data)
+            if payload is not None:
+                await payload(data)
             await put(data)
     elif framing.kind == "chunked":
         # Strict, and checked before a byte is passed on: the bytes go on as
@@ -950,26 +1395,35 @@ async def _walk_body(
         while True:
             line = await _readline(src)
             size = _chunk_size(line)
-            await put(line)
             if size == 0:
+                # The last chunk and the trailers go on in one piece, once complete:
+                # a refusal on a trailer leaves the upstream with no end of the body
+                # (a lenient server could take a cut after "0" as one).
+                tail = bytearray(line)
                 for _ in range(_MAX_TRAILERS + 1):  # trailers, up to the empty line
                     trailer = await _readline(src)
                     if trailer != b"\r\n":
                         _check_trailer(trailer)
-                    await put(trailer)
+                    tail += trailer
                     if trailer == b"\r\n":
+                        await put(bytes(tail))
                         return
                 raise BadCall(f"more than {_MAX_TRAILERS} trailer fields")
+            await put(line)
             left = size
             while left:
                 data = await src.readexactly(min(left, _CHUNK))
                 left -= len(data)
+                if payload is not None:
+                    await payload(data)
                 await put(data)
             if await src.readexactly(2) != b"\r\n":
                 raise BadCall("chunk data not followed by CRLF")
             await put(b"\r\n")
     elif framing.kind == "eof":
         while data := await src.read(_CHUNK):
+            if payload is not None:
+                await payload(data)
             await put(data)
 
 
@@ -1008,7 +1462,7 @@ async def _readline(src: _Source) -> bytes:
 
 
 async def _relay_response(
-    up: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str
+    up: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, relay: _RelayState
 ) -> tuple[int, int]:
     """Relay the upstream's response (interim ones too); (final status, bytes relayed)."""
     total = 0
@@ -1031,6 +1485,7 @@ async def _relay_response(
             out.append(("Connection", "close"))
         data = _serialize_head(first, out)
         writer.write(data)
+        relay.started = True
         total += len(data)
         if 100 <= status < 200 and status != 101:
             continue
@@ -1063,40 +1518,6 @@ async def _relay(
         # One side failed: end the other too, or its read would wait forever.
         abort()
     return total
-
-
-async def _relay_responses_tls(
-    up: asyncio.StreamReader,
-    guest: TlsStream,
-    queue: asyncio.Queue[str | BrokerError | None],
-    outcome: _Outcome,
-) -> None:
-    """Relay one response per queued request, in order, untouched; end at None."""
-    while True:
-        item = await queue.get()
-        if item is None:
-            return
-        if isinstance(item, BrokerError):
-            await _send_error_tls(guest, item)
-            return
-        while True:
-            head = await up.readuntil(b"\r\n\r\n")
-            first, headers = _parse_head_lines(head)
-            parts = first.split(" ", 2)
-            if len(parts) < 2 or not parts[1].isdigit():
-                raise UpstreamFailed("the upstream sent a malformed status line")
-            status = int(parts[1])
-            await guest.write(head)
-            outcome.bytes_down += len(head)
-            if not 100 <= status < 200:
-                break
-        outcome.status = status
-
-        async def put(chunk: bytes) -> None:
-            outcome.bytes_down += len(chunk)
-            await guest.write(chunk)
-
-        await _walk_body(up, _response_framing(item, status, headers), put)
 
 
 # -- answers to the guest -----------------------------------------------------
