@@ -356,3 +356,65 @@ def test_a_policy_can_permit_the_schema_table(ledger_env: LedgerEnv, tmp_path: P
     ev = events(env.ledger)[-1]
     assert ev["decision"] == "allow"
     assert {t["table"] for t in ev["details"]["tables"]} == {"customers", "sqlite_master"}
+
+
+# -- PostgreSQL: the role's column grants do not cover the planner's choice of index ------
+
+
+@pytest.mark.postgres
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: PostgreSQL scans an index on a column outside the role's grant "
+    "(docs/datasets.md, 'PostgreSQL datasets and the plan's order')",
+)
+def test_postgres_does_not_rank_rows_by_an_index_on_an_ungranted_column(
+    pg_server: Any, ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """A role granted SELECT (id, name, plan) only: PostgreSQL checks column
+    privileges on the columns a query names, not on the index it reads through.
+    With an index on (plan, email), a selective WHERE plan = ... is an index scan
+    of it, and the ids come back in email order. (A narrow index on (email, id)
+    also makes SELECT id FROM customers an index-only scan in email order once
+    the visibility map is set: seen by hand, not reliably reproduced here.)"""
+    QUERY = "SELECT id FROM customers WHERE plan = 'pro'"
+    from dataclasses import replace
+
+    import psycopg
+
+    from proctor.broker import DatasetBinding
+    from proctor.broker._pg_sql import (
+        close_pg_pools,
+        grant_deployment_role,
+        revoke_deployment_role,
+    )
+
+    name = f"idx_{abs(hash(str(tmp_path))) % 10**9}"
+    dsn = pg_server.create_database(name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE customers (id BIGINT, name TEXT, email TEXT, plan TEXT, pad TEXT)"
+        )
+        conn.execute(
+            "INSERT INTO customers SELECT i, 'n' || i, md5(i::text) || '@example.com', 'pro',"
+            " repeat('x', 200) FROM generate_series(1, 20000) AS i"
+        )
+        conn.execute("CREATE UNIQUE INDEX customers_email_id ON customers (email, id)")
+        conn.execute("VACUUM ANALYZE customers")
+        by_email = [r[0] for r in conn.execute(f"{QUERY} ORDER BY email")]
+    tables = {"customers": {"columns": ["id", "name", "plan"], "access": "read"}}
+    grant_deployment_role(dsn, "acme", "churn", "crm", tables)
+    scope = make_scope(
+        ledger_env, tmp_path / "unused.db", caps={"datasets": {"crm": {"tables": tables}}}
+    )
+    scope = replace(scope, datasets={"crm": DatasetBinding("crm", "postgresql", dsn)})
+    try:
+        try:
+            got = [r[0] for r in sql(scope, QUERY)["rows"]]
+        except CallDenied:
+            return  # refused: no order leaked
+        assert len(got) == 200
+        assert got != by_email, "the ids came back in email order"
+    finally:
+        close_pg_pools(scope)
+        revoke_deployment_role(dsn, "acme", "churn", "crm")
+        pg_server.drop_database(name)
