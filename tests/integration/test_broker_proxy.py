@@ -711,3 +711,48 @@ def test_tenant_ca_is_kept_and_reused(env: Env, tmp_path: Path) -> None:
     key_file = tmp_path / "ca" / TENANT / "tenant-ca.pem"
     assert key_file.stat().st_mode & 0o077 == 0
     assert [p.name for p in (tmp_path / "ca" / TENANT).iterdir()] == ["tenant-ca.pem"]
+
+
+def test_every_answer_inside_an_injected_tunnel_is_recorded_first(env: Env) -> None:
+    """A refusal inside the TLS the proxy ends (malformed, an upgrade, not origin-form)
+    is a deny event, and the completion event that says what was answered is written
+    before the answer: nothing the proxy says goes unrecorded (issue 13, item 7)."""
+    env.scope([f"api.test:{env.api.port}"], secrets=["crm_token"], bindings=[_binding("api.test")])
+    ctx = ssl.create_default_context(cadata=env.proxy.tenant_ca(TENANT).ca_pem().decode())
+    host = f"api.test:{env.api.port}"
+    cases = [
+        b"GET /x HTTP/1.1\r\nHost: " + host.encode() + b"\r\nBad Header: 1\r\n\r\n",
+        b"GET /x HTTP/1.1\r\nHost: " + host.encode() + b"\r\nUpgrade: websocket\r\n\r\n",
+        b"GET http://elsewhere/ HTTP/1.1\r\nHost: " + host.encode() + b"\r\n\r\n",
+    ]
+    for request in cases:
+        with socket.create_connection(("127.0.0.1", env.harness.port), timeout=10) as raw:
+            raw.sendall(f"CONNECT {host} HTTP/1.1\r\n\r\n".encode())
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+            with ctx.wrap_socket(raw, server_hostname="api.test") as tls:
+                tls.sendall(request)
+                answer = b""
+                while chunk := tls.recv(65536):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert env.api.seen == []
+    events = env.events()
+    refusals = [e for e in events if e["action"] == "http.request" and e["decision"] == "deny"]
+    assert len(refusals) == len(cases)
+    assert all(e["reason"].startswith("refused: ") for e in refusals)
+    ends = _by_action(events, "http.request.end")
+    assert [e["details"]["answered"] for e in ends] == [400] * len(cases)
+    # Each refusal is recorded before its tunnel's completion event.
+    for refusal, end in zip(refusals, ends, strict=True):
+        assert refusal["seq"] < end["seq"]
+
+
+def test_a_502_after_admission_is_in_the_completion_event(env: Env) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env.scope([f"127.0.0.1:{closed}"])
+    status, _, _ = env.raw(f"GET http://127.0.0.1:{closed}/ HTTP/1.1\r\n\r\n".encode())
+    assert status == 502
+    _, end = env.events()
+    assert end["details"]["answered"] == 502
