@@ -561,11 +561,13 @@ def gov(tmp_path: Path) -> Iterator[Gov]:
     g.rt.close()
 
 
-def _deploy(gov: Gov, name: str, main: str, manifest: str) -> None:
+def _deploy(gov: Gov, name: str, main: str, manifest: str, env: str = "sandbox") -> None:
     rt = gov.rt
     digest = gov.submit("acme", gov.artifact_dir(name, main, manifest))
-    rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), name, environment="sandbox",
-                          mode="job", instruction="escape test", actor=gov.op)  # fmt: skip
+    if env == "production":
+        rt.approvals.grant("acme", digest, gov.principal("alice"))
+    rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), name, environment=env,
+                          instruction="escape test", actor=gov.op)  # fmt: skip
 
 
 @pytest.mark.sandbox
@@ -597,6 +599,7 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
     rt.subprocessors.add("acme", "upstream-co", purpose="test upstreams", location="here",
                          hosts=[f"localhost:{secret_port}", f"localhost:{plain_port}"],
                          actor=gov.op)  # fmt: skip
+    # Approved code, the strongest case: the real secret and production egress.
     _deploy(gov, "attacker", ATTACKER.read_text(), f"""
         [datasets.fake.tables.customers]
         columns = ["id", "country"]
@@ -611,7 +614,7 @@ def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_
         timeout = "{RUN_SECONDS}s"
         calls_per_second = {rate.per_second}
         call_burst = {rate.burst}
-        """)  # fmt: skip
+        """, env="production")  # fmt: skip
     _deploy(gov, "victim", VICTIM, f'[limits]\ntimeout = "{RUN_SECONDS}s"\n')
     flood_calls = 20_000 if SOAK else 2_000
     victim_env = {"VICTIM_MARKER_A": marker_a, "VICTIM_MARKER_B": marker_b}
