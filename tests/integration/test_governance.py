@@ -100,6 +100,13 @@ def _artifact(gov: Gov, tenant: str, author: str, n: int = 1, mode: str = "job",
     art = Art(f"sha256:{n:064x}", f"sha256:{'c' * 64}", "churn report", author, caps,
               Lifecycle(mode))  # fmt: skip
     gov.artifacts[(tenant, art.digest)] = art
+    # What counts is read from the record: the artifact's submission is in the log.
+    kind = "operator" if author.startswith("local-operator:") else "user"
+    gov.env.ledger.append(tenant, EventDraft(
+        Actor(kind, author), "artifact.submit", f"artifact/{art.digest}", artifact=art.digest,
+        details={"digest": art.digest, "capabilities_hash": art.capabilities_hash,
+                 "purpose": art.purpose},
+    ))  # fmt: skip
     return art
 
 
@@ -186,7 +193,9 @@ def test_expired_and_revoked_approvals_do_not_count(gov: Gov) -> None:
         gov.approvals.require_quorum("acme", art, at=later)
     assert gov.events("acme")[-1]["action"] == "approval.revoke"
     # History: at the time between, the revoked approval still stood.
-    assert gov.approvals.valid("acme", art, at=b.created_at)[-1].id == b.id
+    granted = next(e["time"] for e in gov.events("acme")
+                   if e["action"] == "approval.grant" and e["approvals"] == [b.id])  # fmt: skip
+    assert gov.approvals.valid("acme", art, at=granted)[-1].id == b.id
     del short
 
 

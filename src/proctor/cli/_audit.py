@@ -20,6 +20,7 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import UsageError, VerificationFailed
+from proctor.governance import unbacked_rows
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier, verify_export
 
 audit_app = typer.Typer(
@@ -144,9 +145,12 @@ def verify(
     ] = None,
     home: HomeOpt = None,
 ) -> None:
-    """Recompute every leaf and root, and check every signed checkpoint."""
+    """Recompute every leaf and root, check every signed checkpoint, and hold every
+    governance row of the store (artifacts, approvals, deployments, principals, the
+    quorum rule) to the events that back it."""
     trusted = [p.read_text(encoding="utf-8") for p in checkpoint or []]
     verifier = Verifier.parse(key) if key else None
+    backing = None
     if from_export is not None:
         if verifier is None:
             vkey = (from_export / "verifier.key").read_text(encoding="utf-8").strip()
@@ -160,11 +164,29 @@ def verify(
         with open_runtime(home) as rt:
             if verifier is not None and verifier.vkey() != rt.ledger.vkey():
                 raise VerificationFailed("the runtime's key is not the key you trust")
-            report = rt.ledger.verify(rt.log_name(tenant), trusted)
+            log = rt.log_name(tenant)
+            report = rt.ledger.verify(log, trusted)
+            if log != SYSTEM_LOG:
+                # The log is sound; now every governance row must be one it backs.
+                backing = unbacked_rows(rt.store, rt.ledger, rt.artifacts, rt.approvals,
+                                        rt.deployments, log)  # fmt: skip
     console.print(
         f"[green]verified[/] {report.origin}: {report.size} events, "
         f"{report.checkpoints} signed checkpoints consistent"
     )
+    if backing is not None:
+        problems, counts = backing
+        checked = ", ".join(f"{n} {k}" for k, n in counts.items())
+        if problems:
+            for p in problems:
+                console.print(f"[bold red]not backed[/] {p}", soft_wrap=True)
+            raise VerificationFailed(
+                f"{len(problems)} store row(s) of {tenant!r} are not backed by the signed"
+                f" record: " + "; ".join(f"{p.kind} {p.key}" for p in problems),
+                hint="someone changed the store file without the signing key; restore it"
+                " from a backup and find out who could write it",
+            )
+        console.print(f"[green]store rows backed by the record[/]: {checked}")
 
 
 @audit_app.command("export")

@@ -28,6 +28,7 @@ from proctor.evidence._pack import PACK_FORMAT, iter_lines
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
 from proctor.governance import capabilities_hash
+from proctor.governance._backing import decision_problems, submission_problems
 from proctor.governance._manifest import egress_entry
 from proctor.governance._subprocessors import covers
 from proctor.ledger import (
@@ -475,32 +476,23 @@ def _check_records(
     runs: dict[str, dict[str, Any]],
     ordered: list[dict[str, Any]],
 ) -> None:
+    # The same comparisons the runtime and `audit verify` make (governance/_backing.py).
     for a in _load(zf, "governance/approvals.json"):
         ev = grants.get(str(a.get("id")))
         if ev is None or a.get("decision") != "approve":
             continue
         where = f"governance/approvals.json: approval {a.get('id')}"
-        if a.get("principal") != ev["actor"]["id"] or a.get("digest") != ev.get("artifact"):
-            raise _fail(
-                f"{where}: principal or artifact differs from its ledger event (seq {ev['seq']})"
-            )
-        created = str(a.get("created_at"))
-        if not 0 <= _ts(ev["time"]) - _ts(created) <= _CLOCK_SLACK:
-            raise _fail(
-                f"{where}: dated {created}, but its ledger event (seq {ev['seq']}) was "
-                f"recorded at {ev['time']}; the approval was backdated or altered"
-            )
+        for problem in decision_problems(a, ev):
+            raise _fail(f"{where}: {problem}; the approval was backdated or altered")
     for art in _load(zf, "governance/artifacts.json"):
         where = f"governance/artifacts.json: artifact {str(art.get('digest'))[:19]}…"
         manifest = art.get("manifest") or {}
         if capabilities_hash(manifest.get("capabilities") or {}) != art.get("capabilities_hash"):
             raise _fail(f"{where}: its capabilities do not hash to its capabilities_hash")
         ev = submits.get(str(art.get("digest")))
-        if ev is not None and (
-            (ev.get("details") or {}).get("capabilities_hash") != art.get("capabilities_hash")
-            or ev["actor"]["id"] != art.get("author")
-        ):
-            raise _fail(f"{where}: differs from its submission event (seq {ev['seq']})")
+        if ev is not None:
+            for problem in submission_problems(art, ev):
+                raise _fail(f"{where}: differs from its submission event: {problem}")
     for r in _load(zf, "governance/runs.json"):
         ev = runs.get(str(r.get("id")))
         if ev is None:

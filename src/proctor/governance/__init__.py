@@ -18,6 +18,7 @@ from proctor.governance._artifacts import (
     FileChange,
     artifact_digest,
 )
+from proctor.governance._backing import RowProblem, Unbacked, require_backed, unbacked_rows
 from proctor.governance._control import ControlDenied, ControlPlane, role_policy
 from proctor.governance._deployments import (
     ENVIRONMENTS,
@@ -88,6 +89,7 @@ __all__ = [
     "ProductionName",
     "QuorumRule",
     "Resources",
+    "RowProblem",
     "RunLimits",
     "Secret",
     "Subprocessor",
@@ -95,13 +97,16 @@ __all__ = [
     "SyntheticOnly",
     "Tenant",
     "Tenants",
+    "Unbacked",
     "artifact_digest",
     "bindings",
     "capabilities_hash",
     "check_entrypoint",
     "load_manifest",
     "parse_manifest",
+    "require_backed",
     "role_policy",
     "subprocessor_forbid",
+    "unbacked_rows",
     "validate_tenant_name",
 ]

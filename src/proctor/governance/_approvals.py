@@ -1,10 +1,19 @@
 """Approvals bound to the exact artifact digest, its capabilities and its purpose.
 
 An approval counts only once its ledger event is durable (the row is written in
-the same transaction as the event). A quorum is N valid approvals, from
-principals other than the author, optionally holding one of some roles; any
-standing rejection blocks it. Changing one byte of code changes the digest, and
-so needs new approvals.
+the same transaction as the event), and what counts is read from the events, not
+the rows (see _backing.py): a forged row, a cleared revocation or a deleted
+rejection changes nothing. A quorum is N valid approvals, from principals
+independent of the author, holding one of some roles; any standing rejection
+blocks it. Changing one byte of code changes the digest, and so needs new
+approvals.
+
+Independent: not the author, and neither holds the other's token. Whoever
+creates a principal, or issues it a token, is shown that token; so is whoever
+holds the creator's. An approval from a principal the author (transitively)
+made or re-keyed is the author's own, and so is the author's code when the
+approver made the author. The ``approve`` command refuses such a principal up
+front (recorded); the quorum does not count it, should the relation arise later.
 """
 
 from __future__ import annotations
@@ -16,13 +25,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from proctor.errors import NotFound, ProctorError, UsageError
-from proctor.governance._control import ControlPlane
+from proctor.governance._backing import Record
+from proctor.governance._control import ControlDenied, ControlPlane
 from proctor.governance._principals import ROLES, Principal
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.policy import EntityRef
 from proctor.store import Conn, Store
 
 DEFAULT_EXPIRY = timedelta(days=30)
+_INDEPENDENCE = "control:independent-approver"
 
 
 class ArtifactInfo(Protocol):
@@ -100,6 +111,58 @@ def _row(r: tuple[Any, ...]) -> Approval:
     )  # fmt: skip
 
 
+def ledger_approvals(record: Record, tenant: str, digest: str) -> list[Approval]:
+    """The artifact's approvals and rejections as the record has them, revocations applied."""
+    out = []
+    for ev in record.decisions(tenant, digest):
+        d = ev.get("details") or {}
+        aid = str(d.get("approval"))
+        revoke = record.revocation(tenant, aid)
+        out.append(
+            Approval(
+                id=aid,
+                tenant=tenant,
+                digest=str(ev.get("artifact")),
+                capabilities_hash=str(d.get("capabilities_hash")),
+                purpose=str(d.get("purpose")),
+                principal=str(ev["actor"]["id"]),
+                roles=tuple(str(r) for r in d.get("roles") or []),
+                decision="approve" if ev["action"] == "approval.grant" else "reject",
+                comment=str(d.get("comment") or ""),
+                created_at=str(ev["time"]),
+                expires_at=None if d.get("expires_at") is None else str(d["expires_at"]),
+                revoked_at=None if revoke is None else str(revoke["time"]),
+                revoked_by=None if revoke is None else str(revoke["actor"]["id"]),
+            )
+        )
+    return out
+
+
+def not_independent(record: Record, tenant: str, approver: str, author: str) -> str | None:
+    """Why ``approver``'s approval of ``author``'s code would be the author's own, or None."""
+    if approver == author:
+        return f"{approver} is the artifact's author"
+    if author in record.holders(tenant, approver):
+        return (
+            f"{approver} is not independent of the author {author}: {author} created it or"
+            " issued it a token (directly or through principals it made), so holds its token"
+        )
+    if approver in record.holders(tenant, author):
+        return (
+            f"{approver} is not independent of the author {author}: it created {author} or"
+            " issued it a token (directly or through principals it made), so holds its token"
+        )
+    return None
+
+
+def recorded_roles(record: Record, tenant: str, principal: str) -> tuple[str, ...]:
+    """The roles the record gave ``principal`` when it was created (none if unrecorded)."""
+    found = record.allowed(tenant, f"principal/{principal}", "principal.create")
+    if not found:
+        return ()
+    return tuple(str(r) for r in (found[0].get("details") or {}).get("roles") or [])
+
+
 class Approvals:
     def __init__(
         self, store: Store, ledger: Ledger, control: ControlPlane, artifacts: ArtifactLookup
@@ -115,7 +178,11 @@ class Approvals:
     ) -> Approval:  # fmt: skip
         artifact = self._artifacts(tenant, digest)
         action = "approval.grant" if decision == "approve" else "approval.reject"
-        is_author = principal.id == artifact.author
+        record = self._record()
+        submitted = record.submission(tenant, artifact.digest)
+        # The author is whoever the record says submitted it, not the row.
+        author = artifact.author if submitted is None else str(submitted["actor"]["id"])
+        is_author = principal.id in (author, artifact.author)
         self._control.authorize(
             principal,
             action,
@@ -124,6 +191,20 @@ class Approvals:
             event_resource=f"artifact/{artifact.digest}",
             context={"principal_is_author": is_author},
         )
+        if decision == "approve":
+            why = not_independent(record, tenant, principal.id, author)
+            if why is not None:
+                self._ledger.append(
+                    tenant,
+                    EventDraft(
+                        principal.actor, action, f"artifact/{artifact.digest}", decision="deny",
+                        policies=(_INDEPENDENCE,), reason=why, artifact=artifact.digest,
+                    ),
+                )  # fmt: skip
+                raise ControlDenied(
+                    f"{principal.id} may not approve {artifact.digest[:19]}…: {why}",
+                    (_INDEPENDENCE,),
+                )
         now = datetime.now(UTC)
         if expires is not None and expires <= timedelta(0):
             raise UsageError("an approval's lifetime must be positive")
@@ -238,14 +319,23 @@ class Approvals:
             )
         return [_row(r) for r in rows]
 
-    def quorum(self, tenant: str) -> QuorumRule:
+    def _record(self) -> Record:
+        return Record(self._store, self._ledger)
+
+    def stored_quorum(self, tenant: str) -> tuple[int, tuple[str, ...]] | None:
+        """The quorum_rules row as stored, or None."""
         with self._store.read() as conn:
             row = conn.query_one(
                 "SELECT required, roles FROM quorum_rules WHERE tenant = ?", (tenant,)
             )
         if row is None:
-            return QuorumRule()
-        return QuorumRule(int(row[0]), tuple(r for r in str(row[1]).split(",") if r))
+            return None
+        return int(row[0]), tuple(r for r in str(row[1]).split(",") if r)
+
+    def quorum(self, tenant: str, record: Record | None = None) -> QuorumRule:
+        """The rule in force: the last ``quorum.set`` the record holds."""
+        rule = (record or self._record()).quorum(tenant)
+        return QuorumRule() if rule is None else QuorumRule(*rule)
 
     def set_quorum(self, tenant: str, required: int, roles: list[str], actor: Actor) -> QuorumRule:
         if required < 1:
@@ -272,28 +362,46 @@ class Approvals:
         return rule
 
     def valid(self, tenant: str, artifact: ArtifactInfo, at: str | None = None) -> list[Approval]:
-        """The approvals of ``artifact`` that count at time ``at`` (default: now)."""
-        at = at or utc_now()
-        rule = self.quorum(tenant)
-        return [
-            a
-            for a in self.for_artifact(tenant, artifact.digest)
-            if a.decision == "approve"
-            and a.standing(at)
-            and a.capabilities_hash == artifact.capabilities_hash
-            and a.purpose == artifact.purpose
-            and a.principal != artifact.author
-            and a.principal.startswith(f"{tenant}/")
-            and any(r in rule.roles for r in a.roles)
-        ]
+        """The approvals of ``artifact`` that count at time ``at`` (default: now), as the
+        record has them: the store's rows are not consulted."""
+        return self._valid(self._record(), tenant, artifact, at or utc_now())
+
+    def _valid(
+        self, record: Record, tenant: str, artifact: ArtifactInfo, at: str
+    ) -> list[Approval]:
+        submitted = record.submission(tenant, artifact.digest)
+        if (
+            submitted is None
+            or (submitted.get("details") or {}).get("capabilities_hash")
+            != artifact.capabilities_hash
+        ):
+            return []  # not the artifact that was submitted: nothing approved it
+        author = str(submitted["actor"]["id"])
+        rule = self.quorum(tenant, record)
+        out = []
+        for a in ledger_approvals(record, tenant, artifact.digest):
+            if not (
+                a.decision == "approve"
+                and a.standing(at)
+                and a.capabilities_hash == artifact.capabilities_hash
+                and a.purpose == artifact.purpose
+                and a.principal.startswith(f"{tenant}/")
+                and any(r in rule.roles for r in a.roles)
+                and any(r in rule.roles for r in recorded_roles(record, tenant, a.principal))
+            ):
+                continue
+            if not_independent(record, tenant, a.principal, author) is None:
+                out.append(a)
+        return out
 
     def require_quorum(
         self, tenant: str, artifact: ArtifactInfo, at: str | None = None
     ) -> list[Approval]:
         at = at or utc_now()
+        record = self._record()
         rejections = [
             a
-            for a in self.for_artifact(tenant, artifact.digest)
+            for a in ledger_approvals(record, tenant, artifact.digest)
             if a.decision == "reject" and a.standing(at)
         ]
         if rejections:
@@ -301,16 +409,17 @@ class Approvals:
                 f"artifact {artifact.digest[:19]} was rejected by {rejections[0].principal}",
                 hint="the rejection must be revoked before it can run in production",
             )
-        valid = self.valid(tenant, artifact, at)
+        valid = self._valid(record, tenant, artifact, at)
         # One vote per principal, however often they approved.
         voters: dict[str, Approval] = {}
         for a in valid:
             voters.setdefault(a.principal, a)
-        rule = self.quorum(tenant)
+        rule = self.quorum(tenant, record)
         if len(voters) < rule.required:
             raise ApprovalRequired(
                 f"artifact {artifact.digest[:19]} has {len(voters)} valid approval(s) of the "
-                f"{rule.required} required (from {' or '.join(rule.roles)}, not its author)",
+                f"{rule.required} required (from {' or '.join(rule.roles)}, independent of"
+                " its author)",
                 hint=f"proctor approve {artifact.digest} --tenant {tenant}",
             )
         return list(voters.values())

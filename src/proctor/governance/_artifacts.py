@@ -717,12 +717,15 @@ class Artifacts:
 
     def files(self, tenant: str, digest: str) -> builtins.list[ArtifactFile]:
         """The artifact's entries, sorted by path (only if ``tenant`` has it)."""
-        artifact = self.get(tenant, digest)
+        return self.stored_files(self.get(tenant, digest).digest)
+
+    def stored_files(self, digest: str) -> builtins.list[ArtifactFile]:
+        """The ``artifact_files`` rows of exactly ``digest``, as stored (unchecked)."""
         with self._store.read() as conn:
             rows = conn.query(
                 "SELECT path, mode, sha256, size, link FROM artifact_files WHERE digest = ?"
                 " ORDER BY path",
-                (artifact.digest,),
+                (digest,),
             )
         return [
             ArtifactFile(
@@ -749,10 +752,22 @@ class Artifacts:
         sandbox's guest runs as another user (65534) and must read them. The
         tree is built beside ``dest`` and renamed into place, so ``dest``
         exists only complete and verified.
+
+        The digest is recomputed from the entries and manifest written here,
+        and each blob is checked against its entry as it is copied: what lands
+        in ``dest`` is the content the digest names, whatever rows and blobs
+        someone changed in the store.
         """
         artifact = self.get(tenant, digest)
-        files = self.files(tenant, artifact.digest)
+        files = self.stored_files(artifact.digest)
         _check_tree(files)
+        recomputed = artifact_digest(files, artifact.manifest)
+        if recomputed != artifact.digest:
+            raise VerificationFailed(
+                f"artifact {artifact.digest}: its stored files and manifest hash to"
+                f" {recomputed[:19]}…, not to its digest; the store was changed",
+                hint=f"proctor audit verify --tenant {tenant}",
+            )
         if dest.exists() or dest.is_symlink():
             raise UsageError(f"{dest} exists already; materialize into a new directory")
         tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"

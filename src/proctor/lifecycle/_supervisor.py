@@ -24,7 +24,7 @@ from typing import Any
 
 from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
 from proctor.errors import NotFound, ProctorError
-from proctor.governance import ApprovalRequired, Deployment, bindings
+from proctor.governance import ApprovalRequired, Deployment, bindings, require_backed
 from proctor.ledger import Actor, EventDraft, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
@@ -220,6 +220,10 @@ class Supervisor:
             # one holds no production name (a store row changed by hand included).
             rt.deployments.lifecycle(artifact, dep.mode, dep.every_seconds)
             rt.deployments.check_name(tenant, name, dep.environment)
+            # What would run is what the signed record says was submitted and deployed:
+            # the digest recomputed from the stored files and manifest, the submit and
+            # deployment events (a store changed without the key is refused here).
+            require_backed(rt.store, rt.ledger, rt.artifacts, dep)
         except ProctorError as exc:
             raise self._refuse(tenant, actor, name, exc.message, dep.digest) from exc
         approvals: tuple[str, ...] = ()

@@ -221,4 +221,18 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (tenant, host)
         )""",
     ],
+    # 7: governance events found by what they are about (governance/_backing.py): the
+    # runtime and `audit verify` hold each store row to its event through this index,
+    # never by reading the whole log. An index, not a table: no SQL statement can edit
+    # it apart from the events it indexes. (Statement 1 is PostgreSQL's function.)
+    [
+        "SELECT 1",
+        "CREATE INDEX ledger_entries_ref ON ledger_entries"
+        " (json_extract(CAST(data AS TEXT), '$.resource'), log)"
+        " WHERE json_extract(CAST(data AS TEXT), '$.action') IN"
+        " ('artifact.submit', 'approval.grant', 'approval.reject', 'approval.revoke',"
+        " 'deployment.create', 'deployment.rollback', 'deployment.stopped', 'principal.create',"
+        " 'principal.disable', 'principal.enable', 'token.issue', 'quorum.set',"
+        " 'tenant.freeze', 'tenant.unfreeze')",
+    ],
 ]

@@ -215,4 +215,19 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (tenant, host)
         )""",
     ],
+    # 7: governance events found by what they are about (governance/_backing.py).
+    # convert_from is only STABLE (it depends on the server encoding, fixed for a
+    # database), so the index goes through an IMMUTABLE wrapper.
+    [
+        "CREATE FUNCTION proctor_event_field(data BYTEA, field TEXT) RETURNS TEXT"
+        " LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE"
+        " AS 'SELECT convert_from(data, ''UTF8'')::jsonb ->> field'",
+        "CREATE INDEX ledger_entries_ref ON ledger_entries"
+        " (proctor_event_field(data, 'resource'), log)"
+        " WHERE proctor_event_field(data, 'action') IN"
+        " ('artifact.submit', 'approval.grant', 'approval.reject', 'approval.revoke',"
+        " 'deployment.create', 'deployment.rollback', 'deployment.stopped', 'principal.create',"
+        " 'principal.disable', 'principal.enable', 'token.issue', 'quorum.set',"
+        " 'tenant.freeze', 'tenant.unfreeze')",
+    ],
 ]
