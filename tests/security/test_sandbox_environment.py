@@ -36,7 +36,8 @@ REPORT = b"# the production report\n"
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    """Answers 200 to anything and keeps what it was sent."""
+    """Answers 200 to anything and keeps what it was sent; ``/echo`` sends the
+    request's Authorization header back in the body, as a debugging endpoint would."""
 
     protocol_version = "HTTP/1.1"
     seen: list[bytes]
@@ -48,10 +49,13 @@ class _Recorder(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         type(self).seen.append(bytes(self.headers) + body)
+        answer = b"ok"
+        if self.path == "/echo":
+            answer = ("you sent: " + self.headers.get("Authorization", "")).encode()
         self.send_response(200)
-        self.send_header("Content-Length", "2")
+        self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
-        self.wfile.write(b"ok")
+        self.wfile.write(answer)
 
     do_GET = do_POST = _any
 
@@ -113,6 +117,17 @@ except urllib.error.HTTPError as e:
     res["api"] = e.code
 except urllib.error.URLError as e:
     res["api"] = "failed: " + str(e.reason)[:60]
+def get(url, headers):
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return f"{r.status} {r.read().decode(errors='replace')}"
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception as e:  # a cut connection, a failed tunnel: what the guest saw
+        return "failed: " + str(e)[:80]
+placeholder = "Bearer proctor-secret:crm_token"
+res["echo"] = get(f"https://{API}/echo", {"Authorization": placeholder})
+res["elsewhere"] = get(f"https://{API}/v1/data", {"X-Request-Id": placeholder})
 body = res["read_pii"].encode() if not res["read_pii"].startswith("refused") else b"rows"
 try:
     with urllib.request.urlopen(urllib.request.Request(f"http://{THIRD}/upload", data=body,
@@ -223,6 +238,10 @@ def test_sandbox_runs_get_only_the_test_twin_and_the_hosts_marked_for_sandbox(
     _, res = _run(gov, upstreams, "attack", WORKING[0])
 
     assert res["api"] == 200, res
+    # The twin's value never comes back: an upstream that echoes the header is cut
+    # before the value, and the placeholder outside its bound header is refused.
+    assert TEST_SECRET not in json.dumps(res) and res["echo"] != 200, res
+    assert res["elsewhere"] == 403, res
     sent = b"".join(upstreams["api"].seen)
     assert f"Bearer {TEST_SECRET}".encode() in sent, "the test twin was injected"
     assert REAL_SECRET.encode() not in sent, "the real secret never reaches a sandbox call"
