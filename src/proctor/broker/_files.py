@@ -235,16 +235,6 @@ def _stage(root: Path, bucket: str, key: str, data: bytes) -> _Staged:
 # -- the handlers ----------------------------------------------------------------------
 
 
-def _reason(decision: Decision) -> str:
-    if decision.allowed:
-        return "permitted by " + ", ".join(decision.policies)
-    if decision.errors:
-        return "denied: policy evaluation failed"
-    if decision.policies:
-        return "denied: forbidden by " + ", ".join(decision.policies)
-    return "denied: no policy permits it"
-
-
 async def _refuse(
     scope: RunScope, action: str, resource: str, error: BrokerError, details: Mapping[str, Any]
 ) -> BrokerError:
@@ -278,7 +268,7 @@ async def _prepare(
         action, ref, {"key": key, **context}, (Entity.in_tenant(ref, scope.tenant),)
     )
     if not decision.allowed:
-        reason = _reason(decision)
+        reason = decision.reason
         await scope.record(action, resource, decision, reason=reason, details=details)
         raise CallDenied(f"{action} on {resource} {reason}", policies=decision.policies)
     return bucket, key, scope.buckets_dir, decision, details
@@ -308,7 +298,7 @@ async def read_object(
         error = BrokerError(f"files: the object could not be read: {exc.strerror}")
         raise await _refuse(scope, action, resource, error, details) from None
     details |= {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    await scope.record(action, resource, decision, reason=_reason(decision), details=details)
+    await scope.record(action, resource, decision, reason=decision.reason, details=details)
     return data
 
 
@@ -351,7 +341,7 @@ async def write_object(
         raise await _refuse(scope, action, resource, error, details) from None
     details |= {"bytes": len(data), "sha256": digest}
     try:
-        await scope.record(action, resource, decision, reason=_reason(decision), details=details)
+        await scope.record(action, resource, decision, reason=decision.reason, details=details)
     except BaseException:
         await asyncio.to_thread(staged.discard)
         raise

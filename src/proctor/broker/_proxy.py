@@ -582,7 +582,7 @@ class EgressProxy:
             raise bad from exc
         decision = scope.decide("http.request", ref, context, entities)
         if not decision.allowed:
-            reason = _deny_reason(decision)
+            reason = decision.reason
             await scope.record("http.request", resource, decision, reason=reason, details=details)
             raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
 
@@ -597,7 +597,7 @@ class EgressProxy:
                     "http.request",
                     resource,
                     decision,
-                    reason="permitted by " + ", ".join(decision.policies) + "; not resolved",
+                    reason=decision.reason + "; not resolved",
                     details=details,
                 )
                 raise
@@ -624,7 +624,7 @@ class EgressProxy:
             # Again with the address known, so forbids on address ranges apply.
             context["address"] = IpAddr(str(address))
             decision = scope.decide("http.request", ref, context, entities)
-        reason = _deny_reason(decision) if not decision.allowed else _allow_reason(decision)
+        reason = decision.reason
         appended = await scope.record(
             "http.request", resource, decision, reason=reason, details=details
         )
@@ -668,18 +668,6 @@ class EgressProxy:
 
 def _resource(host: Host, port: int) -> str:
     return f"host/{host.display}:{port}"
-
-
-def _allow_reason(decision: Decision) -> str:
-    return "permitted by " + ", ".join(decision.policies)
-
-
-def _deny_reason(decision: Decision) -> str:
-    if decision.errors:
-        return "denied: policy evaluation failed"
-    if decision.policies:
-        return "forbidden by " + ", ".join(decision.policies)
-    return "denied: no policy permits it"
 
 
 async def _record_bad(scope: RunScope, method: str, target: str, exc: BadCall) -> None:

@@ -320,14 +320,7 @@ class RunScope:
     ) -> Decision:
         """Decide, record the decision, and raise CallDenied if it was a deny."""
         decision = self.decide(action, resource, context, entities)
-        if decision.allowed:
-            reason = "permitted by " + ", ".join(decision.policies)
-        elif decision.policies and not decision.errors:
-            reason = "forbidden by " + ", ".join(decision.policies)
-        elif decision.errors:
-            reason = "denied: policy evaluation failed"
-        else:
-            reason = "denied: no policy permits it"
+        reason = decision.reason
         await self.record(action, event_resource, decision, reason=reason, details=details)
         if not decision.allowed:
             raise CallDenied(f"{action} on {event_resource} {reason}", policies=decision.policies)

@@ -36,6 +36,34 @@ class Decision:
     def decision(self) -> Literal["allow", "deny"]:
         return "allow" if self.allowed else "deny"
 
+    @property
+    def why(self) -> str:
+        """What decided, in words that fit after a colon inside a longer reason.
+
+        ``permitted by a, b``, ``forbidden by a, b``, ``policy evaluation
+        failed`` or ``no policy permits it`` (the default deny).
+        """
+        if self.allowed:
+            return "permitted by " + ", ".join(self.policies)
+        if self.errors:
+            # Checked before the policies: a failing policy is named in
+            # ``policies`` too, and did not forbid anything.
+            return "policy evaluation failed"
+        if self.policies:
+            return "forbidden by " + ", ".join(self.policies)
+        return "no policy permits it"
+
+    @property
+    def reason(self) -> str:
+        """The reason recorded beside the decision and given in a refusal.
+
+        It follows the call it explains (``sql.select on t forbidden by p``),
+        so a deny that no policy forbade says it was denied.
+        """
+        if self.allowed or (self.policies and not self.errors):
+            return self.why
+        return "denied: " + self.why
+
     def to_json(self) -> dict[str, Any]:
         return {
             "decision": self.decision,
