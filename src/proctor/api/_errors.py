@@ -12,17 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from proctor.errors import (
-    AlreadyExists,
-    LedgerError,
-    NotFound,
-    PolicyError,
-    ProctorError,
-    SandboxError,
-    StoreError,
-    UsageError,
-    VerificationFailed,
-)
+from proctor.errors import RETRYABLE, AuthenticationFailed, ProctorError, answer_of
 
 log = logging.getLogger("proctor.api")
 
@@ -64,44 +54,17 @@ def not_found(message: str) -> ApiError:
 
 def classify(exc: BaseException) -> tuple[int, str, dict[str, str]]:
     """Status, stable code and extra headers for an exception raised by a handler."""
-    # Imported here: the governance and lifecycle errors live beside their modules,
-    # and proctor.errors (the root) must not import them.
-    from proctor.broker import CallRefused
-    from proctor.governance import (
-        ApprovalRequired,
-        AuthenticationFailed,
-        ControlDenied,
-        NotApproved,
-        ProductionName,
-        SyntheticOnly,
-    )
-    from proctor.lifecycle import RunRefused
-
-    retry = {"Retry-After": str(RETRY_AFTER)}
     if isinstance(exc, ApiError):
         return exc.status, exc.code, exc.headers
-    table: list[tuple[type[BaseException], int, str, dict[str, str]]] = [
-        (AuthenticationFailed, 401, "unauthenticated", {"WWW-Authenticate": "Bearer"}),
-        (ControlDenied, 403, "forbidden", {}),
-        (ApprovalRequired, 409, "approval_required", {}),
-        (SyntheticOnly, 409, "synthetic_only", {}),
-        (NotApproved, 409, "not_approved", {}),
-        (ProductionName, 409, "production_name", {}),
-        (RunRefused, 409, "run_refused", {}),
-        (NotFound, 404, "not_found", {}),
-        (AlreadyExists, 409, "already_exists", {}),
-        (PolicyError, 400, "invalid_policy", {}),
-        (UsageError, 400, "invalid_request", {}),
-        (LedgerError, 503, "ledger_unavailable", retry),
-        (CallRefused, 503, "ledger_unavailable", retry),
-        (StoreError, 503, "store_unavailable", retry),
-        (VerificationFailed, 409, "verification_failed", {}),
-        (SandboxError, 500, "sandbox_error", {}),
-    ]
-    for kind, status, code, headers in table:
-        if isinstance(exc, kind):
-            return status, code, headers
-    return 500, "internal", {}
+    answer = answer_of(exc)
+    if answer is None:
+        return 500, "internal", {}
+    status, code = answer
+    if code in RETRYABLE:
+        return status, code, {"Retry-After": str(RETRY_AFTER)}
+    if code == AuthenticationFailed.code:
+        return status, code, {"WWW-Authenticate": "Bearer"}
+    return status, code, {}
 
 
 def body(code: str, message: str, hint: str | None, request_id: str | None) -> dict[str, Any]:

@@ -21,17 +21,7 @@ from urllib.parse import quote
 
 import httpx
 
-from proctor.errors import (
-    AlreadyExists,
-    LedgerError,
-    NotFound,
-    PolicyError,
-    ProctorError,
-    SandboxError,
-    StoreError,
-    UsageError,
-    VerificationFailed,
-)
+from proctor.errors import ProctorError, UsageError, class_of
 
 Json = Any
 
@@ -40,64 +30,19 @@ class RemoteError(ProctorError):
     """An API error whose code this client does not know (a newer server)."""
 
 
-def _error_class(code: str) -> type[ProctorError]:
-    # The governance and lifecycle errors are imported only when needed: the SDK
-    # should not pay for Cedar and the store on import.
-    if code == "unauthenticated":
-        from proctor.governance import AuthenticationFailed
-
-        return AuthenticationFailed
-    if code == "approval_required":
-        from proctor.governance import ApprovalRequired
-
-        return ApprovalRequired
-    if code == "synthetic_only":
-        from proctor.governance import SyntheticOnly
-
-        return SyntheticOnly
-    if code in ("not_approved", "production_name"):
-        from proctor.governance import NotApproved, ProductionName
-
-        return NotApproved if code == "not_approved" else ProductionName
-    if code == "run_refused":
-        from proctor.lifecycle import RunRefused
-
-        return RunRefused
-    simple: dict[str, type[ProctorError]] = {
-        "not_found": NotFound,
-        "already_exists": AlreadyExists,
-        "invalid_request": UsageError,
-        "invalid_policy": PolicyError,
-        "too_large": UsageError,
-        "unsupported_media_type": UsageError,
-        "method_not_allowed": UsageError,
-        "ledger_unavailable": LedgerError,
-        "store_unavailable": StoreError,
-        "verification_failed": VerificationFailed,
-        "sandbox_error": SandboxError,
-    }
-    return simple.get(code, RemoteError)
-
-
 def error_from_response(status: int, payload: Json, request_id: str | None) -> ProctorError:
-    """The exception an error response stands for."""
+    """The exception an error response stands for: the class its code names in
+    ``proctor.errors``' table, ``RemoteError`` for a code this version does not know."""
     err = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(err, dict):
         err = {"code": "internal", "message": f"HTTP {status} without a Proctor error body"}
     code = str(err.get("code") or "internal")
     message = str(err.get("message") or f"HTTP {status}")
     hint = err.get("hint") if isinstance(err.get("hint"), str) else None
-    if code == "forbidden":
-        from proctor.governance import ControlDenied
-
-        exc: ProctorError = ControlDenied(message)
-        exc.hint = hint
-    else:
-        exc = _error_class(code)(message, hint=hint)
-    # Attached, not declared: the classes are the embedded runtime's own.
-    exc.status = status  # type: ignore[attr-defined]
-    exc.code = code  # type: ignore[attr-defined]
-    exc.request_id = err.get("request_id") or request_id  # type: ignore[attr-defined]
+    exc = (class_of(code) or RemoteError)(message, hint=hint)
+    exc.status = status
+    exc.code = code
+    exc.request_id = err.get("request_id") or request_id
     return exc
 
 

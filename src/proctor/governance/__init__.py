@@ -1,10 +1,17 @@
 """Tenants and everything that governs what runs for them: principals and tokens,
 control-plane authorization, policies, resources, artifacts, approvals, deployments."""
 
+from proctor.errors import (
+    ApprovalRequired,
+    AuthenticationFailed,
+    ControlDenied,
+    NotApproved,
+    ProductionName,
+    SyntheticOnly,
+)
 from proctor.governance._approvals import (
     DEFAULT_EXPIRY,
     Approval,
-    ApprovalRequired,
     Approvals,
     ArtifactInfo,
     QuorumRule,
@@ -19,16 +26,14 @@ from proctor.governance._artifacts import (
     artifact_digest,
 )
 from proctor.governance._backing import RowProblem, Unbacked, require_backed, unbacked_rows
-from proctor.governance._control import ControlDenied, ControlPlane, role_policy
+from proctor.governance._control import ControlPlane, role_policy
 from proctor.governance._deployments import (
     ENVIRONMENTS,
     MODES,
     Deployment,
     Deployments,
-    NotApproved,
-    ProductionName,
 )
-from proctor.governance._environments import Bindings, SyntheticOnly, bindings
+from proctor.governance._environments import Bindings, bindings
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
     Lifecycle,
@@ -43,7 +48,6 @@ from proctor.governance._policies import Policies, PolicyVersion
 from proctor.governance._principals import (
     KINDS,
     ROLES,
-    AuthenticationFailed,
     Principal,
     Principals,
 )

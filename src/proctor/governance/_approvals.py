@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from proctor.errors import NotFound, ProctorError, UsageError
+from proctor.errors import ApprovalRequired, ControlDenied, NotFound, UsageError
 from proctor.governance._backing import Record
-from proctor.governance._control import ControlDenied, ControlPlane
+from proctor.governance._control import ControlPlane
 from proctor.governance._principals import ROLES, Principal
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.policy import EntityRef
@@ -50,12 +50,6 @@ class ArtifactInfo(Protocol):
 
 
 ArtifactLookup = Callable[[str, str], ArtifactInfo]
-
-
-class ApprovalRequired(ProctorError):
-    """The artifact lacks the quorum of valid approvals this needs."""
-
-    exit_code = 5
 
 
 @dataclass(frozen=True)

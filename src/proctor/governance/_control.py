@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from proctor.errors import ProctorError
+from proctor.errors import ControlDenied
 from proctor.governance._principals import ROLES, Principal
 from proctor.ledger import EventDraft, Ledger
 from proctor.policy import (
@@ -81,16 +81,6 @@ def role_policy(tenant: str) -> str:
         " when { context.principal_is_author };"
     )
     return "\n".join(parts) + "\n"
-
-
-class ControlDenied(ProctorError):
-    """The principal may not do this (or it is not theirs to see)."""
-
-    exit_code = 5
-
-    def __init__(self, message: str, policies: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.policies = policies
 
 
 class ControlPlane:

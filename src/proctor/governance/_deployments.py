@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proctor.errors import NotFound, ProctorError, UsageError
+from proctor.errors import NotApproved, NotFound, ProductionName, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
 from proctor.governance._environments import check_synthetic
 from proctor.governance._manifest import Manifest
@@ -37,18 +37,6 @@ class WithCapabilities(ArtifactInfo, Protocol):
     def capabilities(self) -> dict[str, Any]: ...
     @property
     def manifest(self) -> Manifest: ...
-
-
-class NotApproved(ProctorError):
-    """The deployment asks for something the approved manifest does not say."""
-
-    exit_code = 5
-
-
-class ProductionName(ProctorError):
-    """A sandbox deployment tried to take a name production uses."""
-
-    exit_code = 5
 
 
 @dataclass(frozen=True)

@@ -26,17 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proctor.errors import ProctorError
+from proctor.errors import ProctorError, SyntheticOnly
 from proctor.governance._resources import Dataset, Resources, Secret
 from proctor.governance._subprocessors import Subprocessors, egress_forbid, subprocessor_forbid
 
 SANDBOX_EGRESS_FORBID_ID = "tenant:sandbox-egress"
-
-
-class SyntheticOnly(ProctorError):
-    """A sandbox deployment asked for a dataset that holds real data."""
-
-    exit_code = 5
 
 
 @dataclass(frozen=True)

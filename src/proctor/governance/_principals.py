@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from proctor.errors import AlreadyExists, NotFound, ProctorError, UsageError
+from proctor.errors import AlreadyExists, AuthenticationFailed, NotFound, UsageError
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
@@ -22,12 +22,6 @@ ROLES = ("developer", "approver", "auditor", "admin")
 KINDS = ("user", "service")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9._-]{0,62}$")
 _TOKEN_PREFIX = "pt_"  # noqa: S105 - the prefix that marks a token, not a token
-
-
-class AuthenticationFailed(ProctorError):
-    """The token names no principal, or a disabled one."""
-
-    exit_code = 4
 
 
 @dataclass(frozen=True)

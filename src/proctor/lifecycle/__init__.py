@@ -1,10 +1,11 @@
 """Runs: sandboxes whose only way out is the broker, the supervisor that starts
 them and keeps services up, and the answer to "what ran here at time T?"."""
 
+from proctor.errors import RunRefused
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
 from proctor.lifecycle._history import what_ran
 from proctor.lifecycle._serve import Server
-from proctor.lifecycle._supervisor import Interrupt, RunRecord, RunRefused, Runs, Supervisor
+from proctor.lifecycle._supervisor import Interrupt, RunRecord, Runs, Supervisor
 
 __all__ = [
     "GUEST_SOCKET",

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
-from proctor.errors import NotFound, ProctorError
+from proctor.errors import NotFound, ProctorError, RunRefused
 from proctor.governance import ApprovalRequired, Deployment, bindings, require_backed
 from proctor.ledger import Actor, EventDraft, utc_now
 from proctor.lifecycle._brokered import run_brokered
@@ -55,12 +55,6 @@ class Interrupt(threading.Event):
             self.signum = signum
             self.reason = signal.Signals(signum).name
         self.set()
-
-
-class RunRefused(ProctorError):
-    """The run may not start now: frozen tenant, inactive deployment, no quorum."""
-
-    exit_code = 5
 
 
 @dataclass(frozen=True)
