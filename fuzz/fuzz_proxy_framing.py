@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import _harness
 
-_harness.instrumented("proctor.broker._proxy")
+_harness.instrumented("proctor.broker._http")
 
 from tests.fuzz._oracle_proxy import check_forward  # noqa: E402
 
-from proctor.broker._proxy import _parse_request_head  # noqa: E402
+from proctor.broker._http import parse_request_head  # noqa: E402
 from proctor.broker._scope import BadCall  # noqa: E402
 
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: upstream.test\r\n\r\n"
@@ -27,10 +27,10 @@ def test_one_input(data: bytes) -> None:
     if not sep:
         return
     try:
-        method, _, headers = _parse_request_head(b"POST /x HTTP/1.1\r\n" + head + b"\r\n\r\n")
+        parsed = parse_request_head(b"POST /x HTTP/1.1\r\n" + head + b"\r\n\r\n")
     except BadCall:
         return
-    check_forward(method, headers, stream)
+    check_forward(parsed.method, parsed.headers, stream)
 
 
 if __name__ == "__main__":

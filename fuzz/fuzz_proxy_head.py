@@ -1,10 +1,10 @@
-"""The egress proxy's request head parser: a refusal or a head that round-trips."""
+"""The broker's request head parser: a refusal or a head that round-trips."""
 
 from __future__ import annotations
 
 import _harness
 
-_harness.instrumented("proctor.broker._proxy")
+_harness.instrumented("proctor.broker._http")
 
 from tests.fuzz._oracle_proxy import check_request_head  # noqa: E402
 

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import h11
 
 from proctor.broker._egress import Host, parse_host, split_authority
-from proctor.broker._proxy import (
-    _forward_headers,
-    _Framing,
-    _parse_request_head,
-    _parse_url,
-    _request_framing,
-    _serialize_head,
-    _walk_body,
+from proctor.broker._http import (
+    Framing,
+    forward_headers,
+    parse_request_head,
+    request_framing,
+    serialize_head,
+    walk_body,
 )
+from proctor.broker._proxy import _parse_url
 from proctor.broker._scope import BadCall
 
 BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
@@ -49,9 +49,10 @@ def _no_ctl(text: str) -> bool:
 
 
 def check_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]] | None:
-    """``_parse_request_head`` on ``head``: None for a refusal, else the parsed head."""
+    """``parse_request_head`` on ``head``: None for a refusal, else the parsed head."""
     try:
-        method, target, headers = _parse_request_head(head)
+        parsed = parse_request_head(head)
+        method, target, headers = parsed.method, parsed.target, parsed.headers
     except BadCall as exc:
         assert exc.status == 400 and exc.message
         return None
@@ -63,8 +64,8 @@ def check_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]] | 
         assert value == value.strip(" \t")
     text = head.decode("latin-1")
     assert "\r" not in text.replace("\r\n", "") and "\n" not in text.replace("\r\n", "")
-    again = _parse_request_head(_serialize_head(f"{method} {target} HTTP/1.1", headers))
-    assert again == (method, target, headers), again
+    again = parse_request_head(serialize_head(f"{method} {target} HTTP/1.1", headers))
+    assert (again.method, again.target, again.headers) == (method, target, headers), again
     return method, target, headers
 
 
@@ -73,12 +74,12 @@ def check_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]] | 
 
 @dataclass
 class Forwarded:
-    framing: _Framing
+    framing: Framing
     upstream: bytes  # what the proxy writes upstream: the head it builds, the body as walked
     body_raw: bytes
 
 
-async def _walk(framing: _Framing, stream: bytes) -> bytes:
+async def _walk(framing: Framing, stream: bytes) -> bytes:
     reader = asyncio.StreamReader()
     reader.feed_data(stream)
     reader.feed_eof()
@@ -87,7 +88,7 @@ async def _walk(framing: _Framing, stream: bytes) -> bytes:
     async def put(data: bytes) -> None:
         out.extend(data)
 
-    await _walk_body(reader, framing, put)
+    await walk_body(reader, framing, put)
     return bytes(out)
 
 
@@ -98,7 +99,7 @@ def check_forward(method: str, headers: list[tuple[str, str]], stream: bytes) ->
     Property: if h11 accepts the upstream bytes, it reads exactly one request, with
     the proxy's method, target and body, and no byte left over for a second request."""
     try:
-        framing = _request_framing(headers, method)
+        framing = request_framing(headers, method)
     except BadCall as exc:
         assert exc.status == 400
         return None
@@ -121,13 +122,13 @@ def check_forward(method: str, headers: list[tuple[str, str]], stream: bytes) ->
     except asyncio.IncompleteReadError:
         return None  # the guest stopped early: the proxy's copy fails, nothing is framed
     assert stream.startswith(body_raw), "the proxy forwarded bytes it did not read"
-    out = _forward_headers(headers, "upstream.test")
-    upstream = _serialize_head(f"{method} /x HTTP/1.1", out) + body_raw
+    out = forward_headers(headers, "upstream.test")
+    upstream = serialize_head(f"{method} /x HTTP/1.1", out) + body_raw
     _judge_with_h11(method, upstream, framing, body_raw)
     return Forwarded(framing, upstream, body_raw)
 
 
-def _judge_with_h11(method: str, upstream: bytes, framing: _Framing, body_raw: bytes) -> None:
+def _judge_with_h11(method: str, upstream: bytes, framing: Framing, body_raw: bytes) -> None:
     conn = h11.Connection(h11.SERVER)
     conn.receive_data(upstream)
     conn.receive_data(b"")  # the proxy sends nothing more on this connection

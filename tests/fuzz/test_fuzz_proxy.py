@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from proctor.broker import EgressProxy
 from proctor.broker._egress import IPAddress, UpstreamFailed
-from proctor.broker._proxy import _Framing, _parse_request_head, _walk_body
+from proctor.broker._http import Framing, parse_request_head, walk_body
 from proctor.broker._scope import BadCall
 from tests.fuzz._oracle_proxy import (
     check_authority,
@@ -205,7 +205,7 @@ def test_a_chunked_body_cut_short_ends_cleanly(stream: bytes, cut: int) -> None:
         async def put(data: bytes) -> None:
             pass
 
-        await _walk_body(reader, _Framing("chunked"), put)
+        await walk_body(reader, Framing("chunked"), put)
 
     with contextlib.suppress(BadCall, asyncio.IncompleteReadError):
         asyncio.run(asyncio.wait_for(walk(), 5))
@@ -220,7 +220,7 @@ def test_a_chunk_line_cannot_grow_without_bound() -> None:
         async def put(chunk: bytes) -> None:
             pass
 
-        await _walk_body(reader, _Framing("chunked"), put)
+        await walk_body(reader, Framing("chunked"), put)
 
     for data in (b"5;" + b"x" * 100_000 + b"\r\n", b"0\r\n" + b"X-T: 1\r\n" * 200 + b"\r\n"):
         with pytest.raises(BadCall):
@@ -518,10 +518,11 @@ def test_a_real_upstream_gets_one_request_the_decided_one(
 
 
 def test_the_parsed_head_is_what_goes_upstream() -> None:
-    """A fixed point: what _parse_request_head takes it gives back unchanged."""
-    method, target, headers = _parse_request_head(
+    """A fixed point: what parse_request_head takes it gives back unchanged."""
+    head = parse_request_head(
         b"POST /p?q HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nX:  v \r\n\r\n"
     )
+    method, target, headers = head.method, head.target, head.headers
     assert (method, target, headers) == (
         "POST",
         "/p?q",

@@ -1,20 +1,51 @@
-"""Just enough HTTP/1.1 for the broker socket: a bounded request-head reader and
-response writer. Bodies are read by the handlers that know their limits."""
+"""HTTP/1.1 for every broker path: the one request-head parser, message framing,
+and the broker's own answers.
+
+The run's socket (:mod:`._server`), the egress proxy (:mod:`._proxy`) and the
+requests inside an injected tunnel (:mod:`._inject`) read a request head with
+:func:`parse_request_head`: one set of rules wherever a request arrives, so no
+two broker paths can read the same bytes as two different requests. Bodies the
+proxy passes on are framed strictly (:func:`request_framing`,
+:func:`walk_body`): the bytes go on as they came, so anything another parser
+could frame another way is refused before a byte of it is passed on. Bodies
+the socket's own endpoints take are read by :func:`read_body`, to a limit.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from http import HTTPStatus
+from typing import Any, Protocol
 
-from proctor.broker._scope import BadCall
+from proctor.broker._egress import UpstreamFailed
+from proctor.broker._scope import BadCall, BrokerError
 
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
+#: Bytes read from a body at a time.
+CHUNK = 65536
+_MAX_LINE = 8192
 _VERSIONS = ("HTTP/1.1", "HTTP/1.0")
 _UPPER = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
+# Methods whose body an upstream may leave unread (RFC 9110 gives a body on them
+# no meaning): left unread, it is read as the next request on the connection.
+BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
 _REASONS = {
     200: "OK",
     201: "Created",
@@ -50,23 +81,44 @@ class RequestHead:
         return [(k, v) for k, v in self.headers if k.lower() not in drop]
 
 
-async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> RequestHead | None:
-    """The next request head, or None at a clean end of stream."""
-    try:
-        raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise BadCall("the request head ended early") from exc
-    except asyncio.LimitOverrunError as exc:
-        raise BadCall(f"the request head is larger than {MAX_HEAD} bytes") from exc
-    except TimeoutError as exc:
-        raise BadCall("no complete request head in time") from exc
-    try:
-        text = raw.decode("latin-1")
-    except UnicodeDecodeError as exc:  # pragma: no cover - latin-1 decodes every byte
-        raise BadCall("undecodable request head") from exc
-    lines = text[:-4].split("\r\n")
+# -- heads ----------------------------------------------------------------------
+
+
+def _head_lines(raw: bytes) -> list[str]:
+    """The lines of a message head (its bytes up to and including the empty line)."""
+    text = raw.decode("latin-1")  # decodes every byte
+    if not text.endswith("\r\n\r\n"):
+        raise BadCall("the message head ended early")
+    body = text[:-4]
+    if "\n" in body.replace("\r\n", "") or "\r" in body.replace("\r\n", ""):
+        raise BadCall("bare CR or LF in a message head")
+    return body.split("\r\n")
+
+
+def _header_fields(lines: list[str]) -> list[tuple[str, str]]:
+    headers: list[tuple[str, str]] = []
+    for line in lines:
+        name, sep, value = line.partition(":")
+        # A token name also refuses a line folded onto the previous one (obs-fold).
+        if not sep or not name or not set(name) <= TOKEN:
+            raise BadCall("malformed header line")
+        if any(c in value for c in "\r\n\0"):
+            raise BadCall(f"invalid value for header {name!r}")
+        # Only SP and HTAB are whitespace around a value (str.strip() would also
+        # eat latin-1 NBSP and the C0 separators, which are part of the value).
+        headers.append((name, value.strip(" \t")))
+    return headers
+
+
+def parse_request_head(raw: bytes) -> RequestHead:
+    """The request head in ``raw`` (up to and including the empty line), or BadCall.
+
+    The rules of every broker path: a request line of three parts, an
+    upper-case method, a target of visible characters, HTTP/1.1 or 1.0, at
+    most :data:`MAX_HEADERS` header fields with token names, and no bare CR or
+    LF anywhere.
+    """
+    lines = _head_lines(raw)
     parts = lines[0].split(" ")
     if len(parts) != 3 or parts[2] not in _VERSIONS:
         raise BadCall("malformed request line")
@@ -79,17 +131,36 @@ async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> Requ
         raise BadCall("malformed request target")
     if len(lines) - 1 > MAX_HEADERS:
         raise BadCall("too many headers")
-    headers: list[tuple[str, str]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or not set(name) <= _TOKEN:
-            raise BadCall("malformed header line")
-        if any(c in value for c in "\r\n\0"):
-            raise BadCall(f"invalid value for header {name!r}")
-        # Only SP and HTAB are whitespace around a value (str.strip() would also
-        # eat latin-1 NBSP and the C0 separators, which are part of the value).
-        headers.append((name, value.strip(" \t")))
-    return RequestHead(method, target, version, headers)
+    return RequestHead(method, target, version, _header_fields(lines[1:]))
+
+
+def parse_response_head(raw: bytes) -> tuple[str, int, list[tuple[str, str]]]:
+    """(status line, status, headers) of an upstream's response head, or UpstreamFailed."""
+    try:
+        lines = _head_lines(raw)
+        headers = _header_fields(lines[1:])
+    except BadCall as exc:
+        raise UpstreamFailed(f"the upstream sent a malformed response: {exc.message}") from exc
+    first = lines[0]
+    parts = first.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise UpstreamFailed("the upstream sent a malformed status line")
+    return first, int(parts[1]), headers
+
+
+async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> RequestHead | None:
+    """The next request head, or None at a clean end of stream."""
+    try:
+        raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise BadCall("the request head ended early") from exc
+    except asyncio.LimitOverrunError as exc:
+        raise BadCall(f"the request head is larger than {MAX_HEAD} bytes") from exc
+    except TimeoutError as exc:
+        raise BadCall("no complete request head in time") from exc
+    return parse_request_head(raw)
 
 
 async def read_body(
@@ -147,3 +218,248 @@ async def respond(
 
 async def respond_json(writer: asyncio.StreamWriter, status: int, doc: Any) -> None:
     await respond(writer, status, json.dumps(doc, sort_keys=True).encode())
+
+
+def error_bytes(
+    exc: BrokerError, status: int | None = None, extra: Iterable[tuple[str, str]] = ()
+) -> bytes:
+    """The JSON error response for ``exc`` (with ``status`` instead of its own)."""
+    code = status or exc.status
+    body = json.dumps(exc.as_json(), sort_keys=True).encode()
+    head = [
+        f"HTTP/1.1 {code} {HTTPStatus(code).phrase}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in extra),
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+# -- framing --------------------------------------------------------------------
+
+
+_MAX_LENGTH_DIGITS = 18
+_MAX_CHUNK_DIGITS = 16
+_MAX_TRAILERS = 100
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+@dataclass(frozen=True)
+class Framing:
+    kind: str  # "none", "length", "chunked", "eof"
+    length: int = 0
+
+
+def check_headers(headers: Iterable[tuple[str, str]]) -> None:
+    for name, value in headers:
+        if not name or not set(name) <= TOKEN:
+            raise BadCall(f"invalid header name {name[:64]!r}")
+        if any(c in value for c in "\r\n\0"):
+            raise BadCall(f"invalid value for header {name!r}")
+
+
+def request_framing(headers: list[tuple[str, str]], method: str | None = None) -> Framing:
+    """How the request's body is framed; with ``method``, a body on a method whose
+    body an upstream may leave unread is refused (it would be read as a request)."""
+    framing = _framing_of(headers)
+    has_body = framing.kind == "chunked" or (framing.kind == "length" and framing.length > 0)
+    if method is not None and method.upper() in BODYLESS and has_body:
+        raise BadCall(
+            f"a {method} request may not carry a body: an upstream may leave it unread "
+            "and read it as another request",
+            hint="send the body with POST, PUT or PATCH",
+        )
+    return framing
+
+
+def _framing_of(headers: list[tuple[str, str]]) -> Framing:
+    te = [v for k, v in headers if k.lower() == "transfer-encoding"]
+    cl = [v for k, v in headers if k.lower() == "content-length"]
+    # Both, or several differing lengths, are how requests get smuggled past
+    # a proxy that reads them one way to a server that reads them another.
+    if te and cl:
+        raise BadCall("both Transfer-Encoding and Content-Length")
+    # So is a Connection header naming them: a hop that honours it drops the
+    # framing header and reads the body as the next request.
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() in ("connection", "proxy-connection")
+        for token in v.split(",")
+    }
+    if named & {"content-length", "transfer-encoding"}:
+        raise BadCall("a Connection header may not name Content-Length or Transfer-Encoding")
+    if te:
+        if len(te) != 1 or te[0].strip().lower() != "chunked":
+            raise BadCall("only Transfer-Encoding: chunked is supported")
+        return Framing("chunked")
+    if cl:
+        values = {v.strip() for v in cl}
+        if len(values) != 1:
+            raise BadCall("conflicting Content-Length headers")
+        value = values.pop()
+        if not is_length(value):
+            raise BadCall("invalid Content-Length")
+        return Framing("length", int(value))
+    return Framing("none")
+
+
+def is_length(value: str) -> bool:
+    """ASCII digits, at most 18 of them: what every HTTP/1.1 implementation reads alike.
+    (``str.isdigit`` also accepts "²", and ``int`` refuses over 4300 digits.)"""
+    return value.isascii() and value.isdigit() and len(value.lstrip("0")) <= _MAX_LENGTH_DIGITS
+
+
+def response_framing(method: str, status: int, headers: list[tuple[str, str]]) -> Framing:
+    if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
+        return Framing("none")
+    te = [v.strip().lower() for k, v in headers if k.lower() == "transfer-encoding"]
+    if te:
+        return Framing("chunked") if te[-1].endswith("chunked") else Framing("eof")
+    cl = {v.strip() for k, v in headers if k.lower() == "content-length"}
+    if len(cl) == 1:
+        value = cl.pop()
+        if is_length(value):
+            return Framing("length", int(value))
+    if cl:
+        raise UpstreamFailed("the upstream sent an invalid Content-Length")
+    return Framing("eof")
+
+
+def serialize_head(first: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    lines = [first, *(f"{k}: {v}" for k, v in headers)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() in ("connection", "proxy-connection")
+        for token in v.split(",")
+    }
+    out = [("Host", authority)]
+    for name, value in headers:
+        lower = name.lower()
+        if (
+            lower in HOP_BY_HOP
+            or lower in named
+            or lower in {"host", "expect"}
+            or lower.startswith("proxy-")
+        ):
+            continue
+        out.append((name, value))
+    out.append(("Connection", "close"))
+    return out
+
+
+def response_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A response's headers without its hop-by-hop ones (those are about the upstream
+    connection, closed after each request), ``Transfer-Encoding`` kept."""
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() == "connection"
+        for token in v.split(",")
+    } - {"transfer-encoding", "content-length"}
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | named]
+
+
+class Source(Protocol):
+    """What the request and response parsers read from: a StreamReader or a TlsStream."""
+
+    async def read(self, n: int = ...) -> bytes: ...
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+async def walk_body(
+    src: Source,
+    framing: Framing,
+    put: Callable[[bytes], Awaitable[None]],
+    *,
+    payload: Callable[[bytes], Awaitable[None]] | None = None,
+) -> None:
+    """Read one message body as framed, passing its raw bytes (framing included) to
+    put; with ``payload``, each piece of the content alone goes there first."""
+    if framing.kind == "length":
+        left = framing.length
+        while left:
+            data = await src.read(min(left, CHUNK))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", left)
+            left -= len(data)
+            if payload is not None:
+                await payload(data)
+            await put(data)
+    elif framing.kind == "chunked":
+        # Strict, and checked before a byte is passed on: the bytes go on as
+        # they came, so a line that another parser could read as a different
+        # size ("0x10", " 10", "10\n") would frame a second, undecided request.
+        while True:
+            line = await _readline(src)
+            size = _chunk_size(line)
+            if size == 0:
+                # The last chunk and the trailers go on in one piece, once complete:
+                # a refusal on a trailer leaves the upstream with no end of the body
+                # (a lenient server could take a cut after "0" as one).
+                tail = bytearray(line)
+                for _ in range(_MAX_TRAILERS + 1):  # trailers, up to the empty line
+                    trailer = await _readline(src)
+                    if trailer != b"\r\n":
+                        _check_trailer(trailer)
+                    tail += trailer
+                    if trailer == b"\r\n":
+                        await put(bytes(tail))
+                        return
+                raise BadCall(f"more than {_MAX_TRAILERS} trailer fields")
+            await put(line)
+            left = size
+            while left:
+                data = await src.readexactly(min(left, CHUNK))
+                left -= len(data)
+                if payload is not None:
+                    await payload(data)
+                await put(data)
+            if await src.readexactly(2) != b"\r\n":
+                raise BadCall("chunk data not followed by CRLF")
+            await put(b"\r\n")
+    elif framing.kind == "eof":
+        while data := await src.read(CHUNK):
+            if payload is not None:
+                await payload(data)
+            await put(data)
+
+
+def _chunk_size(line: bytes) -> int:
+    """The size in a chunk line (``1*HEXDIG [BWS ";" ext] CRLF``), or BadCall."""
+    text = line[:-2]
+    size_text, _, ext = text.partition(b";")
+    # Whitespace after the digits is read alike by everyone who takes it (h11 does);
+    # before them it is not: " 10" is 0x10 to some and a bad line to others.
+    size_text = size_text.rstrip(b" \t")
+    if not 0 < len(size_text) <= _MAX_CHUNK_DIGITS or not set(size_text) <= _HEX:
+        raise BadCall("invalid chunk size")
+    if any((b < 0x20 and b != 0x09) or b == 0x7F for b in ext):
+        raise BadCall("invalid chunk extension")
+    return int(size_text, 16)
+
+
+def _check_trailer(line: bytes) -> None:
+    name, sep, value = line[:-2].partition(b":")
+    if not sep or not name or not set(name.decode("latin-1")) <= TOKEN:
+        raise BadCall("malformed trailer field")
+    if any(b in value for b in b"\r\n\0"):
+        raise BadCall("malformed trailer field")
+
+
+async def _readline(src: Source) -> bytes:
+    """One CRLF-terminated line of chunked framing; a bare CR or LF is refused."""
+    line = bytearray()
+    while not line.endswith(b"\r\n"):
+        if len(line) > _MAX_LINE:
+            raise BadCall("chunk line too long")
+        line += await src.readexactly(1)
+        if (line[-1:] == b"\n" and line[-2:] != b"\r\n") or b"\r" in line[:-2]:
+            raise BadCall("bare CR or LF in chunked framing")
+    return bytes(line)

@@ -31,9 +31,8 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote, quote_plus, urlsplit
 
 from proctor.broker._egress import (
@@ -47,6 +46,23 @@ from proctor.broker._egress import (
     parse_host,
     split_authority,
     unmap,
+)
+from proctor.broker._http import (
+    HOP_BY_HOP,
+    MAX_HEAD,
+    TOKEN,
+    Framing,
+    Source,
+    check_headers,
+    error_bytes,
+    forward_headers,
+    parse_request_head,
+    parse_response_head,
+    request_framing,
+    response_framing,
+    response_headers,
+    serialize_head,
+    walk_body,
 )
 from proctor.broker._mitm import CAError, TenantCA, TlsStream, upstream_context
 from proctor.broker._scope import (
@@ -68,28 +84,9 @@ ECHO_RULE = "proctor:secret:echo"
 
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 
-_CHUNK = 65536
 # Tunnels read big: asyncio hands over up to 256 KiB per socket read, and
 # fewer, larger writes keep a tunnel close to a direct connection's speed.
 _TUNNEL_CHUNK = 1 << 20
-_MAX_HEAD = 65536
-_MAX_LINE = 8192
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "upgrade",
-    }
-)
-# Methods whose body an upstream may leave unread (RFC 9110 gives a body on them
-# no meaning): left unread, it is read as the next request on the connection.
-_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
-_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
 async def system_resolver(name: str, port: int) -> list[IPAddress]:
@@ -110,13 +107,6 @@ async def system_resolver(name: str, port: int) -> list[IPAddress]:
     if not out:
         raise UpstreamFailed(f"could not resolve {name}: no addresses")
     return out
-
-
-class _Source(Protocol):
-    """What the request and response parsers read from: a StreamReader or a TlsStream."""
-
-    async def read(self, n: int = ...) -> bytes: ...
-    async def readexactly(self, n: int) -> bytes: ...
 
 
 @dataclass
@@ -326,7 +316,7 @@ class EgressProxy:
         try:
             while True:
                 try:
-                    head = await guest.readuntil(b"\r\n\r\n", _MAX_HEAD)
+                    head = await guest.readuntil(b"\r\n\r\n", MAX_HEAD)
                 except asyncio.IncompleteReadError:
                     return None
                 except asyncio.LimitOverrunError:
@@ -338,7 +328,8 @@ class EgressProxy:
                     if outcome.requests:
                         # The CONNECT was charged as one call; each further request is one too.
                         scope.admit_call()
-                    method, target, headers = _parse_request_head(head)
+                    parsed = parse_request_head(head)
+                    method, target, headers = parsed.method, parsed.target, parsed.headers
                     framing = _check_injected_head(
                         scope, admitted, bindings, authority, method, target, headers
                     )
@@ -370,7 +361,7 @@ class EgressProxy:
         needles: list[tuple[bytes, str]],
         guest: TlsStream,
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-        request: tuple[str, str, list[tuple[str, str]], _Framing],
+        request: tuple[str, str, list[tuple[str, str]], Framing],
         outcome: _Outcome,
     ) -> tuple[BrokerError | None, bool]:
         """One injected request and its response: (the error to answer, whether the
@@ -378,7 +369,7 @@ class EgressProxy:
         up_reader, up_writer = conn
         method, target, headers, framing = request
         relay = _RelayState()
-        head = _serialize_head(f"{method} {target} HTTP/1.1", _inject_headers(headers, bindings))
+        head = serialize_head(f"{method} {target} HTTP/1.1", _inject_headers(headers, bindings))
         up_writer.write(head)
         outcome.requests += 1
         outcome.bytes_up += len(head)
@@ -444,10 +435,10 @@ class EgressProxy:
         try:
             try:
                 host, port, origin, authority = _parse_url(url)
-                _check_headers(headers)
-                if not method or not set(method) <= _TOKEN:
+                check_headers(headers)
+                if not method or not set(method) <= TOKEN:
                     raise BadCall(f"invalid method {method!r}")
-                framing = _request_framing(headers, method)
+                framing = request_framing(headers, method)
             except BadCall as exc:
                 await _record_bad(scope, method, url, exc)
                 raise
@@ -486,7 +477,7 @@ class EgressProxy:
         origin: str,
         authority: str,
         headers: list[tuple[str, str]],
-        framing: _Framing,
+        framing: Framing,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         outcome: _Outcome,
@@ -508,8 +499,8 @@ class EgressProxy:
                 # client does not wait for an interim response that the
                 # upstream would send to us.
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            out = _forward_headers(headers, authority)
-            head = _serialize_head(f"{method} {origin} HTTP/1.1", out)
+            out = forward_headers(headers, authority)
+            head = serialize_head(f"{method} {origin} HTTP/1.1", out)
             up_writer.write(head)
             outcome.bytes_up = len(head)
             placeholders = {b.placeholder: b.name for b in scope.secrets.values()}
@@ -783,7 +774,7 @@ def _inject_headers(
         lower = name.lower()
         if (
             lower in replaced
-            or lower in _HOP_BY_HOP
+            or lower in HOP_BY_HOP
             or lower in named
             or lower.startswith("proxy-")
             or lower == "accept-encoding"
@@ -831,7 +822,7 @@ def _check_injected_head(
     method: str,
     target: str,
     headers: list[tuple[str, str]],
-) -> _Framing:
+) -> Framing:
     """Everything a request in an injected tunnel must be, before a byte goes upstream."""
     host = admitted.host
     if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
@@ -850,7 +841,7 @@ def _check_injected_head(
     found = _misplaced(scope.secrets.values(), bindings, method, target, headers)
     if found is not None:
         raise _misplaced_refusal(scope, admitted, bindings, *found)
-    return _request_framing(headers, method)
+    return request_framing(headers, method)
 
 
 class _Misplaced(EgressDenied):
@@ -1047,7 +1038,7 @@ def _find(needles: list[tuple[bytes, str]], data: bytes) -> str | None:
 async def _send_body(
     guest: TlsStream,
     up_writer: asyncio.StreamWriter,
-    framing: _Framing,
+    framing: Framing,
     placeholders: Mapping[str, str],
     outcome: _Outcome,
 ) -> None:
@@ -1063,12 +1054,12 @@ async def _send_body(
 
 
 async def _walk_scanned(
-    src: _Source,
-    framing: _Framing,
+    src: Source,
+    framing: Framing,
     placeholders: Mapping[str, str],
     put: Callable[[bytes], Awaitable[None]],
 ) -> None:
-    """:func:`_walk_body` with every byte searched for placeholders before it is passed
+    """:func:`walk_body` with every byte searched for placeholders before it is passed
     on: the raw stream (framing included), and the payload alone, so that one split
     across two chunks is found too."""
     raw = _Scanner(placeholders)
@@ -1085,7 +1076,7 @@ async def _walk_scanned(
             raise _PlaceholderFound(found)
         await put(data)
 
-    await _walk_body(src, framing, scan_and_put, payload=scan_payload)
+    await walk_body(src, framing, scan_and_put, payload=scan_payload)
 
 
 async def _relay_injected(
@@ -1106,14 +1097,7 @@ async def _relay_injected(
             raise UpstreamFailed(f"the upstream did not answer within {timeout:g} s") from None
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
             raise UpstreamFailed("the upstream sent no valid response head") from exc
-        try:
-            first, headers = _parse_head_lines(head)
-        except BadCall as exc:
-            raise UpstreamFailed(f"the upstream sent a malformed response: {exc.message}") from exc
-        parts = first.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise UpstreamFailed("the upstream sent a malformed status line")
-        status = int(parts[1])
+        first, status, headers = parse_response_head(head)
         # Raw head bytes, so that a value split by the parser is still found.
         echoed = _find(needles, head)
         if echoed is not None:
@@ -1121,14 +1105,14 @@ async def _relay_injected(
         if status == 101:
             raise UpstreamFailed("the upstream switched protocols where a secret is injected")
         if 100 <= status < 200:
-            data = _serialize_head(first, _response_headers(headers))
+            data = serialize_head(first, response_headers(headers))
             await guest.write(data)
             relay.started = True
             outcome.bytes_down += len(data)
             continue
         break
     outcome.status = status
-    framing = _response_framing(method, status, headers)
+    framing = response_framing(method, status, headers)
     if framing.kind != "none":
         coded = [
             v.strip().lower()
@@ -1142,10 +1126,10 @@ async def _relay_injected(
                 "it cannot be checked for the secret's value",
                 hint="the proxy asks for Accept-Encoding: identity; the upstream ignored it",
             )
-    out = _response_headers(headers)
+    out = response_headers(headers)
     if framing.kind == "eof":
         out.append(("Connection", "close"))
-    data = _serialize_head(first, out)
+    data = serialize_head(first, out)
     await guest.write(data)
     relay.started = True
     outcome.bytes_down += len(data)
@@ -1167,168 +1151,12 @@ async def _relay_injected(
     async def ignore(_: bytes) -> None:
         pass
 
-    await _walk_body(up, framing, ignore, payload=payload)
+    await walk_body(up, framing, ignore, payload=payload)
     await send(guard.finish())
     if chunked:
         outcome.bytes_down += 5
         await guest.write(b"0\r\n\r\n")
     return framing.kind != "eof"
-
-
-def _response_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """A response's headers without its hop-by-hop ones (those are about the upstream
-    connection, closed after each request), ``Transfer-Encoding`` kept."""
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() == "connection"
-        for token in v.split(",")
-    } - {"transfer-encoding", "content-length"}
-    return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP | named]
-
-
-# -- HTTP/1.1 framing ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Framing:
-    kind: str  # "none", "length", "chunked", "eof"
-    length: int = 0
-
-
-_MAX_LENGTH_DIGITS = 18
-_MAX_CHUNK_DIGITS = 16
-_MAX_TRAILERS = 100
-_HEX = frozenset(b"0123456789abcdefABCDEF")
-
-
-def _check_headers(headers: Iterable[tuple[str, str]]) -> None:
-    for name, value in headers:
-        if not name or not set(name) <= _TOKEN:
-            raise BadCall(f"invalid header name {name[:64]!r}")
-        if any(c in value for c in "\r\n\0"):
-            raise BadCall(f"invalid value for header {name!r}")
-
-
-def _request_framing(headers: list[tuple[str, str]], method: str | None = None) -> _Framing:
-    """How the request's body is framed; with ``method``, a body on a method whose
-    body an upstream may leave unread is refused (it would be read as a request)."""
-    framing = _framing_of(headers)
-    has_body = framing.kind == "chunked" or (framing.kind == "length" and framing.length > 0)
-    if method is not None and method.upper() in _BODYLESS and has_body:
-        raise BadCall(
-            f"a {method} request may not carry a body: an upstream may leave it unread "
-            "and read it as another request",
-            hint="send the body with POST, PUT or PATCH",
-        )
-    return framing
-
-
-def _framing_of(headers: list[tuple[str, str]]) -> _Framing:
-    te = [v for k, v in headers if k.lower() == "transfer-encoding"]
-    cl = [v for k, v in headers if k.lower() == "content-length"]
-    # Both, or several differing lengths, are how requests get smuggled past
-    # a proxy that reads them one way to a server that reads them another.
-    if te and cl:
-        raise BadCall("both Transfer-Encoding and Content-Length")
-    # So is a Connection header naming them: a hop that honours it drops the
-    # framing header and reads the body as the next request.
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() in ("connection", "proxy-connection")
-        for token in v.split(",")
-    }
-    if named & {"content-length", "transfer-encoding"}:
-        raise BadCall("a Connection header may not name Content-Length or Transfer-Encoding")
-    if te:
-        if len(te) != 1 or te[0].strip().lower() != "chunked":
-            raise BadCall("only Transfer-Encoding: chunked is supported")
-        return _Framing("chunked")
-    if cl:
-        values = {v.strip() for v in cl}
-        if len(values) != 1:
-            raise BadCall("conflicting Content-Length headers")
-        value = values.pop()
-        if not _is_length(value):
-            raise BadCall("invalid Content-Length")
-        return _Framing("length", int(value))
-    return _Framing("none")
-
-
-def _is_length(value: str) -> bool:
-    """ASCII digits, at most 18 of them: what every HTTP/1.1 implementation reads alike.
-    (``str.isdigit`` also accepts "²", and ``int`` refuses over 4300 digits.)"""
-    return value.isascii() and value.isdigit() and len(value.lstrip("0")) <= _MAX_LENGTH_DIGITS
-
-
-def _response_framing(method: str, status: int, headers: list[tuple[str, str]]) -> _Framing:
-    if method == "HEAD" or 100 <= status < 200 or status in (204, 304):
-        return _Framing("none")
-    te = [v.strip().lower() for k, v in headers if k.lower() == "transfer-encoding"]
-    if te:
-        return _Framing("chunked") if te[-1].endswith("chunked") else _Framing("eof")
-    cl = {v.strip() for k, v in headers if k.lower() == "content-length"}
-    if len(cl) == 1:
-        value = cl.pop()
-        if _is_length(value):
-            return _Framing("length", int(value))
-    if cl:
-        raise UpstreamFailed("the upstream sent an invalid Content-Length")
-    return _Framing("eof")
-
-
-def _parse_head_lines(head: bytes) -> tuple[str, list[tuple[str, str]]]:
-    text = head.decode("latin-1")
-    lines = text[:-4].split("\r\n") if text.endswith("\r\n\r\n") else text.split("\r\n")
-    first, rest = lines[0], lines[1:]
-    if "\n" in text.replace("\r\n", "") or "\r" in text.replace("\r\n", ""):
-        raise BadCall("bare CR or LF in a message head")
-    headers = []
-    for line in rest:
-        name, sep, value = line.partition(":")
-        if not sep or not name or line[0] in " \t":
-            raise BadCall("malformed header line")
-        headers.append((name, value.strip(" \t")))
-    _check_headers(headers)
-    return first, headers
-
-
-def _parse_request_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
-    first, headers = _parse_head_lines(head)
-    parts = first.split(" ")
-    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not set(parts[0]) <= _TOKEN:
-        raise BadCall("malformed request line")
-    if not parts[0] or not parts[1] or any(ord(c) < 0x21 or ord(c) == 0x7F for c in parts[1]):
-        raise BadCall("malformed request line")
-    return parts[0], parts[1], headers
-
-
-def _serialize_head(first: str, headers: Iterable[tuple[str, str]]) -> bytes:
-    lines = [first, *(f"{k}: {v}" for k, v in headers)]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def _forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() in ("connection", "proxy-connection")
-        for token in v.split(",")
-    }
-    out = [("Host", authority)]
-    for name, value in headers:
-        lower = name.lower()
-        if (
-            lower in _HOP_BY_HOP
-            or lower in named
-            or lower in {"host", "expect"}
-            or lower.startswith("proxy-")
-        ):
-            continue
-        out.append((name, value))
-    out.append(("Connection", "close"))
-    return out
 
 
 def _parse_url(url: str) -> tuple[Host, int, str, str]:
@@ -1357,98 +1185,6 @@ def _parse_url(url: str) -> tuple[Host, int, str, str]:
     return host, port, origin, authority
 
 
-async def _walk_body(
-    src: _Source,
-    framing: _Framing,
-    put: Callable[[bytes], Awaitable[None]],
-    *,
-    payload: Callable[[bytes], Awaitable[None]] | None = None,
-) -> None:
-    """Read one message body as framed, passing its raw bytes (framing included) to
-    put; with ``payload``, each piece of the content alone goes there first."""
-    if framing.kind == "length":
-        left = framing.length
-        while left:
-            data = await src.read(min(left, _CHUNK))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", left)
-            left -= len(data)
-            if payload is not None:
-                await payload(data)
-            await put(data)
-    elif framing.kind == "chunked":
-        # Strict, and checked before a byte is passed on: the bytes go on as
-        # they came, so a line that another parser could read as a different
-        # size ("0x10", " 10", "10\n") would frame a second, undecided request.
-        while True:
-            line = await _readline(src)
-            size = _chunk_size(line)
-            if size == 0:
-                # The last chunk and the trailers go on in one piece, once complete:
-                # a refusal on a trailer leaves the upstream with no end of the body
-                # (a lenient server could take a cut after "0" as one).
-                tail = bytearray(line)
-                for _ in range(_MAX_TRAILERS + 1):  # trailers, up to the empty line
-                    trailer = await _readline(src)
-                    if trailer != b"\r\n":
-                        _check_trailer(trailer)
-                    tail += trailer
-                    if trailer == b"\r\n":
-                        await put(bytes(tail))
-                        return
-                raise BadCall(f"more than {_MAX_TRAILERS} trailer fields")
-            await put(line)
-            left = size
-            while left:
-                data = await src.readexactly(min(left, _CHUNK))
-                left -= len(data)
-                if payload is not None:
-                    await payload(data)
-                await put(data)
-            if await src.readexactly(2) != b"\r\n":
-                raise BadCall("chunk data not followed by CRLF")
-            await put(b"\r\n")
-    elif framing.kind == "eof":
-        while data := await src.read(_CHUNK):
-            if payload is not None:
-                await payload(data)
-            await put(data)
-
-
-def _chunk_size(line: bytes) -> int:
-    """The size in a chunk line (``1*HEXDIG [BWS ";" ext] CRLF``), or BadCall."""
-    text = line[:-2]
-    size_text, _, ext = text.partition(b";")
-    # Whitespace after the digits is read alike by everyone who takes it (h11 does);
-    # before them it is not: " 10" is 0x10 to some and a bad line to others.
-    size_text = size_text.rstrip(b" \t")
-    if not 0 < len(size_text) <= _MAX_CHUNK_DIGITS or not set(size_text) <= _HEX:
-        raise BadCall("invalid chunk size")
-    if any((b < 0x20 and b != 0x09) or b == 0x7F for b in ext):
-        raise BadCall("invalid chunk extension")
-    return int(size_text, 16)
-
-
-def _check_trailer(line: bytes) -> None:
-    name, sep, value = line[:-2].partition(b":")
-    if not sep or not name or not set(name.decode("latin-1")) <= _TOKEN:
-        raise BadCall("malformed trailer field")
-    if any(b in value for b in b"\r\n\0"):
-        raise BadCall("malformed trailer field")
-
-
-async def _readline(src: _Source) -> bytes:
-    """One CRLF-terminated line of chunked framing; a bare CR or LF is refused."""
-    line = bytearray()
-    while not line.endswith(b"\r\n"):
-        if len(line) > _MAX_LINE:
-            raise BadCall("chunk line too long")
-        line += await src.readexactly(1)
-        if (line[-1:] == b"\n" and line[-2:] != b"\r\n") or b"\r" in line[:-2]:
-            raise BadCall("bare CR or LF in chunked framing")
-    return bytes(line)
-
-
 async def _relay_response(
     up: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, relay: _RelayState
 ) -> tuple[int, int]:
@@ -1459,19 +1195,12 @@ async def _relay_response(
             head = await up.readuntil(b"\r\n\r\n")
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
             raise UpstreamFailed("the upstream sent no valid response head") from exc
-        try:
-            first, headers = _parse_head_lines(head)
-        except BadCall as exc:
-            raise UpstreamFailed(f"the upstream sent a malformed response: {exc.message}") from exc
-        parts = first.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise UpstreamFailed("the upstream sent a malformed status line")
-        status = int(parts[1])
-        framing = _response_framing(method, status, headers)
-        out = [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP - {"upgrade"}]
+        first, status, headers = parse_response_head(head)
+        framing = response_framing(method, status, headers)
+        out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP - {"upgrade"}]
         if status >= 200:
             out.append(("Connection", "close"))
-        data = _serialize_head(first, out)
+        data = serialize_head(first, out)
         writer.write(data)
         relay.started = True
         total += len(data)
@@ -1484,7 +1213,7 @@ async def _relay_response(
             writer.write(chunk)
             await writer.drain()
 
-        await _walk_body(up, framing, put)
+        await walk_body(up, framing, put)
         await writer.drain()
         return status, total
 
@@ -1511,21 +1240,9 @@ async def _relay(
 # -- answers to the guest -----------------------------------------------------
 
 
-def _error_bytes(exc: BrokerError) -> bytes:
-    body = json.dumps(exc.as_json()).encode()
-    reason = HTTPStatus(exc.status).phrase
-    head = (
-        f"HTTP/1.1 {exc.status} {reason}\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 async def _send_error(writer: asyncio.StreamWriter, exc: BrokerError) -> None:
     try:
-        writer.write(_error_bytes(exc))
+        writer.write(error_bytes(exc))
         await writer.drain()
     except (ConnectionError, OSError, RuntimeError):
         pass
@@ -1534,7 +1251,7 @@ async def _send_error(writer: asyncio.StreamWriter, exc: BrokerError) -> None:
 
 async def _send_error_tls(stream: TlsStream, exc: BrokerError) -> None:
     with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
-        await stream.write(_error_bytes(exc))
+        await stream.write(error_bytes(exc))
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
@@ -1543,8 +1260,3 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
         await writer.wait_closed()
-
-
-def error_response(exc: BrokerError) -> bytes:
-    """The bytes of the JSON error response the proxy sends for ``exc`` (for the server core)."""
-    return _error_bytes(exc)

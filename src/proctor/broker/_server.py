@@ -33,12 +33,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from proctor.broker._http import RequestHead, read_body, read_head, respond, respond_json
+from proctor.broker._http import (
+    RequestHead,
+    error_bytes,
+    read_body,
+    read_head,
+    respond,
+    respond_json,
+)
 from proctor.broker._scope import (
     REQUEST_EVENTS,
     WHOAMI_RULE,
@@ -370,17 +376,8 @@ class Broker:
     ) -> None:
         if writer.is_closing():
             return
-        code = status or exc.status
-        body = json.dumps(exc.as_json(), sort_keys=True).encode()
-        head = [
-            f"HTTP/1.1 {code} {HTTPStatus(code).phrase}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(body)}",
-            "Connection: close",
-            *(f"{k}: {v}" for k, v in extra or []),
-        ]
         with contextlib.suppress(ConnectionError):
-            writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+            writer.write(error_bytes(exc, status, extra or ()))
             await writer.drain()
 
     def _authenticate(self, scope: RunScope, head: RequestHead) -> str | None:
