@@ -1,4 +1,5 @@
-"""Shared pieces of the sandbox tests: the backend parameter, leftovers, a host listener."""
+"""Shared pieces of the sandbox tests: the backend parameter, what a test does when a
+backend is missing, leftovers, a host listener."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -25,6 +27,10 @@ from proctor.sandbox import (
 )
 from proctor.sandbox._cgroup import layout
 
+#: Every sandbox backend, working here or not: a test parametrized over them reports a
+#: broken one (skipped, or failed on CI) instead of leaving it out of the run unseen.
+SANDBOXES = ("gvisor", "bubblewrap")
+
 BACKENDS = [
     pytest.param("gvisor", marks=[pytest.mark.gvisor, pytest.mark.sandbox], id="gvisor"),
     pytest.param(
@@ -38,11 +44,39 @@ def status(name: str) -> BackendStatus:
     return get_driver(name).status()
 
 
+def unavailable(what: str, why: str) -> NoReturn:
+    """A test needs ``what`` (a sandbox backend, PostgreSQL) and it does not work here.
+
+    A developer's machine may lack it: the test skips, saying why. The CI machine
+    is built with every backend (``CI`` is set, by .ci/run and by the runner), so
+    there it is a failure: a broken runsc must turn the run red, not quietly skip
+    every gVisor case.
+    """
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is needed on CI but does not work here: {why}", pytrace=False)
+    pytest.skip(f"{what} does not work here: {why}")
+
+
 def driver_or_skip(name: str) -> SandboxDriver:
+    """The driver of backend ``name``; if it does not work here, see ``unavailable``."""
     st = status(name)
     if not st.available:
-        pytest.skip(f"{name} cannot work here: {st.reason}")
+        unavailable(name, st.reason)
     return get_driver(name)
+
+
+def working() -> list[str]:
+    """The backends that work here, for a test that needs one of them, any one."""
+    return [name for name in SANDBOXES if status(name).available]
+
+
+def any_backend() -> list[str]:
+    """``working()``, at least one; with none, see ``unavailable``."""
+    names = working()
+    if not names:
+        why = "; ".join(f"{name}: {status(name).reason}" for name in SANDBOXES)
+        unavailable("a sandbox backend", why)
+    return names
 
 
 def python(code: str, **kwargs: object) -> SandboxSpec:

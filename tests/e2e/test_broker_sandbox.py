@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 
 from proctor.lifecycle import Supervisor
-from proctor.sandbox import backends
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.integration.test_broker_proxy import UpstreamCA
+from tests.sandbox_conftest_helpers import BACKENDS
 
-WORKING = [b.name for b in backends() if b.available]
 pytestmark = pytest.mark.sandbox
 SECRET = "s3cr3t-" + os.urandom(12).hex()
 
@@ -149,7 +148,7 @@ def _dump_sandbox_memory(needle: bytes) -> tuple[int, bool]:
     return scanned, found
 
 
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_guest_calls_are_mediated_refused_recorded_and_the_secret_never_enters(
     gov: Gov, upstream: tuple[int, Path], backend: str
 ) -> None:

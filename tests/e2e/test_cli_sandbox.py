@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proctor.sandbox import backends
 from tests.conftest import run_cli
-
-WORKING = [b.name for b in backends() if b.available]
+from tests.sandbox_conftest_helpers import BACKENDS, any_backend
 
 
 def _events(home: Path) -> list[dict[str, object]]:
@@ -20,7 +18,7 @@ def _events(home: Path) -> list[dict[str, object]]:
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_run_streams_output_returns_exit_code_and_is_recorded(
     home: Path, tmp_path: Path, backend: str
 ) -> None:
@@ -62,7 +60,7 @@ def test_run_streams_output_returns_exit_code_and_is_recorded(
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_limits_end_the_run_with_a_reason(home: Path, backend: str) -> None:
     res = run_cli(
         "sandbox",
@@ -105,8 +103,7 @@ def test_backends_lists_both_drivers(home: Path) -> None:
 def test_nothing_runs_when_the_ledger_cannot_record(tmp_path: Path) -> None:
     """Fail closed: with the home's disk full, the start event cannot be made durable,
     so the program never starts."""
-    if not WORKING:
-        pytest.skip("no sandbox backend works here")
+    any_backend()
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:

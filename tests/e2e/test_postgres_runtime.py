@@ -11,12 +11,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from proctor.sandbox import backends
 from tests.conftest import run_cli
 from tests.pg.test_pg_datasets import make_pg_dataset
+from tests.sandbox_conftest_helpers import driver_or_skip
 
 pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
-BACKEND = "bubblewrap" if any(b.name == "bubblewrap" and b.available for b in backends()) else None
+BACKEND = "bubblewrap"
 
 JOB = """
 import proctor_guest
@@ -42,8 +42,7 @@ access = "read"
 def test_runtime_on_postgresql_with_a_postgresql_dataset(
     tmp_path: Path, pg_dsn: str, pg_server: object
 ) -> None:
-    if BACKEND is None:
-        pytest.skip("bubblewrap does not work here")
+    driver_or_skip(BACKEND)
     home = tmp_path / "home"
     run_cli("init", "--home", str(home), "--store", pg_dsn)
     config = json.loads((home / "config.json").read_text())

@@ -30,14 +30,13 @@ from typing import Any
 import pytest
 
 from proctor.lifecycle import Runs
-from proctor.sandbox import backends
 from tests.conftest import PROCTOR
 from tests.e2e.conftest_gov import Gov, build_gov
+from tests.sandbox_conftest_helpers import working
 
 pytestmark = pytest.mark.sandbox
-WORKING = [b.name for b in backends() if b.available]
-GVISOR = ["gvisor"] if "gvisor" in WORKING else []
-BWRAP = ["bubblewrap"] if "bubblewrap" in WORKING else []
+GVISOR = ["gvisor"]
+BWRAP = ["bubblewrap"]
 
 SLEEPER = """
 import time
@@ -206,7 +205,7 @@ def test_a_killed_runs_next_command_closes_it(place: Place, backend: str) -> Non
     assert len([e for e in the_run(place)[1] if e["action"] == "run.end"]) == 1
 
 
-@pytest.mark.parametrize("backend", GVISOR[:1] or BWRAP[:1])
+@pytest.mark.parametrize("backend", working()[:1] or GVISOR)
 def test_serve_closes_a_killed_runs_record_while_it_runs(place: Place, backend: str) -> None:
     """No command and no restart needed: a running `proctor serve` looks every few
     seconds for runs of this host whose owner died."""

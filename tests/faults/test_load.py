@@ -22,14 +22,20 @@ from pathlib import Path
 import pytest
 from bench._soak_workload import SOAK, TENANT, Soak, WaveResult, mib
 
-from proctor.sandbox import backends
+from tests.sandbox_conftest_helpers import any_backend
+
+
+@pytest.fixture
+def a_backend() -> None:
+    any_backend()
+
 
 RUNS, CALLS, WAVES = (32, 1000, 2) if SOAK else (8, 100, 3)
 
 pytestmark = [
     pytest.mark.sandbox,
     pytest.mark.timeout(3600 if SOAK else 300),
-    pytest.mark.skipif(not any(b.available for b in backends()), reason="no sandbox backend"),
+    pytest.mark.usefixtures("a_backend"),
 ]
 
 #: RSS that may grow between two waves doing the same work without a leak:

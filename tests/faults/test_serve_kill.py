@@ -40,17 +40,18 @@ from typing import IO, Any
 import pytest
 
 from proctor.lifecycle import Runs
-from proctor.sandbox import SandboxSpec, _cgroup, backends, get_driver, reap_orphans
+from proctor.sandbox import SandboxSpec, _cgroup, get_driver, reap_orphans
 from proctor.sandbox._cgroup import CGROUP_ROOT, detect
 from tests.conftest import PROCTOR, run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.faults import _serve_child as _child
+from tests.sandbox_conftest_helpers import SANDBOXES, any_backend, working
 
 pytestmark = pytest.mark.sandbox
 
 SOAK = os.environ.get("PROCTOR_SOAK") == "1"
 KILLS = 40 if SOAK else 12
-WORKING = [b.name for b in backends() if b.available]
+WORKING = working()
 SETTLE_SECONDS = 30.0
 
 CAPS = """
@@ -556,8 +557,7 @@ def places() -> Iterator[Places]:
 def test_serve_killed_at_random_moments_leaves_nothing_and_loses_nothing(
     tmp_path: Path, places: Places
 ) -> None:
-    if not WORKING:
-        pytest.skip("no sandbox backend works here")
+    any_backend()
     seed = int(os.environ.get("PROCTOR_FAULT_SEED") or random.randrange(1 << 32))
     print(f"PROCTOR_FAULT_SEED={seed} ({KILLS} kills, backends {WORKING})")
     rng = random.Random(seed)
@@ -682,7 +682,7 @@ def test_serve_killed_at_random_moments_leaves_nothing_and_loses_nothing(
 CHILD = Path(__file__).with_name("_serve_child.py")
 POINTS = [
     (backend, point)
-    for backend in WORKING
+    for backend in SANDBOXES
     for point in _child.POINTS
     if backend == "gvisor" or point not in _child.GVISOR_ONLY
 ]
@@ -750,8 +750,7 @@ def test_a_dead_supervisors_runs_are_closed_even_when_its_pid_lives_again(tmp_pa
     supervisor's runs are left alone, in either form of the id."""
     from proctor.lifecycle import Supervisor
 
-    if not WORKING:
-        pytest.skip("no sandbox backend works here")
+    any_backend()
     gov = build_gov(tmp_path)
     other = subprocess.Popen(["sleep", "60"])  # stands for the process that got the pid
     host = os.uname().nodename

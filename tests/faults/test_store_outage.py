@@ -19,7 +19,6 @@ same port. What must hold:
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from tests.faults.test_disk_full import (
     unexpected,
 )
 from tests.integration.test_broker_sql import make_dataset
+from tests.sandbox_conftest_helpers import unavailable
 
 # How long a refused call may take while the server is down: a refusal that
 # takes longer than this is a hang as far as a caller is concerned.
@@ -53,9 +53,7 @@ def own_pg() -> Iterator[PostgresServer]:
     try:
         server.start()
     except PostgresUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is needed on CI: {exc.message}")
-        pytest.skip(f"PostgreSQL is not available: {exc.message}")
+        unavailable("PostgreSQL", exc.message)
     try:
         yield server
     finally:

@@ -14,10 +14,10 @@ from proctor.broker import Broker, Handlers, RunScope
 from proctor.ledger import Ledger
 from proctor.lifecycle import brokered_spec, run_brokered
 from proctor.policy import compile_policies
-from proctor.sandbox import Limits, backends, get_driver, run_captured
+from proctor.sandbox import Limits, get_driver, run_captured
 from tests.conftest import LedgerEnv, draft
+from tests.sandbox_conftest_helpers import BACKENDS
 
-WORKING = [b.name for b in backends() if b.available]
 pytestmark = pytest.mark.sandbox
 
 
@@ -58,7 +58,7 @@ def _events(ledger: Ledger) -> list[dict[str, Any]]:
 WHOAMI = "import json, proctor_guest; print(json.dumps(proctor_guest.whoami()))"
 
 
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_guest_reaches_its_own_run_through_the_shim(
     broker: Broker, ledger_env: LedgerEnv, backend: str
 ) -> None:
@@ -99,7 +99,7 @@ for name, tok in cases.items():
 """
 
 
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forged_missing_and_other_runs_tokens_are_refused_and_recorded(
     broker: Broker, ledger_env: LedgerEnv, backend: str
 ) -> None:
@@ -156,7 +156,7 @@ except Exception as e:
 """
 
 
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_without_the_broker_there_is_no_way_out(
     ledger_env: LedgerEnv, tmp_path: Path, backend: str
 ) -> None:

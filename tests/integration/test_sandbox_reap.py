@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from proctor.sandbox import backends, reap_orphans
+from proctor.sandbox import reap_orphans
+from tests.sandbox_conftest_helpers import BACKENDS
 
 pytestmark = pytest.mark.sandbox
-WORKING = [b.name for b in backends() if b.available]
 
 OWNER = """
 import sys
@@ -24,7 +24,7 @@ get_driver(sys.argv[1]).run(SandboxSpec(argv=("python3", "-c", "import time; tim
 """
 
 
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sandboxes_of_a_dead_owner_are_killed_and_removed(backend: str, tmp_path: Path) -> None:
     registry = Path(os.environ.get("PROCTOR_SANDBOX_REGISTRY", "/run/proctor-sandboxes"))
     before = set(registry.iterdir()) if registry.is_dir() else set()
@@ -32,7 +32,9 @@ def test_sandboxes_of_a_dead_owner_are_killed_and_removed(backend: str, tmp_path
     assert owner.stdout is not None and owner.stdout.readline() == b"starting\n"
     deadline = time.monotonic() + 30
     while True:
-        mine = (set(registry.iterdir()) if registry.is_dir() else set()) - before
+        # Its entry once renamed into place, never the staged ``.tmp-`` copy.
+        now = set(registry.iterdir()) if registry.is_dir() else set()
+        mine = {p for p in now - before if not p.name.startswith(".tmp-")}
         if mine:
             break
         assert time.monotonic() < deadline, "the sandbox never registered"

@@ -56,15 +56,14 @@ from proctor.errors import UsageError
 from proctor.ledger import Actor, EventDraft, Ledger, Signer
 from proctor.lifecycle import Supervisor
 from proctor.policy import capability_policies, compile_policies
-from proctor.sandbox import backends
 from proctor.sandbox._rootfs import host_interpreter
 from proctor.store import open_store
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.integration.test_broker_proxy import Upstream, UpstreamCA
+from tests.sandbox_conftest_helpers import any_backend
 
 SOAK = os.environ.get("PROCTOR_SOAK") == "1"
 ATTACKER = Path(__file__).with_name("attacker") / "attacker.py"
-WORKING = [b.name for b in backends() if b.available]
 # The soak walks every name under /usr too (~40 s in gVisor) and floods 10x longer.
 RUN_SECONDS = 600 if SOAK else 150
 
@@ -571,10 +570,9 @@ def _deploy(gov: Gov, name: str, main: str, manifest: str, env: str = "sandbox")
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not WORKING, reason="no sandbox backend works here")
 def test_the_attacker_gets_nowhere_and_every_refusal_is_on_record(gov: Gov, tmp_path: Path) -> None:
     rt = gov.rt
-    backend = "gvisor" if "gvisor" in WORKING else WORKING[0]
+    backend = any_backend()[0]  # gVisor where it works
     up_ca = UpstreamCA.make()
     (tmp_path / "up-ca.pem").write_bytes(up_ca.pem())
     secret_server, secret_seen = _tls_server(up_ca, tmp_path, "secret")

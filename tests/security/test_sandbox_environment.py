@@ -23,12 +23,12 @@ import pytest
 
 from proctor.governance import NotApproved, ProductionName
 from proctor.lifecycle import RunRefused, Supervisor
-from proctor.sandbox import backends
 from tests.conftest import PROCTOR
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.integration.test_broker_proxy import UpstreamCA
+from tests.sandbox_conftest_helpers import BACKENDS, any_backend, working
 
-WORKING = [b.name for b in backends() if b.available]
+WORKING = working()
 REAL_SECRET = "real-" + os.urandom(12).hex()
 TEST_SECRET = "test-" + os.urandom(12).hex()
 PII = b"id,email\n1,alice.private@example.com\n2,bob.private@example.com\n"
@@ -184,7 +184,7 @@ def _run(gov: Gov, ports: dict[str, Any], name: str, backend: str) -> tuple[Any,
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_unapproved_sandbox_code_reaches_no_production_data_secret_or_egress(
     gov: Gov, upstreams: dict[str, Any], backend: str
 ) -> None:
@@ -235,7 +235,7 @@ def test_sandbox_runs_get_only_the_test_twin_and_the_hosts_marked_for_sandbox(
     digest = _attack_artifact(gov, upstreams)
     rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), "attack",
                           environment="sandbox", instruction="try it", actor=op)  # fmt: skip
-    _, res = _run(gov, upstreams, "attack", WORKING[0])
+    _, res = _run(gov, upstreams, "attack", any_backend()[0])
 
     assert res["api"] == 200, res
     # The twin's value never comes back: an upstream that echoes the header is cut

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proctor.sandbox import SandboxSpec, backends, get_driver, run_captured
-
-WORKING = [b.name for b in backends() if b.available]
+from proctor.sandbox import SandboxSpec, get_driver, run_captured
+from tests.sandbox_conftest_helpers import BACKENDS
 
 PROBE = r"""
 import socket, sys, threading
@@ -46,7 +45,7 @@ print(results)
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_loopback_tcp_reaches_only_the_guest_itself(backend: str, tmp_path: Path) -> None:
     host = socket.socket()
     host.bind(("127.0.0.1", 0))
@@ -93,7 +92,7 @@ def test_loopback_tcp_reaches_only_the_guest_itself(backend: str, tmp_path: Path
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("backend", WORKING)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_guest_threads_work(backend: str) -> None:
     code = "import threading; t=threading.Thread(target=print, args=('ok',)); t.start(); t.join()"
     run = run_captured(get_driver(backend), SandboxSpec(argv=("python3", "-c", code)))
