@@ -744,6 +744,36 @@ def test_an_owner_killed_at_each_step_of_a_sandbox_leaves_nothing_after_a_reap(
     assert not places.registry_entries(), "the live sandbox did not clean up after itself"
 
 
+def test_a_staged_registry_entry_is_never_reaped_as_a_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry is written aside (``.tmp-<owner>-<name>``) and renamed. A staged
+    copy is complete JSON for a moment, so the reaper must not read it as an entry:
+    a live owner's is left for its rename, a dead owner's is removed (its rename
+    never came, and nothing was created after it), and neither is reported reaped
+    nor has a cgroup of its name touched."""
+    registry = tmp_path / "registry"
+    registry.mkdir(mode=0o700)
+    monkeypatch.setattr(_cgroup, "REGISTRY", registry)
+    dead = subprocess.Popen(["sleep", "60"])
+    dead_owner = f"{dead.pid}-{start_time(dead.pid)}"
+    dead.kill()
+    dead.wait()
+    live_owner = f"{os.getpid()}-{start_time(os.getpid())}"
+    # Contents naming a dead owner: read as an entry, they would be reaped.
+    entry = json.dumps({"pid": dead.pid, "start": dead_owner.partition("-")[2],
+                        "workdir": "", "cgroups": {}})  # fmt: skip
+    staged_live = registry / f".tmp-{live_owner}-proctor-live"
+    staged_dead = registry / f".tmp-{dead_owner}-proctor-dead"
+    unnamed = registry / ".tmp-not-an-owner"
+    for path in (staged_live, staged_dead, unnamed):
+        path.write_text(entry)
+    assert reap_orphans() == [], "a staged copy was reaped as a sandbox"
+    assert staged_live.exists(), "a live owner's staged entry went before its rename"
+    assert not staged_dead.exists(), "a dead owner's staged entry was left"
+    assert unnamed.exists(), "a name that is not ours to judge was removed"
+
+
 def test_a_dead_supervisors_runs_are_closed_even_when_its_pid_lives_again(tmp_path: Path) -> None:
     """A run's supervisor is host:pid:start time. A pid the kernel has handed to
     another process no longer keeps the dead supervisor's runs 'running'; a live
