@@ -23,7 +23,7 @@ from proctor.cli._common import (
     open_runtime,
     remote,
 )
-from proctor.governance._artifacts import Artifact, ArtifactDiff, Artifacts
+from proctor.governance import Artifact, ArtifactDiff, Artifacts
 from proctor.runtime import Runtime
 
 artifact_app = typer.Typer(

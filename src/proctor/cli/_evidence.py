@@ -33,7 +33,7 @@ from proctor.evidence import (
     verify_pack,
     verify_receipt,
 )
-from proctor.governance._subprocessors import Subprocessors
+from proctor.governance import Subprocessors
 
 evidence_app = typer.Typer(
     help="Evidence packs and GDPR records for auditors and controllers.", no_args_is_help=True

@@ -37,7 +37,7 @@ from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._render import chart_png, cited_seqs, render_html, render_markdown
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
-from proctor.governance._subprocessors import Subprocessors
+from proctor.governance import Runs, Subprocessors
 from proctor.ledger import canonical_json, leaf_hash, node_hash, utc_now
 from proctor.runtime import Runtime
 
@@ -168,8 +168,6 @@ def _json(value: Any) -> bytes:
 def _governance(
     rt: Runtime, tenant: str, digests: set[str], start: str, end: str
 ) -> dict[str, Any]:
-    from proctor.lifecycle import Runs
-
     policies: list[dict[str, Any]] = [
         {"version": p.version, "seq": p.seq, "set_at": p.set_at, "set_by": p.set_by, "text": p.text}
         for p in rt.policies.history(tenant)

@@ -11,7 +11,7 @@ from typing import Any
 
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
-from proctor.governance._subprocessors import Subprocessors, covers
+from proctor.governance import Runs, Subprocessors, covers
 from proctor.runtime import Runtime
 
 
@@ -34,8 +34,6 @@ def key_text(value: str) -> str:
 
 
 def _runs_index(rt: Runtime, tenant: str) -> dict[str, dict[str, Any]]:
-    from proctor.lifecycle import Runs
-
     return {r.id: r.as_json() for r in Runs(rt).all(tenant)}
 
 
@@ -92,8 +90,6 @@ def lineage(rt: Runtime, tenant: str, dataset: str, key: str) -> dict[str, Any]:
 
 def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
     """A reproducible random sample of production runs, each with its full chain."""
-    from proctor.lifecycle import Runs
-
     if n < 1:
         raise UsageError("--n must be at least 1")
     population = [r for r in Runs(rt).all(tenant) if r.environment == "production"]

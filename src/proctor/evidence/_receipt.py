@@ -1,96 +1,21 @@
-"""Run receipts: a C2SP tlog-proof (https://c2sp.org/tlog-proof) for one event.
-
-Format::
-
-    c2sp.org/tlog-proof@v1
-    extra <base64 of the event's canonical bytes>
-    index <seq>
-    <base64 hash>            (the RFC 9162 inclusion proof, leaf side first)
-    ...
-    <blank line>
-    <the signed checkpoint, verbatim>
-
-The spec leaves ``extra`` unauthenticated; here it carries the event itself and
-the verifier hashes it into the leaf, so it is authenticated by the proof.
-"""
+"""Run receipts (C2SP tlog-proof, made and checked in ``proctor.ledger``) for an
+auditor's tools: made from a ledger, or from anything that holds one (the runtime)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from proctor.errors import ProctorError, VerificationFailed
-from proctor.ledger import Verifier, leaf_hash, open_checkpoint, verify_inclusion
-from proctor.runtime import Runtime
+from proctor.ledger import Ledger, Receipt, verify_receipt
+from proctor.ledger import make_receipt as _ledger_receipt
 
-HEADER = "c2sp.org/tlog-proof@v1"
+__all__ = ["Receipt", "make_receipt", "verify_receipt"]
 
 
-@dataclass(frozen=True)
-class Receipt:
-    origin: str
-    index: int
-    size: int
-    event: dict[str, Any]
+class _HasLedger(Protocol):
+    @property
+    def ledger(self) -> Ledger: ...
 
 
-def make_receipt(rt: Runtime, tenant: str, seq: int) -> str:
+def make_receipt(source: Ledger | _HasLedger, tenant: str, seq: int) -> str:
     """The receipt of event ``seq`` of ``tenant``'s log, against the current checkpoint."""
-    head = rt.ledger.head(rt.log_name(tenant))
-    if head.size == 0:
-        raise VerificationFailed(f"the log of {tenant} is empty")
-    data = next(iter(rt.ledger.entries(tenant, seq, seq + 1)), None)
-    if data is None:
-        raise VerificationFailed(f"event seq {seq} is not in the log of {tenant}")
-    proof = rt.ledger.inclusion_proof(tenant, seq, head.size)
-    lines = [HEADER, "extra " + base64.b64encode(data).decode(), f"index {seq}"]
-    lines += [base64.b64encode(h).decode() for h in proof.hashes]
-    return "\n".join(lines) + "\n\n" + head.checkpoint
-
-
-def verify_receipt(text: str, vkey: str) -> Receipt:
-    """Check a receipt offline with the verifier key; returns what it proves."""
-    try:
-        verifier = Verifier.parse(vkey)
-    except ProctorError as exc:
-        raise VerificationFailed(f"verifier key: {exc.message}") from exc
-    proof_part, sep, note = text.partition("\n\n")
-    if not sep:
-        raise VerificationFailed("receipt: no blank line before the checkpoint")
-    lines = proof_part.split("\n")
-    if not lines or lines[0] != HEADER:
-        raise VerificationFailed(f"receipt: the first line must be {HEADER}")
-    rest = lines[1:]
-    data = None
-    try:
-        if rest and rest[0].startswith("extra "):
-            data = base64.b64decode(rest[0][6:], validate=True)
-            rest = rest[1:]
-        if not rest or not rest[0].startswith("index "):
-            raise VerificationFailed("receipt: no index line")
-        index_text = rest[0][6:]
-        if not index_text.isdigit() or (index_text != "0" and index_text.startswith("0")):
-            raise VerificationFailed("receipt: malformed index")
-        index = int(index_text)
-        hashes = [base64.b64decode(h, validate=True) for h in rest[1:]]
-    except binascii.Error as exc:
-        raise VerificationFailed("receipt: a line is not base64") from exc
-    if data is None:
-        raise VerificationFailed("receipt: no event (extra line) to check")
-    checkpoint = open_checkpoint(note, verifier)
-    verify_inclusion(index, checkpoint.size, leaf_hash(data), hashes, checkpoint.root)
-    try:
-        event = json.loads(data)
-    except ValueError as exc:
-        raise VerificationFailed("receipt: the event is not JSON") from exc
-    if not isinstance(event, dict) or event.get("seq") != index:
-        raise VerificationFailed("receipt: the event's seq is not the proved index")
-    if not checkpoint.origin.endswith(f"/tenant/{event.get('tenant')}"):
-        raise VerificationFailed(
-            f"receipt: the event's tenant {event.get('tenant')!r} is not the log "
-            f"{checkpoint.origin!r}"
-        )
-    return Receipt(checkpoint.origin, index, checkpoint.size, event)
+    return _ledger_receipt(source if isinstance(source, Ledger) else source.ledger, tenant, seq)

@@ -11,7 +11,7 @@ import bisect
 from collections import Counter, defaultdict
 from typing import Any
 
-from proctor.governance._subprocessors import covers, split_entry
+from proctor.governance import covers, split_entry
 
 DATA_ACTIONS = frozenset({"sql.select", "sql.write", "file.read", "file.write", "secret.use"})
 EGRESS_ACTIONS = frozenset({"http.request"})

@@ -27,10 +27,13 @@ from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._pack import PACK_FORMAT, iter_lines
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
-from proctor.governance import capabilities_hash
-from proctor.governance._backing import decision_problems, submission_problems
-from proctor.governance._manifest import egress_entry
-from proctor.governance._subprocessors import covers
+from proctor.governance import (
+    capabilities_hash,
+    covers,
+    decision_problems,
+    egress_entry,
+    submission_problems,
+)
 from proctor.ledger import (
     Verifier,
     leaf_hash,

@@ -25,7 +25,14 @@ from proctor.governance._artifacts import (
     FileChange,
     artifact_digest,
 )
-from proctor.governance._backing import RowProblem, Unbacked, require_backed, unbacked_rows
+from proctor.governance._backing import (
+    RowProblem,
+    Unbacked,
+    decision_problems,
+    require_backed,
+    submission_problems,
+    unbacked_rows,
+)
 from proctor.governance._control import ControlPlane, role_policy
 from proctor.governance._deployments import (
     ENVIRONMENTS,
@@ -41,9 +48,11 @@ from proctor.governance._manifest import (
     RunLimits,
     capabilities_hash,
     check_entrypoint,
+    egress_entry,
     load_manifest,
     parse_manifest,
 )
+from proctor.governance._policies import EMPTY as EMPTY_POLICY
 from proctor.governance._policies import Policies, PolicyVersion
 from proctor.governance._principals import (
     KINDS,
@@ -52,15 +61,19 @@ from proctor.governance._principals import (
     Principals,
 )
 from proctor.governance._resources import Dataset, Resources, Secret
+from proctor.governance._runs import RunRecord, Runs
 from proctor.governance._subprocessors import (
     Subprocessor,
     Subprocessors,
+    covers,
+    split_entry,
     subprocessor_forbid,
 )
 from proctor.governance._tenants import Tenant, Tenants, validate_tenant_name
 
 __all__ = [
     "DEFAULT_EXPIRY",
+    "EMPTY_POLICY",
     "ENVIRONMENTS",
     "KINDS",
     "MODES",
@@ -95,6 +108,8 @@ __all__ = [
     "Resources",
     "RowProblem",
     "RunLimits",
+    "RunRecord",
+    "Runs",
     "Secret",
     "Subprocessor",
     "Subprocessors",
@@ -106,10 +121,15 @@ __all__ = [
     "bindings",
     "capabilities_hash",
     "check_entrypoint",
+    "covers",
+    "decision_problems",
+    "egress_entry",
     "load_manifest",
     "parse_manifest",
     "require_backed",
     "role_policy",
+    "split_entry",
+    "submission_problems",
     "subprocessor_forbid",
     "unbacked_rows",
     "validate_tenant_name",

@@ -27,8 +27,7 @@ from typing import Any
 
 from proctor.errors import PolicyError, UsageError
 from proctor.ledger import canonical_json
-from proctor.policy import capability_policies, normalize_host
-from proctor.policy._hosts import DEFAULT_PORT, split_host_port
+from proctor.policy import DEFAULT_PORT, capability_policies, normalize_host, split_host_port
 
 MANIFEST_FILE = "proctor.toml"
 

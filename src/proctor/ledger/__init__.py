@@ -27,6 +27,7 @@ from proctor.ledger._merkle import (
     verify_inclusion,
 )
 from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint, parse_checkpoint
+from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 
@@ -41,12 +42,14 @@ __all__ = [
     "InclusionProof",
     "Ledger",
     "LogHead",
+    "Receipt",
     "Signer",
     "TxHook",
     "Verifier",
     "VerifyReport",
     "canonical_json",
     "leaf_hash",
+    "make_receipt",
     "node_hash",
     "open_checkpoint",
     "parse_canonical",
@@ -59,4 +62,5 @@ __all__ = [
     "verify_export",
     "verify_inclusion",
     "verify_log",
+    "verify_receipt",
 ]

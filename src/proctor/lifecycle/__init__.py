@@ -2,10 +2,11 @@
 them and keeps services up, and the answer to "what ran here at time T?"."""
 
 from proctor.errors import RunRefused
+from proctor.governance import RunRecord, Runs
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
 from proctor.lifecycle._history import what_ran
 from proctor.lifecycle._serve import Server
-from proctor.lifecycle._supervisor import Interrupt, RunRecord, Runs, Supervisor
+from proctor.lifecycle._supervisor import Interrupt, Supervisor
 
 __all__ = [
     "GUEST_SOCKET",

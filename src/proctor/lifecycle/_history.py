@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from proctor.lifecycle._supervisor import Runs
+from proctor.governance import Runs
 from proctor.runtime import Runtime
 
 
@@ -25,9 +25,9 @@ def what_ran(rt: Runtime, tenant: str, at: str, window: float = 3600.0) -> dict[
         if pv.set_at <= at:
             policy = pv.version
     if policy.endswith("0" * 64):
-        from proctor.governance._policies import EMPTY
+        from proctor.governance import EMPTY_POLICY
 
-        policy = EMPTY.version
+        policy = EMPTY_POLICY.version
     deployments = []
     for dep in rt.deployments.at(tenant, at):
         approvers = []

@@ -22,9 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from proctor.errors import ProctorError
-from proctor.governance import Deployment
+from proctor.governance import Deployment, RunRecord
 from proctor.ledger import Actor
-from proctor.lifecycle._supervisor import RunRecord, Supervisor
+from proctor.lifecycle._supervisor import Supervisor
 from proctor.runtime import reap_broker_sockets
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 

@@ -18,14 +18,20 @@ import shutil
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
-from proctor.errors import NotFound, ProctorError, RunRefused
-from proctor.governance import ApprovalRequired, Deployment, bindings, require_backed
-from proctor.ledger import Actor, EventDraft, utc_now
+from proctor.errors import ProctorError, RunRefused
+from proctor.governance import (
+    ApprovalRequired,
+    Deployment,
+    RunRecord,
+    Runs,
+    bindings,
+    require_backed,
+)
+from proctor.ledger import Actor, EventDraft, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
 from proctor.runtime import Runtime
@@ -57,47 +63,6 @@ class Interrupt(threading.Event):
         self.set()
 
 
-@dataclass(frozen=True)
-class RunRecord:
-    id: str
-    tenant: str
-    deployment: str
-    version: int
-    digest: str
-    environment: str
-    workload: str
-    approvals: tuple[str, ...]
-    backend: str
-    platform: str | None
-    status: str  # running | succeeded | failed | stopped | interrupted
-    reason: str | None
-    exit_code: int | None
-    attempt: int
-    limits: dict[str, Any]
-    output_digest: str | None
-    started_at: str
-    ended_at: str | None
-
-    def as_json(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
-
-
-_COLUMNS = (
-    "id, tenant, deployment, version, digest, environment, workload, approvals, backend,"
-    " platform, status, reason, exit_code, attempt, limits, output_digest, started_at, ended_at"
-)
-
-
-def _row(r: tuple[Any, ...]) -> RunRecord:
-    return RunRecord(
-        str(r[0]), str(r[1]), str(r[2]), int(r[3]), str(r[4]), str(r[5]), str(r[6]),
-        tuple(json.loads(r[7])), str(r[8]), None if r[9] is None else str(r[9]), str(r[10]),
-        None if r[11] is None else str(r[11]), None if r[12] is None else int(r[12]),
-        int(r[13]), json.loads(r[14]), None if r[15] is None else str(r[15]), str(r[16]),
-        None if r[17] is None else str(r[17]),
-    )  # fmt: skip
-
-
 def _limits(manifest_limits: Any) -> Limits:
     base = Limits()
     return Limits(
@@ -107,61 +72,6 @@ def _limits(manifest_limits: Any) -> Limits:
         wall_seconds=manifest_limits.wall_seconds or base.wall_seconds,
         output_bytes=manifest_limits.output_bytes or base.output_bytes,
     )
-
-
-class Runs:
-    """The run history kept in the store."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
-
-    def get(self, tenant: str, run_id: str) -> RunRecord:
-        with self._rt.store.read() as conn:
-            r = conn.query_one(
-                f"SELECT {_COLUMNS} FROM runs WHERE id = ? AND tenant = ?",  # noqa: S608
-                (run_id, tenant),
-            )
-        if r is None:
-            raise NotFound(f"no run {run_id!r} in tenant {tenant!r}")
-        return _row(r)
-
-    def all(
-        self, tenant: str, deployment: str | None = None, status: str | None = None
-    ) -> list[RunRecord]:
-        clauses, params = ["tenant = ?"], [tenant]
-        if deployment is not None:
-            clauses.append("deployment = ?")
-            params.append(deployment)
-        if status is not None:
-            clauses.append("status = ?")
-            params.append(status)
-        with self._rt.store.read() as conn:
-            rows = conn.query(
-                f"SELECT {_COLUMNS} FROM runs WHERE {' AND '.join(clauses)}"  # noqa: S608
-                " ORDER BY started_at",
-                params,
-            )
-        return [_row(r) for r in rows]
-
-    def of_artifact(self, tenant: str, digest: str) -> list[RunRecord]:
-        """Every run of one digest: how it behaved in the build loop is part of its review."""
-        with self._rt.store.read() as conn:
-            rows = conn.query(
-                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND digest = ?"  # noqa: S608
-                " ORDER BY started_at",
-                (tenant, digest),
-            )
-        return [_row(r) for r in rows]
-
-    def between(self, tenant: str, start: str, end: str) -> list[RunRecord]:
-        """Runs that were in progress at some point in [start, end]."""
-        with self._rt.store.read() as conn:
-            rows = conn.query(
-                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND started_at <= ?"  # noqa: S608
-                " AND (ended_at IS NULL OR ended_at >= ?) ORDER BY started_at",
-                (tenant, end, start),
-            )
-        return [_row(r) for r in rows]
 
 
 class Supervisor:
@@ -307,15 +217,11 @@ class Supervisor:
         started_at = utc_now()
 
         def insert(conn: Conn) -> None:
-            conn.execute(
-                f"INSERT INTO runs ({_COLUMNS}, supervisor) VALUES"  # noqa: S608
-                " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    run_id, tenant, name, dep.version, dep.digest, dep.environment, workload,
-                    json.dumps(list(approvals)), self.driver.name, None, "running", None, None,
-                    attempt, json.dumps(limits_doc), None, started_at, None, self.supervisor_id,
-                ),
-            )  # fmt: skip
+            Runs.insert(conn, (
+                run_id, tenant, name, dep.version, dep.digest, dep.environment, workload,
+                json.dumps(list(approvals)), self.driver.name, None, "running", None, None,
+                attempt, json.dumps(limits_doc), None, started_at, None,
+            ), self.supervisor_id)  # fmt: skip
 
         rt.ledger.append(
             tenant,
@@ -462,11 +368,8 @@ class Supervisor:
         )  # fmt: skip
         if dep.environment == "production":
             # A signed receipt for the run's final event (C2SP tlog-proof): proof,
-            # checkable offline, that this ending is in the log. Imported here:
-            # evidence reads lifecycle's run history.
-            from proctor.evidence import make_receipt
-
-            receipt = make_receipt(self.rt, tenant, end.seq)
+            # checkable offline, that this ending is in the log.
+            receipt = make_receipt(self.rt.ledger, tenant, end.seq)
             (self.rt.home / "runs" / run_id / "receipt.tlog-proof").write_text(receipt)
         return self.runs.get(tenant, run_id)
 

@@ -28,7 +28,7 @@ from proctor.policy._engine import (
     normalize_text,
     policy_version,
 )
-from proctor.policy._hosts import normalize_host
+from proctor.policy._hosts import DEFAULT_PORT, normalize_host, split_host_port
 from proctor.policy._model import CedarValue, Entity, EntityRef, EntitySet, IpAddr, Request
 from proctor.policy._schema import (
     ACTIONS,
@@ -44,6 +44,7 @@ __all__ = [
     "CAPABILITY_KEYS",
     "CONTROL_PLANE_ACTIONS",
     "DATA_PLANE_ACTIONS",
+    "DEFAULT_PORT",
     "ENTITY_TYPES",
     "NAMESPACE",
     "CedarValue",
@@ -62,4 +63,5 @@ __all__ = [
     "normalize_text",
     "policy_version",
     "schema_text",
+    "split_host_port",
 ]

@@ -1,0 +1,128 @@
+"""The run history kept in the store: one row per run, from its start to its end.
+
+Below both the lifecycle (which writes the rows as runs start and end) and the
+evidence (which reads them for packs, samples and lineage), so that neither
+imports the other for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from proctor.errors import NotFound
+from proctor.store import Conn, Store
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    tenant: str
+    deployment: str
+    version: int
+    digest: str
+    environment: str
+    workload: str
+    approvals: tuple[str, ...]
+    backend: str
+    platform: str | None
+    status: str  # running | succeeded | failed | stopped | interrupted
+    reason: str | None
+    exit_code: int | None
+    attempt: int
+    limits: dict[str, Any]
+    output_digest: str | None
+    started_at: str
+    ended_at: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+_COLUMNS = (
+    "id, tenant, deployment, version, digest, environment, workload, approvals, backend,"
+    " platform, status, reason, exit_code, attempt, limits, output_digest, started_at, ended_at"
+)
+
+
+def _row(r: tuple[Any, ...]) -> RunRecord:
+    return RunRecord(
+        str(r[0]), str(r[1]), str(r[2]), int(r[3]), str(r[4]), str(r[5]), str(r[6]),
+        tuple(json.loads(r[7])), str(r[8]), None if r[9] is None else str(r[9]), str(r[10]),
+        None if r[11] is None else str(r[11]), None if r[12] is None else int(r[12]),
+        int(r[13]), json.loads(r[14]), None if r[15] is None else str(r[15]), str(r[16]),
+        None if r[17] is None else str(r[17]),
+    )  # fmt: skip
+
+
+@runtime_checkable
+class _HasStore(Protocol):
+    @property
+    def store(self) -> Store: ...
+
+
+class Runs:
+    """The run history kept in the store. Built on the store, or on anything that
+    holds one (the runtime)."""
+
+    def __init__(self, source: Store | _HasStore) -> None:
+        self._store: Store = source.store if isinstance(source, _HasStore) else source
+
+    @staticmethod
+    def insert(conn: Conn, values: tuple[Any, ...], supervisor: str) -> None:
+        """Write a new run's row: ``values`` in :class:`RunRecord`'s field order, then
+        the id of the process that owns it (see ``Runtime.close_orphaned_runs``)."""
+        conn.execute(
+            f"INSERT INTO runs ({_COLUMNS}, supervisor) VALUES"  # noqa: S608
+            " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (*values, supervisor),
+        )
+
+    def get(self, tenant: str, run_id: str) -> RunRecord:
+        with self._store.read() as conn:
+            r = conn.query_one(
+                f"SELECT {_COLUMNS} FROM runs WHERE id = ? AND tenant = ?",  # noqa: S608
+                (run_id, tenant),
+            )
+        if r is None:
+            raise NotFound(f"no run {run_id!r} in tenant {tenant!r}")
+        return _row(r)
+
+    def all(
+        self, tenant: str, deployment: str | None = None, status: str | None = None
+    ) -> list[RunRecord]:
+        clauses, params = ["tenant = ?"], [tenant]
+        if deployment is not None:
+            clauses.append("deployment = ?")
+            params.append(deployment)
+        if status is not None:
+            clauses.append("status = ?")
+            params.append(status)
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE {' AND '.join(clauses)}"  # noqa: S608
+                " ORDER BY started_at",
+                params,
+            )
+        return [_row(r) for r in rows]
+
+    def of_artifact(self, tenant: str, digest: str) -> list[RunRecord]:
+        """Every run of one digest: how it behaved in the build loop is part of its review."""
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND digest = ?"  # noqa: S608
+                " ORDER BY started_at",
+                (tenant, digest),
+            )
+        return [_row(r) for r in rows]
+
+    def between(self, tenant: str, start: str, end: str) -> list[RunRecord]:
+        """Runs that were in progress at some point in [start, end]."""
+        with self._store.read() as conn:
+            rows = conn.query(
+                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND started_at <= ?"  # noqa: S608
+                " AND (ended_at IS NULL OR ended_at >= ?) ORDER BY started_at",
+                (tenant, end, start),
+            )
+        return [_row(r) for r in rows]
