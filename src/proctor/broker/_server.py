@@ -57,11 +57,11 @@ from proctor.broker._scope import (
     RunScope,
 )
 from proctor.broker._tokens import RunTokens
+from proctor.guest.protocol import TOKEN_HEADER
 from proctor.policy import Decision
 
 log = logging.getLogger("proctor.broker")
 
-TOKEN_HEADER = "Proctor-Token"  # noqa: S105 - a header name, not a secret
 MAX_SQL_BODY = 1024 * 1024
 MAX_OBJECT = 64 * 1024 * 1024
 #: How long closing a run waits for its cancelled connections to finish writing.

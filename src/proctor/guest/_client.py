@@ -7,10 +7,7 @@ import socket
 from typing import Any
 from urllib.parse import quote
 
-#: Where the supervisor mounts the run's broker socket, and the token's variable.
-SOCKET_ENV = "PROCTOR_BROKER"
-TOKEN_ENV = "PROCTOR_TOKEN"  # noqa: S105 - a variable name, not a secret
-DEFAULT_SOCKET = "/run/proctor/broker.sock"
+from .protocol import SOCKET_ENV, SOCKET_PATH, TOKEN_ENV, TOKEN_HEADER
 
 
 class GuestError(Exception):
@@ -55,8 +52,8 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 def _call(method: str, path: str, body: bytes | None = None, timeout: float = 60.0) -> bytes:
-    sock_path = os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
-    headers = {"Proctor-Token": os.environ.get(TOKEN_ENV, "")}
+    sock_path = os.environ.get(SOCKET_ENV, SOCKET_PATH)
+    headers = {TOKEN_HEADER: os.environ.get(TOKEN_ENV, "")}
     if body is not None:
         headers["Content-Type"] = "application/json"
     conn = _UnixConnection(sock_path, timeout)

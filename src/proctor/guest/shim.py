@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 
-from ._client import DEFAULT_SOCKET, SOCKET_ENV, TOKEN_ENV
+from .protocol import SOCKET_ENV, SOCKET_PATH, TOKEN_ENV, TOKEN_HEADER
 
 PORT_ENV = "PROCTOR_PROXY_PORT"
 DEFAULT_PORT = 3128
@@ -61,7 +61,8 @@ def _bridge(client: socket.socket, broker_path: str, token: str) -> None:
         except OSError:
             return
         line_end = head.index(b"\r\n")
-        head = head[:line_end] + b"\r\nProctor-Token: " + token.encode() + head[line_end:]
+        header = f"\r\n{TOKEN_HEADER}: ".encode()
+        head = head[:line_end] + header + token.encode() + head[line_end:]
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             upstream.connect(broker_path)
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python3 -m proctor_guest.shim -- ENTRYPOINT...", file=sys.stderr)
         return 2
-    broker_path = os.environ.get(SOCKET_ENV, DEFAULT_SOCKET)
+    broker_path = os.environ.get(SOCKET_ENV, SOCKET_PATH)
     token = os.environ.get(TOKEN_ENV, "")
     port = int(os.environ.get(PORT_ENV, str(DEFAULT_PORT)))
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import proctor.guest
 from proctor.broker import Broker, RunChannel, RunScope
+from proctor.guest.protocol import RUN_ENV, SOCKET_ENV, SOCKET_PATH, TOKEN_ENV
 from proctor.sandbox import Limits, SandboxDriver, SandboxResult, SandboxSpec, Sink
 
-GUEST_SOCKET = "/run/proctor/broker.sock"
+GUEST_SOCKET = SOCKET_PATH
 GUEST_LIB_PARENT = "/opt/proctor"
 GUEST_LIB = f"{GUEST_LIB_PARENT}/proctor_guest"
 GUEST_CA = "/opt/proctor-ca"
@@ -36,9 +37,9 @@ def brokered_spec(
     guest_env.update(
         {
             "PYTHONPATH": GUEST_LIB_PARENT,
-            "PROCTOR_BROKER": GUEST_SOCKET,
-            "PROCTOR_TOKEN": channel.token,
-            "PROCTOR_RUN": channel.run_id,
+            SOCKET_ENV: GUEST_SOCKET,
+            TOKEN_ENV: channel.token,
+            RUN_ENV: channel.run_id,
         }
     )
     ro_dirs = {GUEST_DIR: GUEST_LIB}
