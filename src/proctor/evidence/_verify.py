@@ -17,7 +17,7 @@ import json
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from proctor.governance import (
     submission_problems,
 )
 from proctor.ledger import (
+    Checkpoint,
     Verifier,
     leaf_hash,
     open_checkpoint,
@@ -195,7 +196,46 @@ def verify_pack(path: Path, vkey: str | None = None) -> PackReport:
 
 
 def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
+    # The order of the checks is the order failures are named in: cryptography
+    # first, so that an altered event is named as such and not as what it breaks.
     _check_manifest(zf)
+    head = _read_head(zf, vkey)
+    end_cp = _check_checkpoints(zf, head)
+    period = _check_period(zf, head, end_cp)
+    context_docs = _check_context(zf, head, end_cp, period.events)
+    proven = _Proven.index(period.events)
+    production, approvals_checked = _check_approvals(proven)
+    accesses = _check_accesses(proven, period.data_events)
+    _check_records(zf, proven.grants, proven.submits, proven.runs, proven.ordered)
+    _check_report(zf, head, period, context_docs)
+    return PackReport(
+        head.tenant,
+        head.origin,
+        head.stop - head.first,
+        len(context_docs),
+        head.first,
+        head.stop,
+        end_cp.size,
+        production,
+        approvals_checked,
+        accesses,
+        head.verifier.vkey(),
+    )
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What pack.json says the pack is, and the key its checkpoints are held to."""
+
+    meta: dict[str, Any]
+    tenant: str
+    origin: str
+    first: int
+    stop: int
+    verifier: Verifier
+
+
+def _read_head(zf: zipfile.ZipFile, vkey: str | None) -> _Head:
     meta = _load(zf, "pack.json")
     if meta.get("format") != PACK_FORMAT:
         raise _fail("pack.json: unknown pack format")
@@ -207,8 +247,15 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         verifier = Verifier.parse(key_text)
     except ProctorError as exc:
         raise _fail(f"verifier key: {exc.message}") from exc
+    return _Head(meta, tenant, origin, int(meta["first_seq"]), int(meta["end_seq"]), verifier)
 
-    # -- signatures and the tree --------------------------------------------------
+
+# -- signatures and the tree --------------------------------------------------------
+
+
+def _check_checkpoints(zf: zipfile.ZipFile, head: _Head) -> Checkpoint:
+    """The signed end checkpoint, and the start one consistent with it."""
+    meta, verifier, origin = head.meta, head.verifier, head.origin
     end_cp = open_checkpoint(_read(zf, "checkpoints/end.note").decode(), verifier, origin)
     if end_cp.size != int(meta["end_size"]):
         raise _fail("checkpoints/end.note: its size differs from pack.json's end_size")
@@ -232,17 +279,37 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
             )
         except VerificationFailed as exc:
             raise _fail(f"proofs/consistency.json: {exc.message}") from exc
+    return end_cp
 
-    first, stop = int(meta["first_seq"]), int(meta["end_seq"])
-    summary = Summary()
+
+_DATA_ACTIONS = ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+
+
+@dataclass
+class _Period:
+    summary: Summary = field(default_factory=Summary)
+    events: dict[int, dict[str, Any]] = field(default_factory=dict)  # governance and run, by seq
+    data_events: list[dict[str, Any]] = field(default_factory=list)  # allowed accesses
+
+
+def _check_period(zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint) -> _Period:
+    """The period's events: in order, the tenant's, dated inside it, and leading with
+    the range proof to the signed end checkpoint; their OCSF lines match them."""
+    first, stop, meta = head.first, head.stop, head.meta
+    period = _Period()
     leaves: list[bytes] = []
-    events: dict[int, dict[str, Any]] = {}  # governance and run events, by seq
-    data_events: list[dict[str, Any]] = []
     # Regenerating every OCSF line costs as much as everything else in this loop, and
     # needs nothing from it: a second process does it meanwhile, on the other core.
     # (A plain subprocess, not multiprocessing: no re-import of the caller's script.)
     ocsf_check = subprocess.Popen(
-        [sys.executable, "-m", "proctor.evidence._verify", zf.filename or "", origin, str(first)],
+        [
+            sys.executable,
+            "-m",
+            "proctor.evidence._verify",
+            zf.filename or "",
+            head.origin,
+            str(first),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -255,25 +322,18 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
                 f"event seq {seq}: found seq {ev.get('seq')!r} in its place; events were "
                 "removed, inserted or reordered"
             )
-        if ev.get("tenant") != tenant:
+        if ev.get("tenant") != head.tenant:
             raise _fail(f"event seq {seq}: belongs to tenant {ev.get('tenant')!r}")
         if not str(meta["from"]) <= ev["time"] < str(meta["to"]):
             raise _fail(f"event seq {seq}: its time {ev['time']} is outside the period")
         leaves.append(leaf_hash(data))
-        summary.add(ev)
+        period.summary.add(ev)
         action = ev["action"]
-        if action in (
-            "sql.select",
-            "sql.write",
-            "http.request",
-            "file.read",
-            "file.write",
-            "secret.use",
-        ):
+        if action in _DATA_ACTIONS:
             if ev["decision"] == "allow":
-                data_events.append(ev)
+                period.data_events.append(ev)
         elif not action.startswith("http."):
-            events[seq] = ev
+            period.events[seq] = ev
     if seq + 1 != stop:
         raise _fail(f"event seq {seq + 1}: missing; pack.json says the period ends before {stop}")
     rp = _load(zf, "proofs/range.json")
@@ -299,14 +359,24 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         raise _fail("ocsf/events.ocsf.jsonl: could not be checked")
     if out.strip():
         raise _fail(out.decode().strip())
+    return period
 
-    # -- context events -------------------------------------------------------------
+
+# -- context events -----------------------------------------------------------------
+
+
+def _check_context(
+    zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint, events: dict[int, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The events just outside the period, each proven included, which show it has
+    no gap at either edge; added to ``events``, and returned in the pack's order."""
+    first, stop, meta = head.first, head.stop, head.meta
     context_docs: list[dict[str, Any]] = []
     proofs = iter_lines(zf, "proofs/context.jsonl")
     for data in iter_lines(zf, "events/context.jsonl"):
         ev = _parse_event(data, "context event")
         cseq = ev.get("seq")
-        if type(cseq) is not int or ev.get("tenant") != tenant:
+        if type(cseq) is not int or ev.get("tenant") != head.tenant:
             raise _fail(f"context event {cseq!r}: bad seq or tenant")
         raw = next(proofs, None)
         if raw is None:
@@ -344,94 +414,124 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
             f"event seq {stop}: the event just after the period is missing, so its end "
             "cannot be shown complete"
         )
+    return context_docs
 
-    # -- what the proven events say ---------------------------------------------------
-    ordered = [events[s] for s in sorted(events)]
-    submits = {
-        str(e["artifact"]): e
-        for e in ordered
-        if e["action"] == "artifact.submit" and e["decision"] == "allow"
-    }
-    grants = {
-        str((e.get("details") or {}).get("approval")): e
-        for e in ordered
-        if e["action"] == "approval.grant" and e["decision"] == "allow"
-    }
-    revokes: dict[str, int] = {}
-    for e in ordered:
-        if e["action"] == "approval.revoke" and e["decision"] == "allow":
-            for a in e.get("approvals") or []:
-                revokes.setdefault(str(a), int(e["seq"]))
-    runs = {
-        str(e["run"]): e
-        for e in ordered
-        if e["action"] == "run.start" and e["decision"] == "allow" and e.get("run")
-    }
+
+# -- what the proven events say -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Proven:
+    """The proven governance and run events, indexed the way the checks look them up."""
+
+    ordered: list[dict[str, Any]]
+    submits: dict[str, dict[str, Any]]  # allowed artifact.submit, by digest
+    grants: dict[str, dict[str, Any]]  # allowed approval.grant, by approval id
+    revokes: dict[str, int]  # approval id -> seq of its first allowed revocation
+    runs: dict[str, dict[str, Any]]  # allowed run.start, by run id
+
+    @classmethod
+    def index(cls, events: dict[int, dict[str, Any]]) -> _Proven:
+        ordered = [events[s] for s in sorted(events)]
+        submits = {
+            str(e["artifact"]): e
+            for e in ordered
+            if e["action"] == "artifact.submit" and e["decision"] == "allow"
+        }
+        grants = {
+            str((e.get("details") or {}).get("approval")): e
+            for e in ordered
+            if e["action"] == "approval.grant" and e["decision"] == "allow"
+        }
+        revokes: dict[str, int] = {}
+        for e in ordered:
+            if e["action"] == "approval.revoke" and e["decision"] == "allow":
+                for a in e.get("approvals") or []:
+                    revokes.setdefault(str(a), int(e["seq"]))
+        runs = {
+            str(e["run"]): e
+            for e in ordered
+            if e["action"] == "run.start" and e["decision"] == "allow" and e.get("run")
+        }
+        return cls(ordered, submits, grants, revokes, runs)
+
+
+def _check_approvals(proven: _Proven) -> tuple[int, int]:
+    """Every production run's approvals; returns (production runs, approvals checked)."""
     approvals_checked = 0
     production = 0
-    for run_id, start in runs.items():
+    for run_id, start in proven.runs.items():
         d = start.get("details") or {}
         if d.get("environment") != "production":
             continue
         production += 1
-        digest = str(start.get("artifact"))
-        submit = submits.get(digest)
-        if submit is None:
+        approvals_checked += _check_run_approvals(proven, run_id, start)
+    return production, approvals_checked
+
+
+def _check_run_approvals(proven: _Proven, run_id: str, start: dict[str, Any]) -> int:
+    """Each approval the run cites: granted before it started, by someone other than
+    the author, for its digest and capabilities, unexpired and unrevoked then."""
+    digest = str(start.get("artifact"))
+    submit = proven.submits.get(digest)
+    if submit is None:
+        raise _fail(
+            f"run {run_id}: the submission of its artifact {digest[:19]}… is not in the pack"
+        )
+    author = submit["actor"]["id"]
+    cited = list(start.get("approvals") or [])
+    if not cited:
+        raise _fail(f"run {run_id}: a production run with no approval")
+    checked = 0
+    for approval in cited:
+        grant = proven.grants.get(approval)
+        if grant is None:
             raise _fail(
-                f"run {run_id}: the submission of its artifact {digest[:19]}… is not in the pack"
+                f"approval {approval} of run {run_id}: its approval.grant event is not in the pack"
             )
-        author = submit["actor"]["id"]
-        cited = list(start.get("approvals") or [])
-        if not cited:
-            raise _fail(f"run {run_id}: a production run with no approval")
-        for approval in cited:
-            grant = grants.get(approval)
-            if grant is None:
-                raise _fail(
-                    f"approval {approval} of run {run_id}: its approval.grant event is not "
-                    "in the pack"
-                )
-            approvals_checked += 1
-            gd = grant.get("details") or {}
-            if int(grant["seq"]) > int(start["seq"]) or grant["time"] > start["time"]:
-                raise _fail(
-                    f"approval {approval} of run {run_id}: granted at {grant['time']} "
-                    f"(seq {grant['seq']}), after the run started at {start['time']} "
-                    f"(seq {start['seq']})"
-                )
-            if grant["actor"]["id"] == author:
-                raise _fail(
-                    f"approval {approval} of run {run_id}: granted by {author}, the "
-                    "artifact's author (separation of duties)"
-                )
-            if grant.get("artifact") != digest:
-                raise _fail(f"approval {approval} of run {run_id}: approves another artifact")
-            if gd.get("capabilities_hash") != (submit.get("details") or {}).get(
-                "capabilities_hash"
-            ):
-                raise _fail(f"approval {approval} of run {run_id}: approves other capabilities")
-            expires = gd.get("expires_at")
-            if expires is not None and str(expires) <= start["time"]:
-                raise _fail(
-                    f"approval {approval} of run {run_id}: expired at {expires}, before "
-                    "the run started"
-                )
-            revoked = revokes.get(approval)
-            if revoked is not None and revoked < int(start["seq"]):
-                raise _fail(
-                    f"approval {approval} of run {run_id}: revoked (seq {revoked}) "
-                    "before the run started"
-                )
+        checked += 1
+        gd = grant.get("details") or {}
+        if int(grant["seq"]) > int(start["seq"]) or grant["time"] > start["time"]:
+            raise _fail(
+                f"approval {approval} of run {run_id}: granted at {grant['time']} "
+                f"(seq {grant['seq']}), after the run started at {start['time']} "
+                f"(seq {start['seq']})"
+            )
+        if grant["actor"]["id"] == author:
+            raise _fail(
+                f"approval {approval} of run {run_id}: granted by {author}, the "
+                "artifact's author (separation of duties)"
+            )
+        if grant.get("artifact") != digest:
+            raise _fail(f"approval {approval} of run {run_id}: approves another artifact")
+        if gd.get("capabilities_hash") != (submit.get("details") or {}).get("capabilities_hash"):
+            raise _fail(f"approval {approval} of run {run_id}: approves other capabilities")
+        expires = gd.get("expires_at")
+        if expires is not None and str(expires) <= start["time"]:
+            raise _fail(
+                f"approval {approval} of run {run_id}: expired at {expires}, before the run started"
+            )
+        revoked = proven.revokes.get(approval)
+        if revoked is not None and revoked < int(start["seq"]):
+            raise _fail(
+                f"approval {approval} of run {run_id}: revoked (seq {revoked}) "
+                "before the run started"
+            )
+    return checked
+
+
+def _check_accesses(proven: _Proven, data_events: list[dict[str, Any]]) -> int:
+    """Every allowed access lies inside its artifact's approved capabilities."""
     accesses = 0
     for ev in data_events:
         digest = str(ev.get("artifact"))
-        run = runs.get(str(ev.get("run")))
+        run = proven.runs.get(str(ev.get("run")))
         if run is not None and run.get("artifact") != digest:
             raise _fail(
                 f"event seq {ev['seq']}: names artifact {digest[:19]}… but its run "
                 f"{ev.get('run')} runs {str(run.get('artifact'))[:19]}…"
             )
-        submit = submits.get(digest)
+        submit = proven.submits.get(digest)
         if submit is None:
             raise _fail(
                 f"event seq {ev['seq']}: the submission of artifact {digest[:19]}… (its "
@@ -444,32 +544,26 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
                 f"event seq {ev['seq']} ({ev['action']} {ev['resource']}): allowed, but {why}"
             )
         accesses += 1
+    return accesses
 
-    # -- the store's records held to the events ----------------------------------------
-    _check_records(zf, grants, submits, runs, ordered)
 
-    # -- the report, regenerated --------------------------------------------------------
-    gov_period = [e for s, e in sorted(events.items()) if first <= s < stop]
-    report = summary.finish(
+# -- the report, regenerated ----------------------------------------------------------
+
+
+def _check_report(
+    zf: zipfile.ZipFile, head: _Head, period: _Period, context_docs: list[dict[str, Any]]
+) -> None:
+    gov_period = [e for s, e in sorted(period.events.items()) if head.first <= s < head.stop]
+    report = period.summary.finish(
         context=context_docs,
         period_events=gov_period,
         subprocessors=_load(zf, "governance/subprocessors.json"),
     )
     if json.loads(json.dumps(report)) != _load(zf, "report/report.json"):
         raise _fail("report/report.json: does not match what the events show")
-    return PackReport(
-        tenant,
-        origin,
-        stop - first,
-        len(context_docs),
-        first,
-        stop,
-        end_cp.size,
-        production,
-        approvals_checked,
-        accesses,
-        verifier.vkey(),
-    )
+
+
+# -- the store's records held to the events -------------------------------------------
 
 
 def _check_records(
