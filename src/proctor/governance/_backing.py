@@ -58,8 +58,10 @@ INDEXED_ACTIONS = (
 _IN = "(" + ", ".join(f"'{a}'" for a in INDEXED_ACTIONS) + ")"
 _LITE = (
     "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
-    " WHERE json_extract(CAST(data AS TEXT), '$.resource') = ? AND +log = ?"
-    f" AND json_extract(CAST(data AS TEXT), '$.action') IN {_IN} ORDER BY seq"
+    " WHERE (CASE WHEN json_valid(CAST(data AS TEXT))"
+    " THEN json_extract(CAST(data AS TEXT), '$.resource') END) = ? AND +log = ?"
+    " AND (CASE WHEN json_valid(CAST(data AS TEXT))"
+    f" THEN json_extract(CAST(data AS TEXT), '$.action') END) IN {_IN} ORDER BY seq"
 )
 _PG = (
     "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input

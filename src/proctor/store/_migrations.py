@@ -227,9 +227,13 @@ SQLITE_MIGRATIONS: list[list[str]] = [
     # it apart from the events it indexes. (Statement 1 is PostgreSQL's function.)
     [
         "SELECT 1",
+        # json_valid first: a row whose bytes are not JSON (a tampered one) must stay
+        # writable and readable, so that verification can name it.
         "CREATE INDEX ledger_entries_ref ON ledger_entries"
-        " (json_extract(CAST(data AS TEXT), '$.resource'), log)"
-        " WHERE json_extract(CAST(data AS TEXT), '$.action') IN"
+        " ((CASE WHEN json_valid(CAST(data AS TEXT))"
+        " THEN json_extract(CAST(data AS TEXT), '$.resource') END), log)"
+        " WHERE (CASE WHEN json_valid(CAST(data AS TEXT))"
+        " THEN json_extract(CAST(data AS TEXT), '$.action') END) IN"
         " ('artifact.submit', 'approval.grant', 'approval.reject', 'approval.revoke',"
         " 'deployment.create', 'deployment.rollback', 'deployment.stopped', 'principal.create',"
         " 'principal.disable', 'principal.enable', 'token.issue', 'quorum.set',"
