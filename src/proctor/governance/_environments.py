@@ -21,16 +21,17 @@ environments, so there is no second place where the rule could differ.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from proctor.errors import ProctorError, SyntheticOnly
 from proctor.governance._resources import Dataset, Resources, Secret
 from proctor.governance._subprocessors import Subprocessors, egress_forbid, subprocessor_forbid
 
 SANDBOX_EGRESS_FORBID_ID = "tenant:sandbox-egress"
+_Twinned = TypeVar("_Twinned", Dataset, Secret)
 
 
 @dataclass(frozen=True)
@@ -86,39 +87,42 @@ def bindings(
 def _datasets(
     resources: Resources, tenant: str, names: list[str], environment: str
 ) -> dict[str, Dataset]:
-    all_sets = resources.datasets(tenant)
-    by_name = {d.name: d for d in all_sets}
-    twins = {d.twin_of: d for d in all_sets if d.twin_of}
-    out: dict[str, Dataset] = {}
-    for name in names:
-        ds = by_name.get(name)
-        if ds is None:
-            continue
-        if environment == "sandbox" and not ds.synthetic:
-            twin = twins.get(name)
-            if twin is None:
-                continue
-            ds = twin
-        out[name] = ds
-    return out
+    # A synthetic dataset is fit for both; a real one reaches the sandbox only
+    # through its twin.
+    return _bind(resources.datasets(tenant), names, environment,
+                 sandbox_ok=lambda d: d.synthetic, production_ok=lambda d: True)  # fmt: skip
 
 
 def _secrets(
     resources: Resources, tenant: str, names: list[str], environment: str
 ) -> dict[str, Secret]:
-    all_secrets = resources.secrets(tenant)
-    by_name = {s.name: s for s in all_secrets}
-    twins = {s.twin_of: s for s in all_secrets if s.twin_of}
-    out: dict[str, Secret] = {}
+    # A test secret is fit for the sandbox only; a real one only for production.
+    return _bind(resources.secrets(tenant), names, environment,
+                 sandbox_ok=lambda s: s.twin_of is not None,
+                 production_ok=lambda s: s.twin_of is None)  # fmt: skip
+
+
+def _bind(
+    items: list[_Twinned],
+    names: list[str],
+    environment: str,
+    *,
+    sandbox_ok: Callable[[_Twinned], bool],
+    production_ok: Callable[[_Twinned], bool],
+) -> dict[str, _Twinned]:
+    """What each name a manifest uses is bound to in ``environment``: the item
+    itself where it is fit for it, else (in the sandbox) its twin, else nothing."""
+    by_name = {i.name: i for i in items}
+    twins = {i.twin_of: i for i in items if i.twin_of}
+    out: dict[str, _Twinned] = {}
     for name in names:
-        secret = by_name.get(name)
-        if secret is None:
+        item = by_name.get(name)
+        if item is None:
             continue
         if environment == "sandbox":
-            # A test secret is itself fit for the sandbox; a real one only through its twin.
-            stand_in = secret if secret.twin_of is not None else twins.get(name)
-            if stand_in is not None:
-                out[name] = stand_in
-        elif secret.twin_of is None:
-            out[name] = secret
+            bound = item if sandbox_ok(item) else twins.get(name)
+        else:
+            bound = item if production_ok(item) else None
+        if bound is not None:
+            out[name] = bound
     return out
