@@ -1,15 +1,13 @@
 """``proctor sandbox``: the ephemeral mode, for the build loop.
 
-A run here is throwaway (synthetic data, no broker), but it is still recorded:
-a start event before anything runs (if the ledger cannot take it, nothing runs)
-and an end event with the result, both in the ``sandbox`` tenant's log.
+A run here is throwaway (synthetic data, no broker), but it is still recorded
+(``proctor.lifecycle.Throwaway``): this module only reads the options and
+streams the output.
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
-from contextlib import suppress
 from pathlib import Path
 from typing import Annotated
 
@@ -24,35 +22,13 @@ from proctor.cli._common import (
     stop_on_signals,
 )
 from proctor.cli._units import parse_duration, parse_size
-from proctor.errors import AlreadyExists, UsageError
-from proctor.ledger import EventDraft
-from proctor.runtime import Runtime
+from proctor.errors import UsageError
 from proctor.sandbox import Limits, Reason, SandboxSpec, backends, get_driver
-
-SANDBOX_TENANT = "sandbox"
 
 sandbox_app = typer.Typer(
     help="Ephemeral sandboxes for the build loop (recorded, but not governed).",
     no_args_is_help=True,
 )
-
-
-def _ensure_tenant(rt: Runtime) -> None:
-    if rt.tenants.find(SANDBOX_TENANT) is None:
-        # Another process may make it meanwhile; either way it then exists.
-        with suppress(AlreadyExists):
-            rt.tenants.create(SANDBOX_TENANT, rt.operator)
-
-
-def code_digest(root: Path) -> str:
-    """SHA-256 over the sorted relative paths and contents of a directory's files."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
-        rel = path.relative_to(root).as_posix().encode()
-        h.update(len(rel).to_bytes(4, "big") + rel)
-        data = path.read_bytes()
-        h.update(len(data).to_bytes(8, "big") + data)
-    return "sha256:" + h.hexdigest()
 
 
 @sandbox_app.command("backends")
@@ -88,6 +64,8 @@ def run(
     home: HomeOpt = None,
 ) -> None:
     """Run CMD in a throwaway sandbox; stream its output; exit with its exit code."""
+    from proctor.lifecycle import Throwaway  # here: the other commands do without it
+
     limits = Limits(
         memory_bytes=parse_size(memory, "--memory"),
         pids=pids,
@@ -115,32 +93,7 @@ def run(
     # A signal stops the sandbox (removed, like any run's) and is recorded as the
     # end, rather than killing this process and leaving the sandbox running.
     with stop_on_signals() as stop, open_runtime(home) as rt:
-        _ensure_tenant(rt)
-        common = {
-            "backend": driver.name,
-            "program": command[0],
-            # The digest, not the arguments: they may hold things that must not be logged.
-            "argv_sha256": hashlib.sha256("\0".join(command).encode()).hexdigest(),
-            "code": code_digest(directory) if directory else None,
-            "limits": {
-                "memory_bytes": limits.memory_bytes,
-                "pids": limits.pids,
-                "cpu": str(limits.cpu),
-                "wall_seconds": str(limits.wall_seconds),
-                "output_bytes": limits.output_bytes,
-                "scratch_bytes": spec.scratch_bytes,
-            },
-        }
-        start = rt.ledger.append(
-            SANDBOX_TENANT,
-            EventDraft(
-                rt.operator,
-                "sandbox.run",
-                "sandbox/ephemeral",
-                reason="started",
-                details={"phase": "start", **common},
-            ),
-        )
+        throwaway = Throwaway.start(rt, driver, spec, directory)
         out = sys.stdout.buffer
         err = sys.stderr.buffer
 
@@ -153,31 +106,7 @@ def run(
             err.flush()
 
         exit_if_interrupted(stop)
-        result = driver.run(spec, on_stdout=to_out, on_stderr=to_err, cancel=stop)
-        interrupted = result.reason is Reason.STOPPED and stop.reason is not None
-        rt.ledger.append(
-            SANDBOX_TENANT,
-            EventDraft(
-                rt.operator,
-                "sandbox.run",
-                f"sandbox/{result.run_id}",
-                reason=f"interrupted: {stop.reason}" if interrupted else result.reason.value,
-                run=result.run_id,
-                details={
-                    "phase": "end",
-                    **common,
-                    "start_seq": start.seq,
-                    "platform": result.platform,
-                    "exit_code": result.exit_code,
-                    "duration_ms": round(result.duration_seconds * 1000),
-                    "setup_ms": round(result.setup_seconds * 1000),
-                    "stdout_bytes": result.stdout_bytes,
-                    "stderr_bytes": result.stderr_bytes,
-                    "dropped_bytes": result.stdout_dropped + result.stderr_dropped,
-                    "memory_peak_bytes": result.memory_peak_bytes,
-                },
-            ),
-        )
+        result = throwaway.run(on_stdout=to_out, on_stderr=to_err, stop=stop)
         if stop.reason is not None:
             print(f"sandbox: interrupted by {stop.reason}", file=sys.stderr)
             exit_if_interrupted(stop)

@@ -7,6 +7,7 @@ from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokere
 from proctor.lifecycle._history import what_ran
 from proctor.lifecycle._serve import Server
 from proctor.lifecycle._supervisor import Interrupt, Supervisor
+from proctor.lifecycle._throwaway import Throwaway
 
 __all__ = [
     "GUEST_SOCKET",
@@ -16,6 +17,7 @@ __all__ = [
     "Runs",
     "Server",
     "Supervisor",
+    "Throwaway",
     "brokered_spec",
     "run_brokered",
     "what_ran",
