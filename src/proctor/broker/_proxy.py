@@ -140,12 +140,7 @@ class EgressProxy:
             else:
                 await self._tunnel(admitted, reader, writer, outcome)
         finally:
-            # The completion event goes first: it is the record of any answer that
-            # follows (a 502 from dialing, say).
-            answer = await settle(scope, admitted, outcome)
-            if answer is not None:
-                await _send_error(writer, answer)
-            await _close(writer)
+            await _finish(scope, admitted, outcome, writer)
 
     async def _tunnel(
         self,
@@ -219,10 +214,7 @@ class EgressProxy:
                 outcome,
             )  # fmt: skip
         finally:
-            answer = await settle(scope, admitted, outcome)
-            if answer is not None:
-                await _send_error(writer, answer)
-            await _close(writer)
+            await _finish(scope, admitted, outcome, writer)
 
     async def _forward(
         self,
@@ -403,6 +395,17 @@ async def _relay(
 
 
 # -- answers to the guest -----------------------------------------------------
+
+
+async def _finish(
+    scope: RunScope, admitted: Admitted, outcome: Outcome, writer: asyncio.StreamWriter
+) -> None:
+    """End a connection: the completion event goes first, as the record of any answer
+    still owed (a 502 from dialing, say), then that answer."""
+    answer = await settle(scope, admitted, outcome)
+    if answer is not None:
+        await _send_error(writer, answer)
+    await _close(writer)
 
 
 async def _send_error(writer: asyncio.StreamWriter, exc: BrokerError) -> None:
