@@ -1,4 +1,4 @@
-"""Oracles for the egress proxy's parsers (``proctor.broker._proxy`` and ``._egress``),
+"""Oracles for the egress proxy's parsers (``proctor.broker._http``, ``._proxy``, ``._egress``),
 shared by the hypothesis tests and the atheris harnesses.
 
 Each takes untrusted input and returns what was parsed, raising AssertionError when a

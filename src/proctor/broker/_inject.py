@@ -2,13 +2,15 @@
 
 The proxy ends the guest's TLS with a leaf of the tenant's CA (:mod:`._mitm`)
 and forwards the requests inside one at a time, each on an upstream connection
-of its own, setting the bound header from the secret. The rules, each refused
-and recorded as a ``secret.use`` deny before a byte goes upstream: a
-placeholder is honoured only in the header its secret is bound to (anywhere
-else, in the head or the body, it is refused); the Host header names the host
-the secret is bound to; no body on a method an upstream may leave unread. An
-upstream's response is searched for the secret's value (as is and in its
-usual encodings) before any byte of it reaches the guest.
+of its own, with the bound header set from the secret. A placeholder is
+honoured only in the header its secret is bound to: anywhere else in the head
+it is refused before a byte goes upstream, in the body before the upstream has
+a whole request; the Host header must name the host the secret is bound to.
+These refusals are ``secret.use`` denies; a malformed request (a body on a
+method an upstream may leave unread, say) is an ``http.request`` deny; each
+is recorded before it is answered. A response is searched for the secret's
+value (as is and in its usual encodings) before any byte of it reaches the
+guest.
 """
 
 from __future__ import annotations
