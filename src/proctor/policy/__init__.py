@@ -7,7 +7,8 @@ is private and may change without notice.
   the :class:`CompiledPolicies` it returns is reused for every decision.
 - :func:`decide` answers a :class:`Request` with a :class:`Decision` (allow
   or deny, the deciding policies' ``@id`` values, the policy version, any
-  evaluation errors). It never raises; every failure is a deny.
+  evaluation errors, and its ``reason``: the words recorded beside it and
+  given in a refusal). It never raises; every failure is a deny.
 - :class:`EntityRef`, :class:`Entity`, :class:`EntitySet`, :class:`IpAddr`
   build requests and entities without hand-written Cedar JSON.
 - :func:`capability_policies` turns an approved capability set into the
