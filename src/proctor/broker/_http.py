@@ -282,12 +282,7 @@ def _framing_of(headers: list[tuple[str, str]]) -> Framing:
         raise BadCall("both Transfer-Encoding and Content-Length")
     # So is a Connection header naming them: a hop that honours it drops the
     # framing header and reads the body as the next request.
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() in ("connection", "proxy-connection")
-        for token in v.split(",")
-    }
+    named = connection_named(headers)
     if named & {"content-length", "transfer-encoding"}:
         raise BadCall("a Connection header may not name Content-Length or Transfer-Encoding")
     if te:
@@ -332,13 +327,18 @@ def serialize_head(first: str, headers: Iterable[tuple[str, str]]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() in ("connection", "proxy-connection")
-        for token in v.split(",")
+def connection_named(
+    headers: Iterable[tuple[str, str]], fields: tuple[str, ...] = ("connection", "proxy-connection")
+) -> set[str]:
+    """The header names a Connection header (or ``fields``) lists, lower-cased: those
+    are about this hop only."""
+    return {
+        token.strip().lower() for k, v in headers if k.lower() in fields for token in v.split(",")
     }
+
+
+def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
+    named = connection_named(headers)
     out = [("Host", authority)]
     for name, value in headers:
         lower = name.lower()
@@ -357,12 +357,7 @@ def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tupl
 def response_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """A response's headers without its hop-by-hop ones (those are about the upstream
     connection, closed after each request), ``Transfer-Encoding`` kept."""
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() == "connection"
-        for token in v.split(",")
-    } - {"transfer-encoding", "content-length"}
+    named = connection_named(headers, ("connection",)) - {"transfer-encoding", "content-length"}
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP | named]
 
 

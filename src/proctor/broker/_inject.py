@@ -31,6 +31,7 @@ from proctor.broker._http import (
     MAX_HEAD,
     Framing,
     Source,
+    connection_named,
     error_bytes,
     parse_request_head,
     parse_response_head,
@@ -278,12 +279,7 @@ def _inject_headers(
     connection after it (it carries this request alone).
     """
     replaced = {b.header.lower() for b in bindings}
-    named = {
-        token.strip().lower()
-        for k, v in headers
-        if k.lower() in ("connection", "proxy-connection")
-        for token in v.split(",")
-    } - {"host"}
+    named = connection_named(headers) - {"host"}
     out = []
     for name, value in headers:
         lower = name.lower()
