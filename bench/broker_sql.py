@@ -23,8 +23,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from proctor.broker import DatasetBinding, RunScope
-from proctor.broker._sql import handle_sql
+from proctor.broker import DatasetBinding, RunScope, handle_sql
 from proctor.ledger import Actor, EventDraft, Ledger, Signer
 from proctor.policy import capability_policies, compile_policies
 from proctor.store import open_store

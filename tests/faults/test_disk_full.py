@@ -34,8 +34,7 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import CallDenied, CallRefused, DatasetBinding, RunScope
-from proctor.broker._sql import handle_sql
+from proctor.broker import CallDenied, CallRefused, DatasetBinding, RunScope, handle_sql
 from proctor.errors import LedgerError
 from proctor.ledger import Actor, Appended, EventDraft, leaf_hash
 from proctor.policy import capability_policies, compile_policies

@@ -44,8 +44,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proctor.broker import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
-from proctor.broker._sql import StatementTimeout, handle_sql
+from proctor.broker import (
+    BadCall,
+    BrokerError,
+    CallDenied,
+    DatasetBinding,
+    RunScope,
+    StatementTimeout,
+    handle_sql,
+)
 from proctor.ledger import Ledger
 from proctor.policy import capability_policies, compile_policies
 from tests.fuzz._support import TIMEOUT, fuzz_settings, one_in, sqlite_ledger

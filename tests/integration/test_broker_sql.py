@@ -17,8 +17,15 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import BadCall, CallDenied, CallRefused, DatasetBinding, RunScope
-from proctor.broker._sql import StatementTimeout, handle_sql
+from proctor.broker import (
+    BadCall,
+    CallDenied,
+    CallRefused,
+    DatasetBinding,
+    RunScope,
+    StatementTimeout,
+    handle_sql,
+)
 from proctor.ledger import Actor, EventDraft
 from proctor.policy import capability_policies, compile_policies
 from tests.conftest import LedgerEnv

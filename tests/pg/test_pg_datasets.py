@@ -11,15 +11,20 @@ from typing import Any
 import psycopg
 import pytest
 
-from proctor.broker import BadCall, CallDenied, DatasetBinding, RunScope
+from proctor.broker import (
+    BadCall,
+    CallDenied,
+    DatasetBinding,
+    RunScope,
+    StatementTimeout,
+    handle_sql,
+)
 from proctor.broker._pg_sql import (
     close_pg_pools,
     connect_as_role,
     grant_deployment_role,
-    handle_pg_sql,
     revoke_deployment_role,
 )
-from proctor.broker._sql import StatementTimeout
 from proctor.policy import compile_policies
 from proctor.testing import PostgresServer
 from tests.conftest import LedgerEnv
@@ -80,7 +85,7 @@ def sql(scope: RunScope, query: str, params: Any = None) -> dict[str, Any]:
     request: dict[str, Any] = {"dataset": "crm", "sql": query}
     if params is not None:
         request["params"] = params
-    return asyncio.run(handle_pg_sql(scope, request))
+    return asyncio.run(handle_sql(scope, request))
 
 
 def test_permitted_columns_are_read_and_recorded_with_lineage(pg: PgEnv) -> None:

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import BrokerError, CallDenied
-from proctor.broker._sql import handle_sql
+from proctor.broker import BrokerError, CallDenied, handle_sql
 from tests.conftest import LedgerEnv
 from tests.integration.test_broker_sql import (
     SECRET_VALUES,

@@ -8,13 +8,9 @@ import sqlite3
 import pytest
 
 from proctor.broker import BadCall
-from proctor.broker._sql import (
-    ALLOWED_FUNCTIONS,
-    _Accesses,
-    _key_text,
-    _parse_request,
-    keyed_variant,
-)
+from proctor.broker._datasets import parse_request
+from proctor.broker._lineage import key_text, keyed_variant
+from proctor.broker._sql import ALLOWED_FUNCTIONS, _Accesses
 
 KEY = ["id"]
 
@@ -115,15 +111,15 @@ def test_allow_list_has_no_side_effecting_functions() -> None:
         assert name not in ALLOWED_FUNCTIONS
 
 
-def test_parse_request() -> None:
-    assert _parse_request({"dataset": "crm", "sql": "SELECT 1"}) == ("crm", "SELECT 1", ())
-    assert _parse_request({"dataset": "crm", "sql": "x", "params": [1, "a", None, 1.5]})[2] == (
+def testparse_request() -> None:
+    assert parse_request({"dataset": "crm", "sql": "SELECT 1"}) == ("crm", "SELECT 1", ())
+    assert parse_request({"dataset": "crm", "sql": "x", "params": [1, "a", None, 1.5]})[2] == (
         1,
         "a",
         None,
         1.5,
     )
-    assert _parse_request({"dataset": "crm", "sql": "x", "params": {"a": 1}})[2] == {"a": 1}
+    assert parse_request({"dataset": "crm", "sql": "x", "params": {"a": 1}})[2] == {"a": 1}
     for bad in (
         {"dataset": "", "sql": "x"},
         {"dataset": "crm", "sql": "  "},
@@ -134,11 +130,11 @@ def test_parse_request() -> None:
         {"dataset": "crm", "sql": "x", "params": 3},
     ):
         with pytest.raises(BadCall):
-            _parse_request(bad)
+            parse_request(bad)
 
 
-def test_key_text() -> None:
-    assert _key_text([42]) == "42"
-    assert _key_text(["c-42"]) == "c-42"
-    assert _key_text([b"\x01\x02"]) == "0102"
-    assert _key_text([1, "a"]) == '[1,"a"]'
+def testkey_text() -> None:
+    assert key_text([42]) == "42"
+    assert key_text(["c-42"]) == "c-42"
+    assert key_text([b"\x01\x02"]) == "0102"
+    assert key_text([1, "a"]) == '[1,"a"]'

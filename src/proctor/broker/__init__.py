@@ -7,7 +7,10 @@ refused if the ledger cannot record it; so is every answer the socket gives
 itself (whoami, malformed requests, unknown endpoints, refused tokens).
 """
 
+from proctor.broker._connectors import dataset_connector, handle_sql, locate_dataset
+from proctor.broker._datasets import DatasetConnector, StatementTimeout
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
+from proctor.broker._factory import broker_socket_root, make_broker, reap_broker_sockets
 from proctor.broker._files import (
     MAX_OBJECT_BYTES,
     ObjectNotFound,
@@ -31,7 +34,6 @@ from proctor.broker._scope import (
     SecretBinding,
 )
 from proctor.broker._server import Broker, Handlers, RunChannel
-from proctor.broker._sql import StatementTimeout, handle_sql
 
 __all__ = [
     "MAX_OBJECT_BYTES",
@@ -46,6 +48,7 @@ __all__ = [
     "CallDenied",
     "CallRefused",
     "DatasetBinding",
+    "DatasetConnector",
     "EgressDenied",
     "EgressProxy",
     "Handlers",
@@ -59,8 +62,13 @@ __all__ = [
     "StatementTimeout",
     "TenantCA",
     "UpstreamFailed",
+    "broker_socket_root",
+    "dataset_connector",
     "handle_sql",
+    "locate_dataset",
+    "make_broker",
     "read_object",
+    "reap_broker_sockets",
     "system_resolver",
     "write_object",
 ]

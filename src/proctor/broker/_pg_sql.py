@@ -42,30 +42,27 @@ import hmac
 import json
 import re
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql as pgsql
 
-from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
-from proctor.broker._sql import (
-    StatementTimeout,
-    _Accesses,
-    _combined,
-    _decide,
-    _deny_reason,
-    _Grant,
-    _key_text,
-    _record_refusal,
-    _resource,
-    handle_sql,
-    keyed_variant,
+from proctor.broker._datasets import (
+    Accesses,
+    DatabaseRefused,
+    Failed,
+    Outcome,
+    Refused,
+    SqlCall,
+    TimedOut,
+    answer,
+    record_refusal,
 )
-from proctor.errors import ProctorError, StoreError
+from proctor.broker._lineage import key_text, keyed_variant
+from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
+from proctor.errors import ProctorError, StoreError, UsageError
 from proctor.store._postgres import redact, to_pg_sql
 
 #: Connections a deployment role may hold at once.
@@ -278,24 +275,6 @@ def close_pg_pools(scope: RunScope) -> None:
 # -- one statement ----------------------------------------------------------------
 
 
-class _Refused(Exception):
-    def __init__(self, reason: str, *, bad_call: bool = False, detail: str = "") -> None:
-        super().__init__(reason)
-        self.reason, self.bad_call, self.detail = reason, bad_call, detail
-
-
-class _TimedOut(Exception):
-    pass
-
-
-@dataclass
-class _Outcome:
-    columns: list[str] = field(default_factory=list)
-    rows: list[list[Any]] = field(default_factory=list)
-    truncated: bool = False
-    keys: list[str] | None = None
-
-
 def _unquote(name: str) -> str:
     return name[1:-1].replace('""', '"') if name.startswith('"') else name.lower()
 
@@ -320,7 +299,7 @@ _WORD = re.compile(r'"(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*')
 
 def accesses_from_plan(
     plan: Mapping[str, Any], columns_of: Callable[[str], set[str]]
-) -> tuple[_Accesses, bool]:
+) -> tuple[Accesses, bool]:
     """Tables and columns a plan reads (from EXPLAIN VERBOSE), and whether a result
     row may stand for several table rows (aggregates, set operations, joins).
 
@@ -338,7 +317,7 @@ def accesses_from_plan(
             schema = node.get("Schema", "public")
             table = rel if schema == "public" else f"{schema}.{rel}"
             aliases[str(node.get("Alias", rel))] = table
-    accesses = _Accesses()
+    accesses = Accesses()
     for table in aliases.values():
         accesses.reads.setdefault(table, set()).add("")
     only = next(iter(aliases.values())) if len(set(aliases.values())) == 1 else None
@@ -365,7 +344,6 @@ def accesses_from_plan(
                         accesses.reads[own].add(word)
                     elif only is not None and word in only_columns:
                         accesses.reads[only].add(word)
-    accesses.selects = 1
     coarse = any(n.get("Node Type") in _COARSE_NODES for n in nodes) or len(aliases) != 1
     return accesses, coarse
 
@@ -375,12 +353,16 @@ _ORDERED_INDEX_SCANS = frozenset({"Index Scan", "Index Only Scan"})
 
 
 class _Statement:
+    """One guest statement, in one read-only transaction as the deployment role."""
+
     def __init__(self, pool: _RolePool, sql: str, params: tuple[Any, ...], timeout: float) -> None:
         self.pool, self.sql, self.params, self.timeout = pool, sql, params, timeout
         self.conn: psycopg.Connection[Any] | None = None
         self.plan: Mapping[str, Any] = {}
+        # Whether a result row may stand for several table rows (from the plan).
+        self.coarse = True
 
-    def analyse(self) -> tuple[_Accesses, bool]:
+    def analyse(self) -> Accesses:
         self.conn = conn = self.pool.take()
         ms = max(1, int(self.timeout * 1000))
         try:
@@ -395,29 +377,49 @@ class _Statement:
             conn.execute(pgsql.SQL("SET LOCAL ROLE {}").format(pgsql.Identifier(self.pool.role)))
             row = conn.execute("EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params).fetchone()
         except psycopg.errors.QueryCanceled:
-            raise _TimedOut from None
+            raise TimedOut from None
         except psycopg.errors.InsufficientPrivilege as exc:
-            raise _Refused(f"the database refused it: {_first_line(exc)}") from None
+            raise Refused(f"the database refused it: {_first_line(exc)}") from None
         except psycopg.errors.ReadOnlySqlTransaction:
-            raise _Refused("writes are not allowed on PostgreSQL datasets") from None
+            raise Refused("writes are not allowed on PostgreSQL datasets") from None
         except psycopg.Error as exc:
-            raise _Refused(
+            raise Refused(
                 "the statement does not compile", bad_call=True, detail=_first_line(exc)
             ) from None
         assert row is not None
         doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
         self.plan = doc[0]["Plan"]
         if any(n.get("Node Type") in _ORDERED_INDEX_SCANS for n in _plan_nodes(self.plan)):
-            raise _Refused(
+            raise Refused(
                 "the plan reads through an index, whose order could reveal a column this run"
                 " may not read"
             )
-        return accesses_from_plan(self.plan, lambda t: self.pool.columns(conn, t))
+        accesses, self.coarse = accesses_from_plan(self.plan, lambda t: self.pool.columns(conn, t))
+        return accesses
 
-    def run(self, accesses: _Accesses, coarse: bool, row_limit: int) -> _Outcome:
+    def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
+        try:
+            return self._run_read(accesses, row_limit)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # Cedar permitted more than the role holds.
+            raise DatabaseRefused(_first_line(exc)) from None
+        except psycopg.Error as exc:
+            raise Failed(type(exc).__name__, _first_line(exc)) from None
+
+    def run_write(self, accesses: Accesses) -> Outcome:
+        # Never reached: the plan of a read-only transaction reports no write.
+        raise Refused("writes are not allowed on PostgreSQL datasets")
+
+    def commit(self) -> None:
+        return None  # reads only: the transaction is rolled back at close
+
+    def rollback(self) -> None:
+        return None
+
+    def _run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
         conn = self.conn
         assert conn is not None
-        if not coarse:
+        if not self.coarse:
             (table,) = accesses.reads
             key = self.pool.row_key(conn, table)
             variant = keyed_variant(self.sql, table.rpartition(".")[2], key) if key else None
@@ -426,27 +428,27 @@ class _Statement:
                     with conn.transaction():  # a savepoint: a failed variant leaves no trace
                         return self._fetch(conn, variant, row_limit, len(key))
                 except psycopg.errors.QueryCanceled:
-                    raise _TimedOut from None
+                    raise TimedOut from None
                 except psycopg.Error:
                     pass  # the key is not granted, or the rewrite did not fit: run as written
         try:
             return self._fetch(conn, self.sql, row_limit, 0)
         except psycopg.errors.QueryCanceled:
-            raise _TimedOut from None
+            raise TimedOut from None
 
     def _fetch(
         self, conn: psycopg.Connection[Any], sql: str, row_limit: int, key_width: int
-    ) -> _Outcome:
+    ) -> Outcome:
         cur = conn.execute(sql, self.params)
         raw = cur.fetchmany(row_limit + 1)
         description = cur.description or []
-        out = _Outcome(truncated=len(raw) > row_limit)
+        out = Outcome(truncated=len(raw) > row_limit)
         raw = raw[:row_limit]
         width = len(description) - key_width
         out.columns = [d.name for d in description[:width]]
         out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
         if key_width:
-            out.keys = [_key_text([_json_value(v) for v in row[width:]]) for row in raw]
+            out.keys = [key_text([_json_value(v) for v in row[width:]]) for row in raw]
         return out
 
     def close(self) -> None:
@@ -491,125 +493,70 @@ def _first_word(sql: str) -> str:
     return m.group().upper() if m else ""
 
 
-# -- the handler ---------------------------------------------------------------------
+# -- the connector ---------------------------------------------------------------
 
 
-async def handle_pg_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
-    """One guest SQL call, as ``handle_sql`` answers it (which hands PostgreSQL
-    datasets to :func:`handle_pg_statement`): ``{"dataset", "sql", "params"}`` in,
-    ``{"columns", "rows", "row_count", "truncated"}`` out, reads only."""
-    return await handle_sql(scope, request)
+class PostgresConnector:
+    """PostgreSQL datasets: the database enforces the approved columns too, through
+    a role per deployment and dataset that every guest statement runs as."""
 
+    kind = "postgresql"
 
-async def handle_pg_statement(
-    scope: RunScope,
-    dataset: str,
-    sql: str,
-    params: Any,
-    binding: DatasetBinding,
-    base: dict[str, Any],
-) -> dict[str, Any]:
-    """A parsed request on a PostgreSQL dataset (``handle_sql`` checked the request
-    and the binding). Every outcome is recorded before it is answered."""
-    try:
-        if not isinstance(params, tuple):
-            raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
+    def recognises(self, where: str) -> bool:
+        return where.startswith(("postgresql://", "postgres://"))
+
+    def locate(self, where: str) -> str:
         try:
-            pg_sql = to_pg_sql(sql)
-        except StoreError as exc:
-            raise BadCall(f"sql: {exc.message}") from None
-        if _first_word(sql) not in _READ_WORDS:
-            raise CallDenied("sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets")
-    except (BadCall, CallDenied) as exc:
-        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", exc.message, base)
-        raise
+            with psycopg.connect(where, connect_timeout=10) as conn:
+                conn.execute("SELECT 1")
+        except psycopg.Error as exc:
+            # The DSN may hold a password: never echo it.
+            raise UsageError(
+                f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
+            ) from exc
+        return where
 
-    details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
-    stmt = _Statement(_pool(scope, binding), pg_sql, params, scope.statement_timeout)
-    try:
-        return await _handle(scope, stmt, dataset, binding, details)
-    finally:
-        await asyncio.to_thread(stmt.close)
+    def grant(
+        self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
+    ) -> None:
+        # Reset to match the approved manifest at every start.
+        grant_deployment_role(binding.location, tenant, deployment, binding.name, tables)
 
-
-async def _handle(
-    scope: RunScope,
-    stmt: _Statement,
-    dataset: str,
-    binding: DatasetBinding,
-    details: dict[str, Any],
-) -> dict[str, Any]:
-    deadline = time.monotonic() + scope.statement_timeout
-
-    def analyse_decide_read() -> tuple[list[_Grant], _Outcome | BaseException | None]:
-        accesses, coarse = stmt.analyse()
-        grants = _decide(scope, dataset, binding, accesses)
-        if not grants or not all(g.decision.allowed for g in grants):
-            return grants, None
+    async def handle(
+        self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
+    ) -> dict[str, Any]:
         try:
-            return grants, stmt.run(accesses, coarse, scope.row_limit)
-        except (_TimedOut, psycopg.Error) as exc:
-            return grants, exc
+            if not isinstance(call.params, tuple):
+                raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
+            try:
+                pg_sql = to_pg_sql(call.sql)
+            except StoreError as exc:
+                raise BadCall(f"sql: {exc.message}") from None
+            if _first_word(call.sql) not in _READ_WORDS:
+                raise CallDenied(
+                    "sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets"
+                )
+        except (BadCall, CallDenied) as exc:
+            await record_refusal(scope, "sql.select", f"dataset/{call.dataset}", exc.message, base)
+            raise
+        details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
+        stmt = _Statement(_pool(scope, binding), pg_sql, call.params, scope.statement_timeout)
+        try:
+            return await answer(scope, stmt, call.dataset, binding, details)
+        finally:
+            await asyncio.to_thread(stmt.close)
 
-    try:
-        grants, read = await asyncio.to_thread(analyse_decide_read)
-    except _Refused as exc:
-        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", exc.reason, details)
-        if exc.bad_call:
-            message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
-            raise BadCall(f"sql: {message}") from None
-        raise CallDenied(f"sql: refused: {exc.reason}") from None
-    except _TimedOut:
-        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", "timeout", details)
-        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
+    def release(self, scope: RunScope, binding: DatasetBinding) -> None:
+        pools: dict[str, _RolePool] = scope.__dict__.get("_pg_role_pools", {})
+        pool = pools.pop(binding.name, None)
+        if pool is not None:
+            pool.close()
 
-    action = "sql.select"
-    tables = sorted({g.table for g in grants})
-    resource = _resource(dataset, tables)
-    details = {**details, "tables": [g.as_json() for g in grants]}
-    denied = [g for g in grants if not g.decision.allowed]
-    if not grants:
-        reason = "the statement reads no table; no policy permits it"
-        await _record_refusal(scope, action, resource, reason, details)
-        raise CallDenied(f"sql: refused: {reason}")
-    if denied:
-        reason = _deny_reason(denied)
-        decision = _combined(scope, grants, allowed=False)
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"sql: {reason}", policies=decision.policies)
+    def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
+        return revoke_deployment_role(location, tenant, deployment, dataset)
 
-    decision = _combined(scope, grants, allowed=True)
-    reason = "permitted by " + ", ".join(decision.policies)
-    if isinstance(read, _TimedOut) or (read is None and time.monotonic() > deadline):
-        details["outcome"] = "timeout"
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise StatementTimeout(
-            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
-        )
-    if isinstance(read, psycopg.errors.InsufficientPrivilege):
-        # Cedar permitted more than the role holds: the database has the last word.
-        details["outcome"] = "refused_by_database"
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"sql: the database refused it: {_first_line(read)}")
-    if isinstance(read, BaseException) or read is None:
-        details["outcome"] = "error"
-        details["error"] = type(read).__name__
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise BadCall(f"sql: the statement failed: {_first_line(read)}")
 
-    outcome = read
-    details["outcome"] = "ok"
-    details["row_count"] = len(outcome.rows)
-    details["truncated"] = outcome.truncated
-    details["lineage"] = "rows" if outcome.keys is not None else "table"
-    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
-    await scope.record(action, resource, decision, reason=reason, details=details)
-    return {
-        "columns": outcome.columns,
-        "rows": outcome.rows,
-        "row_count": len(outcome.rows),
-        "truncated": outcome.truncated,
-    }
+POSTGRESQL = PostgresConnector()
 
 
 def _first_line(exc: BaseException | None) -> str:

@@ -36,31 +36,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import re
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
-from proctor.errors import PolicyError
-from proctor.policy import (
-    CedarValue,
-    Decision,
-    Entity,
-    EntityRef,
-    EntitySet,
-    Request,
-    decide,
+from proctor.broker._datasets import (
+    MAX_SQL_LENGTH,
+    Accesses,
+    Failed,
+    Outcome,
+    Refused,
+    SqlCall,
+    TimedOut,
+    answer,
 )
+from proctor.broker._lineage import key_text, keyed_variant, quote_name
+from proctor.broker._scope import DatasetBinding, RunScope
+from proctor.errors import UsageError
 
-#: Longest statement text accepted from a guest.
-MAX_SQL_LENGTH = 100_000
 #: Largest string or blob a statement may build (SQLITE_LIMIT_LENGTH).
 MAX_VALUE_LENGTH = 16 * 1024 * 1024
 #: VM instructions between two checks of the statement deadline.
@@ -171,35 +171,15 @@ _AGGREGATE_FUNCTIONS = _words(
 ALLOWED_FUNCTIONS = _SCALAR_FUNCTIONS | _AGGREGATE_FUNCTIONS
 
 
-class StatementTimeout(BrokerError):
-    """The statement ran past the deployment's statement time limit and was stopped."""
-
-    code = "statement_timeout"
-    status = 408
-
-
 @dataclass
-class _Accesses:
-    """What the engine reported while compiling one statement."""
+class _Accesses(Accesses):
+    """What the authorizer reported while SQLite compiled one statement."""
 
-    reads: dict[str, set[str]] = field(default_factory=dict)
-    writes: dict[str, set[str]] = field(default_factory=dict)
-    # INSERT and DELETE name no columns; they touch whole rows.
-    whole_row_writes: set[str] = field(default_factory=set)
     functions: set[str] = field(default_factory=set)
     aliases: set[str] = field(default_factory=set)  # CTE names reported like tables
     selects: int = 0
     result_width: int | None = None  # columns of a result row, from the compiled program
     refusal: str | None = None
-    # What the plan reads that the authorizer did not report (see _PlanRead).
-    plan: list[_PlanRead] = field(default_factory=list)
-
-    def plan_columns(self, table: str) -> set[str]:
-        return {c for p in self.plan if p.table == table for c in p.columns}
-
-    @property
-    def is_write(self) -> bool:
-        return bool(self.writes or self.whole_row_writes)
 
     def refuse(self, reason: str) -> int:
         if self.refusal is None:
@@ -286,58 +266,6 @@ class _Tree:
     table: str
     via: str | None  # None: a rowid table (its order is the rowid's, not a column's)
     columns: frozenset[str]
-
-
-@dataclass(frozen=True)
-class _Grant:
-    """One Cedar question about one table, and its answer."""
-
-    table: str
-    action: str
-    columns: tuple[str, ...]
-    decision: Decision
-    # Denied only because of columns the plan reads through (an index, a key).
-    through_plan: bool = False
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "table": self.table,
-            "action": self.action,
-            "columns": list(self.columns),
-            "decision": self.decision.decision,
-            "policies": list(self.decision.policies),
-        }
-
-
-@dataclass
-class _Outcome:
-    """What one statement produced; rows go to the guest, never to the ledger."""
-
-    columns: list[str] = field(default_factory=list)
-    rows: list[list[Any]] = field(default_factory=list)
-    truncated: bool = False
-    rows_affected: int = 0
-    keys: list[str] | None = None  # None: lineage is the whole table
-
-
-class _Refused(Exception):
-    """Refused before any policy question: the statement itself is unacceptable.
-
-    ``reason`` goes to the ledger and the guest; ``detail`` (the engine's
-    message, which may quote the guest's literals) to the guest only."""
-
-    def __init__(
-        self, reason: str, *, bad_call: bool = False, detail: str = "", write: bool = False
-    ) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.bad_call = bad_call
-        self.detail = detail
-        self.write = write
-
-
-class _TimedOut(Exception):
-    pass
 
 
 class _Misread(Exception):
@@ -448,7 +376,7 @@ def _read_pool(scope: RunScope, binding: DatasetBinding) -> _ReadPool:
 
 
 def _columns_of(conn: sqlite3.Connection, table: str) -> list[str]:
-    rows = conn.execute(f"PRAGMA main.table_info({_quote(table)})").fetchall()
+    rows = conn.execute(f"PRAGMA main.table_info({quote_name(table)})").fetchall()
     return [str(r[1]) for r in rows]
 
 
@@ -473,7 +401,7 @@ def _fold(name: str) -> str:
 
 def _row_key(conn: sqlite3.Connection, table: str) -> list[str] | None:
     """The columns that identify a row of ``table``: its primary key, else a rowid alias."""
-    rows = conn.execute(f"PRAGMA main.table_info({_quote(table)})").fetchall()
+    rows = conn.execute(f"PRAGMA main.table_info({quote_name(table)})").fetchall()
     pk = sorted((int(r[5]), str(r[1])) for r in rows if int(r[5]) > 0)
     if pk:
         return [name for _, name in pk]
@@ -483,10 +411,6 @@ def _row_key(conn: sqlite3.Connection, table: str) -> list[str] | None:
         if alias not in names:
             return [alias]
     return None
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _tree(conn: sqlite3.Connection, root: int) -> _Tree | None:
@@ -507,7 +431,7 @@ def _tree(conn: sqlite3.Connection, root: int) -> _Tree | None:
         return None
     kind, name, table = str(row[0]), str(row[1]), str(row[2])
     # (seqno, cid, name, desc, coll, key); a rowid table's own name gives no rows.
-    info = conn.execute(f"PRAGMA main.index_xinfo({_quote(name)})").fetchall()
+    info = conn.execute(f"PRAGMA main.index_xinfo({quote_name(name)})").fetchall()
     if kind == "table":
         key = frozenset(str(r[2]) for r in info if int(r[5]) and r[2] is not None)
         return _Tree(table, f"WITHOUT ROWID table {name}", key) if key else _Tree(table, None, key)
@@ -521,7 +445,7 @@ def _plan_reads(
     program: Sequence[Sequence[Any]], pool: _ReadPool, conn: sqlite3.Connection, check: bool
 ) -> tuple[list[_PlanRead], set[str]]:
     """What the compiled ``program`` (EXPLAIN's rows) reads through b-trees: the
-    orders it relies on, and every table it opens. Raises :class:`_Refused` for a
+    orders it relies on, and every table it opens. Raises :class:`Refused` for a
     b-tree outside the dataset (temp, another schema) or one the schema does not name.
 
     Only cursors opened to read (OpenRead, ReopenIdx) count: a write's own cursors
@@ -531,7 +455,7 @@ def _plan_reads(
     for row in program:
         if row[1] in ("OpenRead", "ReopenIdx"):
             if int(row[4]) != 0:
-                raise _Refused(f"{_OUTSIDE} (the statement opens the temp schema)")
+                raise Refused(f"{_OUTSIDE} (the statement opens the temp schema)")
             opened[int(row[2])] = int(row[3])
     trees = pool.trees(conn, set(opened.values()), check=check)
     if not opened:
@@ -541,7 +465,7 @@ def _plan_reads(
     for cursor, root in opened.items():
         tree = trees[root]
         if tree is None:
-            raise _Refused(
+            raise Refused(
                 f"the plan reads a b-tree (page {root}) the dataset's schema does not name"
             )
         tables.add(tree.table)
@@ -599,7 +523,7 @@ class _Statement:
             word = unseen.group(1).lower()
             if word == "indexed" and _NOT_BEFORE.search(self.sql, 0, unseen.start()):
                 continue
-            raise _Refused(
+            raise Refused(
                 _UNCHECKABLE_REASONS[word],
                 write=bool(re.match(r"\s*(insert|update|delete|replace)\b", self.sql, re.I)),
             )
@@ -613,19 +537,19 @@ class _Statement:
             program = conn.execute("EXPLAIN " + self.sql, self.params).fetchall()
         except sqlite3.ProgrammingError as exc:
             # Python's own checks: several statements, wrong parameter count.
-            raise _Refused(_programming_reason(exc), bad_call=True) from None
+            raise Refused(_programming_reason(exc), bad_call=True) from None
         except sqlite3.Error as exc:
             if accesses.refusal is not None:
-                raise _Refused(accesses.refusal, write=accesses.is_write) from None
+                raise Refused(accesses.refusal, write=accesses.is_write) from None
             if self.timed_out:
-                raise _TimedOut from None
-            raise _Refused(
+                raise TimedOut from None
+            raise Refused(
                 "the statement does not compile", bad_call=True, detail=str(exc)
             ) from None
         finally:
             conn.set_authorizer(None)
         if accesses.refusal is not None:
-            raise _Refused(accesses.refusal, write=accesses.is_write)
+            raise Refused(accesses.refusal, write=accesses.is_write)
         widths = {int(row[3]) for row in program if row[1] == "ResultRow"}
         accesses.result_width = widths.pop() if len(widths) == 1 else None
         for table, cols in list(accesses.reads.items()):
@@ -650,7 +574,7 @@ class _Statement:
         # indexes and WITHOUT ROWID keys whose order it uses.
         try:
             plan, opened = _plan_reads(program, self.pool, conn, check=True)
-        except _Refused as exc:
+        except Refused as exc:
             exc.write = accesses.is_write
             raise
         for table in opened:
@@ -700,11 +624,12 @@ class _Statement:
 
         return authorize
 
-    def run_read(self, accesses: _Accesses, row_limit: int) -> _Outcome:
-        with self.lock:
+    def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
+        assert isinstance(accesses, _Accesses)
+        with self.lock, _failing():
             return self._run_read(accesses, row_limit)
 
-    def _run_read(self, accesses: _Accesses, row_limit: int) -> _Outcome:
+    def _run_read(self, accesses: _Accesses, row_limit: int) -> Outcome:
         conn = self.conn
         assert conn is not None
         sentinel = "9" + secrets.token_hex(12)
@@ -724,7 +649,7 @@ class _Statement:
                     conn, variant, reads, accesses.aliases, row_limit, len(key) + 1,
                     expect=(accesses.result_width, sentinel),
                 )  # fmt: skip
-            except _TimedOut:
+            except TimedOut:
                 raise
             except (sqlite3.Error, _Misread):
                 pass  # the rewrite did not fit this statement; run it as written
@@ -736,7 +661,7 @@ class _Statement:
         try:
             program = conn.execute("EXPLAIN " + sql, self.params).fetchall()
             plan, opened = _plan_reads(program, self.pool, conn, check=False)
-        except (sqlite3.Error, _Refused):
+        except (sqlite3.Error, Refused):
             return False
         decided = {t: c | accesses.plan_columns(t) for t, c in accesses.reads.items()}
         if not opened <= decided.keys():
@@ -752,7 +677,7 @@ class _Statement:
         row_limit: int,
         key_width: int,
         expect: tuple[int | None, str] | None = None,
-    ) -> _Outcome:
+    ) -> Outcome:
         """Run ``sql``; its last ``key_width`` columns are the broker's, never returned.
         For the keyed variant, ``expect`` is (the statement's own width, the sentinel
         that must open the broker's columns in every row): the key's values are
@@ -765,7 +690,7 @@ class _Statement:
             cur.close()
         except sqlite3.Error:
             if self.timed_out:
-                raise _TimedOut from None
+                raise TimedOut from None
             raise
         finally:
             conn.set_authorizer(None)
@@ -776,13 +701,13 @@ class _Statement:
             # said) has the key somewhere else: then only the original runs.
             if own is None or width != own or any(row[width] != sentinel for row in raw):
                 raise _Misread
-        out = _Outcome(truncated=len(raw) > row_limit)
+        out = Outcome(truncated=len(raw) > row_limit)
         raw = raw[:row_limit]
         out.columns = [str(d[0]) for d in description[:width]]
         out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
         if key_width:
             key_at = width + (1 if expect is not None else 0)
-            out.keys = [_key_text(row[key_at:]) for row in raw]
+            out.keys = [key_text(row[key_at:]) for row in raw]
         return out
 
     def _keyed_variant(
@@ -800,12 +725,13 @@ class _Statement:
         variant = keyed_variant(self.sql, table, key, sentinel)
         return variant, table, key
 
-    def run_write(self, accesses: _Accesses) -> _Outcome:
+    def run_write(self, accesses: Accesses) -> Outcome:
         """Run a permitted write inside a transaction left open for commit/rollback."""
-        with self.lock:
+        assert isinstance(accesses, _Accesses)
+        with self.lock, _failing():
             return self._run_write(accesses)
 
-    def _run_write(self, accesses: _Accesses) -> _Outcome:
+    def _run_write(self, accesses: _Accesses) -> Outcome:
         self.write_conn = conn = _connect(
             self.binding.location, write=True, busy_timeout=self._busy_timeout()
         )
@@ -819,7 +745,7 @@ class _Statement:
             cur.close()
         except sqlite3.Error:
             if self.timed_out:
-                raise _TimedOut from None
+                raise TimedOut from None
             raise
         finally:
             # Off before COMMIT/ROLLBACK: a handler past its deadline would
@@ -828,7 +754,7 @@ class _Statement:
             conn.set_progress_handler(None, 0)
             if conn.in_transaction and self.timed_out:
                 conn.execute("ROLLBACK")
-        return _Outcome(rows_affected=affected)
+        return Outcome(rows_affected=affected)
 
     def commit(self) -> None:
         with self.lock:
@@ -869,425 +795,71 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _key_text(values: Sequence[Any]) -> str:
-    """A row key as text: ``42`` for customer 42; a JSON array for composite keys."""
-
-    def one(v: Any) -> Any:
-        return v.hex() if isinstance(v, bytes) else v
-
-    if len(values) == 1:
-        v = one(values[0])
-        return v if isinstance(v, str) else json.dumps(v)
-    return json.dumps([one(v) for v in values], separators=(",", ":"))
-
-
-# -- lineage: the keyed variant -------------------------------------------------
-#
-# Which table rows did the guest get back? For the common shape (one table, no
-# join, no aggregate, no DISTINCT/GROUP BY/compound/window, no subquery or view)
-# every result row is one table row, so the broker runs the statement with the
-# key appended to the select list (``SELECT <list>, "t"."id" FROM t ...``) and
-# strips it before answering: result and lineage come from the same execution.
-# Appending at the end keeps ``ORDER BY 2`` meaning the same. The token scan
-# below only finds the top-level FROM; what the statement reads is still known
-# from the authorizer, and the variant runs under the same enforcing authorizer
-# (plus the key column). Any other shape is recorded with ``lineage: "table"``:
-# the tables and columns are known, the rows are not.
-
-_TOKEN_RE = re.compile(
-    r"""
-    (?P<space>\s+)
-    |(?P<comment>--[^\n]*|/\*.*?(?:\*/|\Z))
-    |(?P<string>'(?:[^']|'')*')
-    |(?P<quoted>"(?:[^"]|"")*"|`(?:[^`]|``)*`|\[[^\]]*\])
-    |(?P<variable>\?[0-9]*|[$@:\#](?:::|[A-Za-z0-9_$])*\(?)
-    |(?P<word>[^\W\d][\w$]*)
-    |(?P<other>.)
-    """,
-    re.S | re.X,
-)
-_COARSE_WORDS = frozenset(
-    {"DISTINCT", "GROUP", "HAVING", "WINDOW", "OVER", "UNION", "INTERSECT", "EXCEPT"}
-    | {"VALUES", "JOIN", "NATURAL", "WITH"}
-)
-_AFTER_FROM = frozenset({"WHERE", "ORDER", "LIMIT"})
-
-
-@dataclass(frozen=True)
-class _Token:
-    kind: str
-    text: str
-    start: int
-
-    @property
-    def upper(self) -> str:
-        return self.text.upper() if self.kind == "word" else ""
-
-    @property
-    def name(self) -> str | None:
-        """The identifier this token spells, unquoted; None if it is not one."""
-        if self.kind == "word":
-            return self.text
-        if self.kind == "quoted":
-            inner = self.text[1:-1]
-            return inner if self.text[0] == "[" else inner.replace(self.text[0] * 2, self.text[0])
-        return None
-
-
-def _tokens(sql: str) -> list[_Token]:
-    return [
-        _Token(m.lastgroup or "", m.group(), m.start())
-        for m in _TOKEN_RE.finditer(sql)
-        if m.lastgroup not in ("space", "comment")
-    ]
-
-
-def _reads_like_sqlite(sql: str) -> bool:
-    """Whether the scan below splits ``sql`` where SQLite's tokenizer does.
-
-    It does for ASCII text: strings, quoted names and comments end at the same
-    characters. Outside them, non-ASCII text is where the two part ways (Python's
-    ``\\s`` takes U+00A0 as a space, SQLite any byte over 0x7F as part of a name),
-    and so are Tcl-style parameters (``$a::b``, ``$a(x)``), which SQLite reads as
-    one token; for those the statement keeps table-level lineage."""
-    for m in _TOKEN_RE.finditer(sql):
-        kind, text = m.lastgroup, m.group()
-        if kind in ("string", "quoted", "comment"):
-            continue
-        if not text.isascii() or (kind == "space" and not set(text) <= set(" \t\n\f\r")):
-            return False
-        if kind == "variable" and ("::" in text or text.endswith("(")):
-            return False
-    return True
-
-
-def _not_indexed(rest: list[_Token]) -> list[_Token]:
-    """``rest`` past a leading ``NOT INDEXED`` (it belongs to the table before it)."""
-    if len(rest) >= 2 and rest[0].upper == "NOT" and rest[1].upper == "INDEXED":
-        return rest[2:]
-    return rest
-
-
-def keyed_variant(
-    sql: str, table: str, key: Sequence[str], sentinel: str | None = None
-) -> str | None:
-    """``sql`` with ``table``'s key columns appended to its select list, or None
-    when the statement is not the one-row-per-table-row shape described above.
-    With ``sentinel``, the string literal ``'<sentinel>'`` goes first (the caller
-    checks it comes back right after the statement's own columns)."""
-    if not _reads_like_sqlite(sql):
-        return None
-    toks = _tokens(sql)
-    while toks and toks[-1].text == ";":
-        toks.pop()
-    if len(toks) < 4 or toks[0].upper != "SELECT":
-        return None
-    depth = 0
-    from_at: int | None = None
-    for i, tok in enumerate(toks):
-        if tok.text == "(":
-            depth += 1
-        elif tok.text == ")":
-            depth -= 1
-        elif tok.upper == "SELECT" and i > 0:
-            return None  # a subquery may return other rows' values
-        elif depth == 0 and tok.upper in _COARSE_WORDS:
-            return None
-        elif depth == 0 and tok.upper == "FROM" and from_at is None:
-            from_at = i
-    if from_at is None:
-        return None
-    rest = toks[from_at + 1 :]
-    if len(rest) >= 3 and (rest[0].name or "").lower() == "main" and rest[1].text == ".":
-        rest = rest[2:]
-    if not rest or (rest[0].name or "").casefold() != table.casefold():
-        return None
-    qualifier = table
-    rest = _not_indexed(rest[1:])
-    if rest and rest[0].upper == "AS":
-        rest = rest[1:]
-        if not rest or rest[0].name is None:
-            return None
-    if rest and rest[0].name is not None and rest[0].upper not in _AFTER_FROM:
-        qualifier = rest[0].name or table
-        rest = _not_indexed(rest[1:])
-    if rest and rest[0].upper not in _AFTER_FROM:
-        return None
-    cols = ", ".join(
-        f"{_quote(qualifier)}.{k if k in ('rowid', '_rowid_', 'oid') else _quote(k)}" for k in key
-    )
-    if sentinel is not None:
-        cols = f"'{sentinel}', {cols}"
-    at = toks[from_at].start
-    return f"{sql[:at]}, {cols} {sql[at:]}"
-
-
-# -- the handler -----------------------------------------------------------------
-
-
-def _parse_request(request: Mapping[str, Any]) -> tuple[str, str, Any]:
-    dataset = request.get("dataset")
-    sql = request.get("sql")
-    params = request.get("params", [])
-    if not isinstance(dataset, str) or not dataset:
-        raise BadCall("sql: 'dataset' must be a non-empty string")
-    if not isinstance(sql, str) or not sql.strip():
-        raise BadCall("sql: 'sql' must be a non-empty string")
-    if len(sql) > MAX_SQL_LENGTH:
-        raise BadCall(f"sql: the statement is longer than {MAX_SQL_LENGTH} characters")
-    if "\x00" in sql:
-        raise BadCall("sql: the statement contains a NUL character")
-    scalars = (str, int, float, type(None))
-    if params is None:
-        params = []
-    if isinstance(params, list):
-        if not all(isinstance(p, scalars) for p in params):
-            raise BadCall("sql: parameters must be strings, numbers or null")
-        return dataset, sql, tuple(params)
-    if isinstance(params, dict):
-        if not all(isinstance(k, str) and isinstance(v, scalars) for k, v in params.items()):
-            raise BadCall("sql: named parameters must map names to strings, numbers or null")
-        return dataset, sql, dict(params)
-    raise BadCall("sql: 'params' must be a list or an object")
-
-
-def _resource(dataset: str, tables: Sequence[str]) -> str:
-    if len(tables) == 1:
-        return f"dataset/{dataset}/table/{tables[0]}"
-    return f"dataset/{dataset}"
-
-
-def _combined(scope: RunScope, grants: Sequence[_Grant], allowed: bool) -> Decision:
-    """One decision for the event: the permits that allowed every table, or the
-    policies behind the denies (empty for the default deny)."""
-    chosen = [g.decision for g in grants if g.decision.allowed == allowed]
-    policies = sorted({p for d in chosen for p in d.policies})
-    errors = tuple(e for d in chosen for e in d.errors)
-    return Decision(allowed, tuple(policies), scope.policies.version, errors)
-
-
-def _decide(
-    scope: RunScope, dataset: str, binding: DatasetBinding, accesses: _Accesses
-) -> list[_Grant]:
-    grants: list[_Grant] = []
-    questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
-    questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
-    for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
-        columns = tuple(sorted(c for c in cols if c))
-        try:
-            ref, entities = _table_entities(scope, dataset, binding, table)
-        except PolicyError:
-            # A table whose name cannot be a policy resource cannot be permitted.
-            denied = Decision(False, (), scope.policies.version, ("unnameable table",))
-            grants.append(_Grant(table, action, columns, denied))
-            continue
-        context: dict[str, CedarValue] = {
-            "dataset": dataset,
-            "columns": list(columns),
-            "row_limit": scope.row_limit,
-        }
-        decision = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
-        through_plan = False
-        if not decision.allowed and action == "sql.select" and accesses.plan_columns(table):
-            # Would the columns the statement names alone be permitted? Then the
-            # plan is why it is denied, and the refusal says how to avoid it.
-            named = sorted(c for c in accesses.reads[table] if c)
-            context = {**context, "columns": list(named)}
-            alone = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
-            through_plan = alone.allowed
-        grants.append(_Grant(table, action, columns, decision, through_plan))
-    return grants
-
-
-def _table_entities(
-    scope: RunScope, dataset: str, binding: DatasetBinding, table: str
-) -> tuple[EntityRef, EntitySet]:
-    """The run's entities plus this Table, parsed once per run and table: adding
-    an entity costs about what a decision does (docs/policy.md)."""
-    cache: dict[tuple[str, str], tuple[EntityRef, EntitySet]]
-    cache = scope.__dict__.setdefault("_sql_table_entities", {})
-    hit = cache.get((dataset, table))
-    if hit is None:
-        entity = Entity.table(scope.tenant, dataset, table, synthetic=binding.synthetic)
-        hit = (entity.uid, scope.entities().with_added([entity]))
-        if len(cache) < 1024:  # a statement can name tables that do not exist
-            cache[(dataset, table)] = hit
-    return hit
-
-
-def _deny_reason(denied: Sequence[_Grant], plan: Sequence[_PlanRead] = ()) -> str:
-    parts = []
-    for g in denied:
-        what = f"{g.action} on {g.table} ({', '.join(g.columns) or 'no columns'})"
-        if g.decision.errors:
-            why = "policy evaluation failed"
-        elif g.decision.policies:
-            why = "forbidden by " + ", ".join(g.decision.policies)
-        else:
-            why = "no policy permits it"
-        parts.append(f"{what}: {why}")
-        if g.through_plan:
-            parts += [p.hint() for p in plan if p.table == g.table]
-    return "denied: " + "; ".join(parts)
-
-
-def _sql_hmac(scope: RunScope, sql: str) -> str:
-    return scope.key_hmacs([sql])[0]
-
-
-async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
-    """One guest SQL call: ``{"dataset", "sql", "params"}`` in; for a read
-    ``{"columns", "rows", "row_count", "truncated"}`` out, for a write
-    ``{"rows_affected"}``. Raises :class:`CallDenied` (policy or a refused
-    construct), :class:`BadCall` (malformed), :class:`StatementTimeout`, or
-    :class:`CallRefused` (the ledger could not record: nothing is answered,
-    a write is rolled back). Every outcome is recorded."""
-    untrusted: object = request  # decoded JSON from the guest: any shape
-    if not isinstance(untrusted, Mapping):
-        untrusted = {}
-    request = untrusted
-    raw_dataset = request.get("dataset")
-    name = "?"
-    if isinstance(raw_dataset, str) and 0 < len(raw_dataset) <= 128 and raw_dataset.isprintable():
-        name = raw_dataset
-    base: dict[str, Any] = {"dataset": name}
-    raw_sql = request.get("sql")
-    if isinstance(raw_sql, str):
-        base["sql_hmac"] = _sql_hmac(scope, raw_sql)
+@contextmanager
+def _failing() -> Iterator[None]:
+    # The shared path records only the class of an engine error: its message
+    # could quote a value, and goes to the guest alone.
     try:
-        dataset, sql, params = _parse_request(request)
-        binding = scope.datasets.get(dataset)
-        if binding is None:
-            raise CallDenied(f"sql: no dataset {dataset!r} is bound to this run")
-        if binding.kind not in ("sqlite", "postgresql"):
-            raise BadCall(f"sql: datasets of kind {binding.kind!r} are not supported yet")
-    except BrokerError as exc:
-        await _record_refusal(scope, "sql.select", f"dataset/{name}", exc.message, base)
-        raise
-    if binding.kind == "postgresql":
-        # Each engine has its own connector; the request's checks above are shared.
-        # Imported here: the PostgreSQL connector builds on this module.
-        from proctor.broker._pg_sql import handle_pg_statement
-
-        return await handle_pg_statement(scope, dataset, sql, params, binding, base)
-
-    deadline = time.monotonic() + scope.statement_timeout
-    stmt = _Statement(binding, _read_pool(scope, binding), sql, params, deadline)
-    details = {**base, "synthetic": binding.synthetic}
-    try:
-        return await _handle(scope, stmt, dataset, binding, details)
-    finally:
-        # Returning a read connection to the pool is cheap: do it here unless a
-        # worker still holds the statement (a cancelled call), then wait off-loop.
-        if stmt.write_conn is None and stmt.lock.acquire(blocking=False):
-            stmt.lock.release()
-            stmt.close()
-        else:
-            await asyncio.to_thread(stmt.close)
-
-
-async def _handle(
-    scope: RunScope,
-    stmt: _Statement,
-    dataset: str,
-    binding: DatasetBinding,
-    details: dict[str, Any],
-) -> dict[str, Any]:
-    def compile_decide_read() -> tuple[_Accesses, list[_Grant], _Outcome | BaseException | None]:
-        # One trip to a worker thread for the common case: a permitted read runs
-        # at once; its event is recorded below, before anything is answered.
-        accesses = stmt.analyse()
-        grants = _decide(scope, dataset, binding, accesses)
-        if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
-            return accesses, grants, None
-        try:
-            return accesses, grants, stmt.run_read(accesses, scope.row_limit)
-        except (_TimedOut, sqlite3.Error) as exc:
-            return accesses, grants, exc
-
-    try:
-        accesses, grants, read = await asyncio.to_thread(compile_decide_read)
-    except _Refused as exc:
-        refused_action = "sql.write" if exc.write else "sql.select"
-        await _record_refusal(scope, refused_action, f"dataset/{dataset}", exc.reason, details)
-        if exc.bad_call:
-            message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
-            raise BadCall(f"sql: {message}") from None
-        raise CallDenied(f"sql: refused: {exc.reason}") from None
-    except _TimedOut:
-        await _record_refusal(scope, "sql.select", f"dataset/{dataset}", "timeout", details)
-        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
-
-    action = "sql.write" if accesses.is_write else "sql.select"
-    tables = sorted({g.table for g in grants})
-    resource = _resource(dataset, tables)
-    details = {**details, "tables": [g.as_json() for g in grants]}
-    if accesses.plan:
-        details["plan"] = [p.as_json() for p in accesses.plan]
-    denied = [g for g in grants if not g.decision.allowed]
-    if not grants:
-        # Deny by default holds here too: no policy names a statement on no table.
-        reason = "the statement reads no table; no policy permits it"
-        await _record_refusal(scope, action, resource, reason, details)
-        raise CallDenied(f"sql: refused: {reason}")
-    if denied:
-        reason = _deny_reason(denied, accesses.plan)
-        decision = _combined(scope, grants, allowed=False)
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"sql: {reason}", policies=decision.policies)
-
-    decision = _combined(scope, grants, allowed=True)
-    reason = "permitted by " + ", ".join(decision.policies)
-    try:
-        if accesses.is_write:
-            outcome = await asyncio.to_thread(stmt.run_write, accesses)
-        elif isinstance(read, BaseException):
-            raise read
-        else:
-            assert read is not None
-            outcome = read
-    except _TimedOut:
-        details["outcome"] = "timeout"
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise StatementTimeout(
-            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
-        ) from None
+        yield
     except sqlite3.Error as exc:
-        # The class only: an engine message could quote a value.
-        details["outcome"] = "error"
-        details["error"] = type(exc).__name__
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise BadCall(f"sql: the statement failed: {exc}") from None
+        raise Failed(type(exc).__name__, str(exc)) from None
 
-    details["outcome"] = "ok"
-    if accesses.is_write:
-        details["rows_affected"] = outcome.rows_affected
+
+# -- the connector -----------------------------------------------------------------
+
+
+class SQLiteConnector:
+    """SQLite datasets: a file only the runtime opens; the engine's authorizer is
+    both what reports a statement's accesses and what enforces the decision, so
+    nothing is granted or revoked outside Proctor."""
+
+    kind = "sqlite"
+
+    def recognises(self, where: str) -> bool:
+        # A path: whatever a connector with a URL scheme did not claim (tried last).
+        return True
+
+    def locate(self, where: str) -> str:
+        path = Path(where).resolve()
         try:
-            await scope.record(action, resource, decision, reason=reason, details=details)
-        except BaseException:
-            await asyncio.to_thread(stmt.rollback)
-            raise
-        await asyncio.to_thread(stmt.commit)
-        return {"rows_affected": outcome.rows_affected}
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                db.execute("SELECT count(*) FROM sqlite_schema").fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
+        return str(path)
 
-    details["row_count"] = len(outcome.rows)
-    details["truncated"] = outcome.truncated
-    details["lineage"] = "rows" if outcome.keys is not None else "table"
-    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
-    await scope.record(action, resource, decision, reason=reason, details=details)
-    return {
-        "columns": outcome.columns,
-        "rows": outcome.rows,
-        "row_count": len(outcome.rows),
-        "truncated": outcome.truncated,
-    }
+    def grant(
+        self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
+    ) -> None:
+        return None
+
+    async def handle(
+        self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + scope.statement_timeout
+        stmt = _Statement(binding, _read_pool(scope, binding), call.sql, call.params, deadline)
+        details = {**base, "synthetic": binding.synthetic}
+        try:
+            return await answer(scope, stmt, call.dataset, binding, details)
+        finally:
+            # Returning a read connection to the pool is cheap: do it here unless a
+            # worker still holds the statement (a cancelled call), then wait off-loop.
+            if stmt.write_conn is None and stmt.lock.acquire(blocking=False):
+                stmt.lock.release()
+                stmt.close()
+            else:
+                await asyncio.to_thread(stmt.close)
+
+    def release(self, scope: RunScope, binding: DatasetBinding) -> None:
+        # The read pools are the scope's and go with it; no connection outlives a
+        # statement in a transaction.
+        return None
+
+    def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
+        return False
 
 
-async def _record_refusal(
-    scope: RunScope, action: str, resource: str, reason: str, details: Mapping[str, Any]
-) -> None:
-    """A call refused before (or instead of) a policy question is still an event."""
-    decision = Decision(False, (), scope.policies.version)
-    await scope.record(
-        action, resource, decision, reason=f"refused: {reason}", details=dict(details)
-    )
+SQLITE = SQLiteConnector()

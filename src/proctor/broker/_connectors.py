@@ -1,0 +1,82 @@
+"""The registry of dataset connectors, keyed by a dataset's kind.
+
+The only place that maps a kind ("sqlite", "postgresql") to code. Each
+connector is imported when first used: the PostgreSQL one loads psycopg, which
+a tenant with only SQLite datasets never needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from proctor.broker._datasets import (
+    DatasetConnector,
+    event_base,
+    parse_request,
+    record_refusal,
+)
+from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
+
+
+def _postgresql() -> DatasetConnector:
+    from proctor.broker._pg_sql import POSTGRESQL
+
+    return POSTGRESQL
+
+
+def _sqlite() -> DatasetConnector:
+    from proctor.broker._sql import SQLITE
+
+    return SQLITE
+
+
+# In the order a location is offered to them: SQLite takes any path, so it is last.
+_CONNECTORS: dict[str, Callable[[], DatasetConnector]] = {
+    "postgresql": _postgresql,
+    "sqlite": _sqlite,
+}
+
+
+def dataset_connector(kind: str) -> DatasetConnector:
+    """The connector for datasets of ``kind``; :class:`BadCall` if there is none."""
+    load = _CONNECTORS.get(kind)
+    if load is None:
+        raise BadCall(f"sql: datasets of kind {kind!r} are not supported yet")
+    return load()
+
+
+def locate_dataset(where: Path | str) -> tuple[str, str]:
+    """(kind, location) of a dataset an operator names (a file path or a DSN),
+    checked to be reachable before it is registered."""
+    text = str(where)
+    for load in _CONNECTORS.values():
+        connector = load()
+        if connector.recognises(text):
+            return connector.kind, connector.locate(text)
+    raise AssertionError("the SQLite connector takes any path")  # pragma: no cover
+
+
+async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
+    """One guest SQL call: ``{"dataset", "sql", "params"}`` in; for a read
+    ``{"columns", "rows", "row_count", "truncated"}`` out, for a write
+    ``{"rows_affected"}``. Raises :class:`CallDenied` (policy or a refused
+    construct), :class:`BadCall` (malformed), :class:`StatementTimeout`, or
+    :class:`CallRefused` (the ledger could not record: nothing is answered,
+    a write is rolled back). Every outcome is recorded."""
+    untrusted: object = request  # decoded JSON from the guest: any shape
+    if not isinstance(untrusted, Mapping):
+        untrusted = {}
+    request = untrusted
+    base = event_base(scope, request)
+    try:
+        call = parse_request(request)
+        binding = scope.datasets.get(call.dataset)
+        if binding is None:
+            raise CallDenied(f"sql: no dataset {call.dataset!r} is bound to this run")
+        connector = dataset_connector(binding.kind)
+    except BrokerError as exc:
+        await record_refusal(scope, "sql.select", f"dataset/{base['dataset']}", exc.message, base)
+        raise
+    return await connector.handle(scope, binding, call, base)

@@ -1,0 +1,447 @@
+"""The dataset-connector seam: what every kind of SQL dataset shares.
+
+A connector knows one engine (SQLite in ``_sql.py``, PostgreSQL in
+``_pg_sql.py``): whether a location is its own and reachable, what to grant a
+deployment outside Proctor at run start, how to compile a guest statement and
+report what it reads, how to run it, what to release when the run ends and to
+revoke at undeploy. The registry (``_connectors.py``) maps a dataset's kind to
+its connector. What must not differ between engines is here, once: the
+request's checks, the Cedar question per table, and the one decide -> record ->
+answer path, so every outcome on every engine is recorded before it is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
+from proctor.errors import PolicyError
+from proctor.policy import CedarValue, Decision, Entity, EntityRef, EntitySet, Request, decide
+
+#: Longest statement text accepted from a guest.
+MAX_SQL_LENGTH = 100_000
+
+
+class StatementTimeout(BrokerError):
+    """The statement ran past the deployment's statement time limit and was stopped."""
+
+    code = "statement_timeout"
+    status = 408
+
+
+class PlanRead(Protocol):
+    """Columns a statement's plan orders rows by that the engine did not report as
+    read (an index it reads through): decided as reads, named in the refusal."""
+
+    @property
+    def table(self) -> str: ...
+
+    @property
+    def columns(self) -> frozenset[str]: ...
+
+    def as_json(self) -> dict[str, Any]: ...
+
+    def hint(self) -> str: ...
+
+
+@dataclass
+class Accesses:
+    """What one statement reads and writes, as its engine reported it."""
+
+    reads: dict[str, set[str]] = field(default_factory=dict)
+    writes: dict[str, set[str]] = field(default_factory=dict)
+    # INSERT and DELETE name no columns; they touch whole rows.
+    whole_row_writes: set[str] = field(default_factory=set)
+    plan: list[PlanRead] = field(default_factory=list)
+
+    def plan_columns(self, table: str) -> set[str]:
+        return {c for p in self.plan if p.table == table for c in p.columns}
+
+    @property
+    def is_write(self) -> bool:
+        return bool(self.writes or self.whole_row_writes)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One Cedar question about one table, and its answer."""
+
+    table: str
+    action: str
+    columns: tuple[str, ...]
+    decision: Decision
+    # Denied only because of columns the plan reads through (an index, a key).
+    through_plan: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "table": self.table,
+            "action": self.action,
+            "columns": list(self.columns),
+            "decision": self.decision.decision,
+            "policies": list(self.decision.policies),
+        }
+
+
+@dataclass
+class Outcome:
+    """What one statement produced; rows go to the guest, never to the ledger."""
+
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[Any]] = field(default_factory=list)
+    truncated: bool = False
+    rows_affected: int = 0
+    keys: list[str] | None = None  # None: lineage is the whole table
+
+
+# What a connector's statement raises; the shared path turns each into an event
+# and a broker error. Private control flow: never leaves the broker.
+
+
+class Refused(Exception):
+    """Refused before any policy question: the statement itself is unacceptable.
+
+    ``reason`` goes to the ledger and the guest; ``detail`` (the engine's
+    message, which may quote the guest's literals) to the guest only."""
+
+    def __init__(
+        self, reason: str, *, bad_call: bool = False, detail: str = "", write: bool = False
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.bad_call = bad_call
+        self.detail = detail
+        self.write = write
+
+
+class TimedOut(Exception):
+    """The statement passed the run's statement time limit and was stopped."""
+
+
+class Failed(Exception):
+    """The engine failed a permitted statement. ``error`` (its class name) goes to
+    the ledger; ``message`` (which may quote a value) to the guest only."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error, self.message = error, message
+
+
+class DatabaseRefused(Exception):
+    """The database's own grants refused a statement Cedar permitted."""
+
+
+class Statement(Protocol):
+    """One guest statement on one engine, driven by :func:`answer` from worker threads."""
+
+    def analyse(self) -> Accesses:
+        """Compile without running; what it reads and writes. Raises :class:`Refused`
+        or :class:`TimedOut`."""
+        ...
+
+    def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
+        """Run a permitted read, ``row_limit + 1`` rows fetched. Raises
+        :class:`TimedOut`, :class:`Failed` or :class:`DatabaseRefused`."""
+        ...
+
+    def run_write(self, accesses: Accesses) -> Outcome:
+        """Run a permitted write, left open for :meth:`commit` or :meth:`rollback`."""
+        ...
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
+class SqlCall(NamedTuple):
+    """A guest SQL call that passed the shared checks."""
+
+    dataset: str
+    sql: str
+    params: tuple[Any, ...] | dict[str, Any]
+
+
+class DatasetConnector(Protocol):
+    """One kind of dataset. Implementations are registered in ``_connectors.py``."""
+
+    @property
+    def kind(self) -> str: ...
+
+    def recognises(self, where: str) -> bool:
+        """Whether ``where`` (what an operator registers) names a dataset of this kind."""
+        ...
+
+    def locate(self, where: str) -> str:
+        """The location to store for ``where``, checked to be reachable (raises
+        :class:`~proctor.errors.UsageError`)."""
+        ...
+
+    def grant(
+        self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
+    ) -> None:
+        """At run start: give the deployment what the engine enforces itself of the
+        approved ``tables`` (the manifest's ``datasets.<name>.tables``)."""
+        ...
+
+    async def handle(
+        self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Answer one call; every outcome recorded (``base``: the event's details)."""
+        ...
+
+    def release(self, scope: RunScope, binding: DatasetBinding) -> None:
+        """At run end: close what the run holds on the dataset."""
+        ...
+
+    def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
+        """At undeploy: take back what :meth:`grant` gave; whether there was any."""
+        ...
+
+
+# -- the request's checks ----------------------------------------------------------
+
+
+def parse_request(request: Mapping[str, Any]) -> SqlCall:
+    dataset = request.get("dataset")
+    sql = request.get("sql")
+    params = request.get("params", [])
+    if not isinstance(dataset, str) or not dataset:
+        raise BadCall("sql: 'dataset' must be a non-empty string")
+    if not isinstance(sql, str) or not sql.strip():
+        raise BadCall("sql: 'sql' must be a non-empty string")
+    if len(sql) > MAX_SQL_LENGTH:
+        raise BadCall(f"sql: the statement is longer than {MAX_SQL_LENGTH} characters")
+    if "\x00" in sql:
+        raise BadCall("sql: the statement contains a NUL character")
+    scalars = (str, int, float, type(None))
+    if params is None:
+        params = []
+    if isinstance(params, list):
+        if not all(isinstance(p, scalars) for p in params):
+            raise BadCall("sql: parameters must be strings, numbers or null")
+        return SqlCall(dataset, sql, tuple(params))
+    if isinstance(params, dict):
+        if not all(isinstance(k, str) and isinstance(v, scalars) for k, v in params.items()):
+            raise BadCall("sql: named parameters must map names to strings, numbers or null")
+        return SqlCall(dataset, sql, dict(params))
+    raise BadCall("sql: 'params' must be a list or an object")
+
+
+def event_base(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
+    """The details every event of the call carries, taken from the raw request
+    before it is checked (a refusal of a malformed call is recorded too)."""
+    raw_dataset = request.get("dataset")
+    name = "?"
+    if isinstance(raw_dataset, str) and 0 < len(raw_dataset) <= 128 and raw_dataset.isprintable():
+        name = raw_dataset
+    base: dict[str, Any] = {"dataset": name}
+    raw_sql = request.get("sql")
+    if isinstance(raw_sql, str):
+        # A literal in a WHERE clause is a row value: the text is kept only as a keyed hash.
+        base["sql_hmac"] = scope.key_hmacs([raw_sql])[0]
+    return base
+
+
+async def record_refusal(
+    scope: RunScope, action: str, resource: str, reason: str, details: Mapping[str, Any]
+) -> None:
+    """A call refused before (or instead of) a policy question is still an event."""
+    decision = Decision(False, (), scope.policies.version)
+    await scope.record(
+        action, resource, decision, reason=f"refused: {reason}", details=dict(details)
+    )
+
+
+# -- the Cedar questions -----------------------------------------------------------
+
+
+def _resource(dataset: str, tables: Sequence[str]) -> str:
+    if len(tables) == 1:
+        return f"dataset/{dataset}/table/{tables[0]}"
+    return f"dataset/{dataset}"
+
+
+def _combined(scope: RunScope, grants: Sequence[Grant], allowed: bool) -> Decision:
+    """One decision for the event: the permits that allowed every table, or the
+    policies behind the denies (empty for the default deny)."""
+    chosen = [g.decision for g in grants if g.decision.allowed == allowed]
+    policies = sorted({p for d in chosen for p in d.policies})
+    errors = tuple(e for d in chosen for e in d.errors)
+    return Decision(allowed, tuple(policies), scope.policies.version, errors)
+
+
+def decide_tables(
+    scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
+) -> list[Grant]:
+    grants: list[Grant] = []
+    questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
+    questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
+    for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
+        columns = tuple(sorted(c for c in cols if c))
+        try:
+            ref, entities = _table_entities(scope, dataset, binding, table)
+        except PolicyError:
+            # A table whose name cannot be a policy resource cannot be permitted.
+            denied = Decision(False, (), scope.policies.version, ("unnameable table",))
+            grants.append(Grant(table, action, columns, denied))
+            continue
+        context: dict[str, CedarValue] = {
+            "dataset": dataset,
+            "columns": list(columns),
+            "row_limit": scope.row_limit,
+        }
+        decision = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
+        through_plan = False
+        if not decision.allowed and action == "sql.select" and accesses.plan_columns(table):
+            # Would the columns the statement names alone be permitted? Then the
+            # plan is why it is denied, and the refusal says how to avoid it.
+            named = sorted(c for c in accesses.reads[table] if c)
+            context = {**context, "columns": list(named)}
+            alone = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
+            through_plan = alone.allowed
+        grants.append(Grant(table, action, columns, decision, through_plan))
+    return grants
+
+
+def _table_entities(
+    scope: RunScope, dataset: str, binding: DatasetBinding, table: str
+) -> tuple[EntityRef, EntitySet]:
+    """The run's entities plus this Table, parsed once per run and table: adding
+    an entity costs about what a decision does (docs/policy.md)."""
+    cache: dict[tuple[str, str], tuple[EntityRef, EntitySet]]
+    cache = scope.__dict__.setdefault("_sql_table_entities", {})
+    hit = cache.get((dataset, table))
+    if hit is None:
+        entity = Entity.table(scope.tenant, dataset, table, synthetic=binding.synthetic)
+        hit = (entity.uid, scope.entities().with_added([entity]))
+        if len(cache) < 1024:  # a statement can name tables that do not exist
+            cache[(dataset, table)] = hit
+    return hit
+
+
+def _deny_reason(denied: Sequence[Grant], plan: Sequence[PlanRead] = ()) -> str:
+    parts = []
+    for g in denied:
+        what = f"{g.action} on {g.table} ({', '.join(g.columns) or 'no columns'})"
+        if g.decision.errors:
+            why = "policy evaluation failed"
+        elif g.decision.policies:
+            why = "forbidden by " + ", ".join(g.decision.policies)
+        else:
+            why = "no policy permits it"
+        parts.append(f"{what}: {why}")
+        if g.through_plan:
+            parts += [p.hint() for p in plan if p.table == g.table]
+    return "denied: " + "; ".join(parts)
+
+
+# -- decide -> record -> answer ----------------------------------------------------
+
+
+async def answer(
+    scope: RunScope,
+    stmt: Statement,
+    dataset: str,
+    binding: DatasetBinding,
+    details: dict[str, Any],
+) -> dict[str, Any]:
+    """Analyse, decide, run and answer one statement; each outcome is recorded
+    first. For a read ``{"columns", "rows", "row_count", "truncated"}``, for a
+    write ``{"rows_affected"}``."""
+
+    def analyse_decide_read() -> tuple[Accesses, list[Grant], Outcome | Exception | None]:
+        # One trip to a worker thread for the common case: a permitted read runs
+        # at once; its event is recorded below, before anything is answered.
+        accesses = stmt.analyse()
+        grants = decide_tables(scope, dataset, binding, accesses)
+        if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
+            return accesses, grants, None
+        try:
+            return accesses, grants, stmt.run_read(accesses, scope.row_limit)
+        except (TimedOut, Failed, DatabaseRefused) as exc:
+            return accesses, grants, exc
+
+    try:
+        accesses, grants, read = await asyncio.to_thread(analyse_decide_read)
+    except Refused as exc:
+        refused_action = "sql.write" if exc.write else "sql.select"
+        await record_refusal(scope, refused_action, f"dataset/{dataset}", exc.reason, details)
+        if exc.bad_call:
+            message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
+            raise BadCall(f"sql: {message}") from None
+        raise CallDenied(f"sql: refused: {exc.reason}") from None
+    except TimedOut:
+        await record_refusal(scope, "sql.select", f"dataset/{dataset}", "timeout", details)
+        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
+
+    action = "sql.write" if accesses.is_write else "sql.select"
+    tables = sorted({g.table for g in grants})
+    resource = _resource(dataset, tables)
+    details = {**details, "tables": [g.as_json() for g in grants]}
+    if accesses.plan:
+        details["plan"] = [p.as_json() for p in accesses.plan]
+    denied = [g for g in grants if not g.decision.allowed]
+    if not grants:
+        # Deny by default holds here too: no policy names a statement on no table.
+        reason = "the statement reads no table; no policy permits it"
+        await record_refusal(scope, action, resource, reason, details)
+        raise CallDenied(f"sql: refused: {reason}")
+    if denied:
+        reason = _deny_reason(denied, accesses.plan)
+        decision = _combined(scope, grants, allowed=False)
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"sql: {reason}", policies=decision.policies)
+
+    decision = _combined(scope, grants, allowed=True)
+    reason = "permitted by " + ", ".join(decision.policies)
+    try:
+        if accesses.is_write:
+            outcome = await asyncio.to_thread(stmt.run_write, accesses)
+        elif isinstance(read, Exception):
+            raise read
+        else:
+            assert read is not None
+            outcome = read
+    except TimedOut:
+        details["outcome"] = "timeout"
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise StatementTimeout(
+            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
+        ) from None
+    except DatabaseRefused as exc:
+        # Cedar permitted more than the database grants: the database has the last word.
+        details["outcome"] = "refused_by_database"
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise CallDenied(f"sql: the database refused it: {exc}") from None
+    except Failed as exc:
+        # The class only: an engine message could quote a value.
+        details["outcome"] = "error"
+        details["error"] = exc.error
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise BadCall(f"sql: the statement failed: {exc.message}") from None
+
+    details["outcome"] = "ok"
+    if accesses.is_write:
+        details["rows_affected"] = outcome.rows_affected
+        try:
+            await scope.record(action, resource, decision, reason=reason, details=details)
+        except BaseException:
+            await asyncio.to_thread(stmt.rollback)
+            raise
+        await asyncio.to_thread(stmt.commit)
+        return {"rows_affected": outcome.rows_affected}
+
+    details["row_count"] = len(outcome.rows)
+    details["truncated"] = outcome.truncated
+    details["lineage"] = "rows" if outcome.keys is not None else "table"
+    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
+    await scope.record(action, resource, decision, reason=reason, details=details)
+    return {
+        "columns": outcome.columns,
+        "rows": outcome.rows,
+        "row_count": len(outcome.rows),
+        "truncated": outcome.truncated,
+    }
