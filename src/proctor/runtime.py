@@ -19,7 +19,6 @@ import pwd
 import re
 import shutil
 import socket
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +30,7 @@ from proctor.governance import (
     Artifacts,
     ControlPlane,
     Deployments,
+    EgressRanges,
     KeyRing,
     Policies,
     Principals,
@@ -49,27 +49,6 @@ log = logging.getLogger("proctor.runtime")
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
 _CONFIG = "config.json"
-
-
-def broker_socket_root() -> Path:
-    """Where brokers put their runs' sockets: one directory per owning process,
-    named ``<pid>-<start time>``, so that a server restarted after a SIGKILL
-    removes what its dead predecessor left (see ``reap_broker_sockets``).
-    ``PROCTOR_BROKER_SOCKETS`` overrides; on tmpfs by default, like the sockets'
-    sandboxes' registry."""
-    env = os.environ.get("PROCTOR_BROKER_SOCKETS")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/run/proctor-brokers")
-    return Path(tempfile.gettempdir()) / f"proctor-brokers-{os.geteuid()}"
-
-
-def reap_broker_sockets() -> list[Path]:
-    """Remove the socket directories of every broker whose process is gone."""
-    from proctor.sandbox import reap_owned_dirs
-
-    return reap_owned_dirs(broker_socket_root())
 
 
 def local_operator_id() -> str:
@@ -230,6 +209,7 @@ class Runtime:
         self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
         self.subprocessors = Subprocessors(store, self.ledger)
+        self.egress = EgressRanges(store, self.ledger)
         self._broker_root: Path | None = None
 
     @classmethod
@@ -330,6 +310,8 @@ class Runtime:
         except SandboxCleanupFailed as exc:
             # Left registered for the next attempt; the run is over either way.
             log.warning("proctor: %s", exc.message)
+        from proctor.broker import reap_broker_sockets
+
         reap_broker_sockets()
 
     def log_name(self, tenant: str) -> str:
@@ -339,49 +321,23 @@ class Runtime:
         return tenant
 
     def undeploy(self, tenant: str, name: str, actor: Actor, reason: str) -> None:
-        """Stop a deployment and revoke what it was granted outside Proctor: the
-        database roles of its PostgreSQL datasets."""
+        """Stop a deployment and revoke what it was granted outside Proctor (the
+        database roles of its PostgreSQL datasets): each dataset's connector knows."""
         self.deployments.set_status(tenant, name, "stopped", actor, reason)
-        from proctor.broker._pg_sql import revoke_deployment_role
+        from proctor.broker import dataset_connector
 
         for ds in self.resources.datasets(tenant):
-            if ds.kind == "postgresql":
-                revoke_deployment_role(ds.location, tenant, name, ds.name)
+            dataset_connector(ds.kind).revoke(ds.location, tenant, name, ds.name)
 
     # -- egress -----------------------------------------------------------------
 
     def egress_ranges(self, tenant: str) -> tuple[str, ...]:
-        """Special-purpose address ranges the tenant's runs may reach anyway (for
-        services on the runtime's own loopback, such as the demo's stand-in API)."""
-        with self.store.read() as conn:
-            row = conn.query_one(
-                "SELECT value FROM meta WHERE key = ?", (f"egress_ranges:{tenant}",)
-            )
-        return tuple(json.loads(row[0])) if row else ()
+        """Special-purpose address ranges the tenant's runs may reach anyway (see
+        ``proctor.governance.EgressRanges``)."""
+        return self.egress.get(tenant)
 
     def allow_egress_range(self, tenant: str, cidr: str, actor: Actor) -> tuple[str, ...]:
-        import ipaddress
-
-        try:
-            network = str(ipaddress.ip_network(cidr, strict=True))
-        except ValueError as exc:
-            raise UsageError(f"{cidr!r} is not an address range: {exc}") from exc
-        ranges = tuple(sorted({*self.egress_ranges(tenant), network}))
-
-        def upsert(conn: Conn) -> None:
-            conn.execute(
-                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE"
-                " SET value = excluded.value",
-                (f"egress_ranges:{tenant}", json.dumps(list(ranges))),
-            )
-
-        self.ledger.append(
-            tenant,
-            EventDraft(actor, "egress.range.allow", f"range/{network}", reason="allowed",
-                       details={"ranges": list(ranges)}),
-            hook=upsert,
-        )  # fmt: skip
-        return ranges
+        return self.egress.allow(tenant, cidr, actor)
 
     def egress_ca_pem(self, tenant: str, hosts: list[str] | None = None) -> bytes:
         """The tenant CA's certificate; with ``hosts``, constrained to those names."""
@@ -393,37 +349,12 @@ class Runtime:
         self, upstream_cafile: str | None = None, rate_limit: RateLimit | None = None
     ) -> Broker:
         """The broker for this runtime's runs, with every real handler."""
-        from proctor.broker import (
-            Broker,
-            BrokerError,
-            EgressProxy,
-            Handlers,
-            handle_sql,
-            read_object,
-            write_object,
-        )
-        from proctor.sandbox import owned_dir
+        from proctor.broker import broker_socket_root, make_broker
 
-        proxy = EgressProxy(self.home / "ca", upstream_cafile=upstream_cafile)
-        handlers = Handlers(
-            sql=handle_sql,
-            read_object=read_object,
-            write_object=write_object,
-            connect=proxy.handle_connect,
-            forward=proxy.handle_forward,
-        )
-        root = broker_socket_root()
-        for _ in range(3):
-            # Sockets under this process's own directory: what a SIGKILL leaves
-            # behind is found by owner and reaped by the next `proctor serve`.
-            self._broker_root = root
-            owned = owned_dir(root)
-            try:
-                return Broker(handlers, self.keys.derive("proctor/broker-tokens/v1"),
-                              socket_root=owned, rate_limit=rate_limit)  # fmt: skip
-            except FileNotFoundError:
-                continue  # another runtime of this process removed it, empty, just now
-        raise BrokerError(f"cannot make a broker socket directory under {root}")
+        # Released at close, when empty: what a SIGKILL leaves is reaped by owner.
+        self._broker_root = broker_socket_root()
+        return make_broker(self.home / "ca", self.keys.derive("proctor/broker-tokens/v1"),
+                           upstream_cafile=upstream_cafile, rate_limit=rate_limit)  # fmt: skip
 
     def close(self) -> None:
         self.ledger.close()

@@ -37,9 +37,8 @@ from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._render import chart_png, cited_seqs, render_html, render_markdown
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
-from proctor.governance import Runs, Subprocessors
+from proctor.governance import Home, Runs, Subprocessors
 from proctor.ledger import canonical_json, leaf_hash, node_hash, utc_now
-from proctor.runtime import Runtime
 
 PACK_FORMAT = "proctor-evidence-pack/1"
 # Governance actions whose earlier events a period's runs may rely on.
@@ -64,7 +63,7 @@ class PackInfo:
 class _Nodes:
     """``node(start, height)`` from the ledger's public tiles, cached per tile."""
 
-    def __init__(self, rt: Runtime, log: str) -> None:
+    def __init__(self, rt: Home, log: str) -> None:
         self._rt = rt
         self._log = log
         self._tiles: dict[tuple[int, int], bytes] = {}
@@ -165,9 +164,7 @@ def _json(value: Any) -> bytes:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False).encode() + b"\n"
 
 
-def _governance(
-    rt: Runtime, tenant: str, digests: set[str], start: str, end: str
-) -> dict[str, Any]:
+def _governance(rt: Home, tenant: str, digests: set[str], start: str, end: str) -> dict[str, Any]:
     policies: list[dict[str, Any]] = [
         {"version": p.version, "seq": p.seq, "set_at": p.set_at, "set_by": p.set_by, "text": p.text}
         for p in rt.policies.history(tenant)
@@ -204,7 +201,7 @@ def _governance(
     }
 
 
-def _period_bounds(rt: Runtime, tenant: str, start: str) -> int:
+def _period_bounds(rt: Home, tenant: str, start: str) -> int:
     """The seq of the first event at or after ``start`` (the log's size if none)."""
     gen = rt.ledger.events_between(tenant, start, None)
     try:
@@ -217,7 +214,7 @@ def _period_bounds(rt: Runtime, tenant: str, start: str) -> int:
     return int(json.loads(first)["seq"])
 
 
-def export_pack(rt: Runtime, tenant: str, start: str, end: str, out_zip: Path) -> PackInfo:
+def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> PackInfo:
     """Write the evidence pack of ``tenant`` for events with time in [start, end)."""
     rt.tenants.get(tenant)
     if not start < end:
@@ -339,7 +336,7 @@ def export_pack(rt: Runtime, tenant: str, start: str, end: str, out_zip: Path) -
 
 
 def _appendix(
-    rt: Runtime, tenant: str, report: dict[str, Any], context: list[dict[str, Any]]
+    rt: Home, tenant: str, report: dict[str, Any], context: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     # Fetched again by seq rather than kept while streaming: a million parsed
     # events would not fit in memory; the cited ones are a few hundred.

@@ -11,8 +11,7 @@ from typing import Any
 
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
-from proctor.governance import Runs, Subprocessors, covers
-from proctor.runtime import Runtime
+from proctor.governance import Home, Runs, Subprocessors, covers
 
 
 def key_hmac(lineage_key: bytes, key: str) -> str:
@@ -33,11 +32,11 @@ def key_text(value: str) -> str:
     return text
 
 
-def _runs_index(rt: Runtime, tenant: str) -> dict[str, dict[str, Any]]:
+def _runs_index(rt: Home, tenant: str) -> dict[str, dict[str, Any]]:
     return {r.id: r.as_json() for r in Runs(rt).all(tenant)}
 
 
-def lineage(rt: Runtime, tenant: str, dataset: str, key: str) -> dict[str, Any]:
+def lineage(rt: Home, tenant: str, dataset: str, key: str) -> dict[str, Any]:
     """Every run that read the record ``key`` of ``dataset`` (row-level lineage), and
     every run that wrote to or read the dataset where rows were not recorded."""
     rt.tenants.get(tenant)
@@ -88,7 +87,7 @@ def lineage(rt: Runtime, tenant: str, dataset: str, key: str) -> dict[str, Any]:
     }
 
 
-def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
+def sample_runs(rt: Home, tenant: str, n: int, seed: str) -> dict[str, Any]:
     """A reproducible random sample of production runs, each with its full chain."""
     if n < 1:
         raise UsageError("--n must be at least 1")
@@ -134,7 +133,7 @@ def sample_runs(rt: Runtime, tenant: str, n: int, seed: str) -> dict[str, Any]:
     }
 
 
-def _starters(rt: Runtime, tenant: str, runs: set[str]) -> dict[str, dict[str, str]]:
+def _starters(rt: Home, tenant: str, runs: set[str]) -> dict[str, dict[str, str]]:
     """The actor of each of ``runs``' run.start event: the store's run rows do not
     keep it, the record does."""
     found: dict[str, dict[str, str]] = {}
@@ -157,7 +156,7 @@ def _starters(rt: Runtime, tenant: str, runs: set[str]) -> dict[str, dict[str, s
     return found
 
 
-def egress_seen(rt: Runtime, tenant: str) -> dict[str, int]:
+def egress_seen(rt: Home, tenant: str) -> dict[str, int]:
     seen: dict[str, int] = {}
     for data in rt.ledger.entries(tenant):
         if b'"action":"http.request"' not in data or b'"decision":"allow"' not in data:
@@ -168,7 +167,7 @@ def egress_seen(rt: Runtime, tenant: str) -> dict[str, int]:
     return dict(sorted(seen.items()))
 
 
-def dpa_annex(rt: Runtime, tenant: str) -> dict[str, Any]:
+def dpa_annex(rt: Home, tenant: str) -> dict[str, Any]:
     """The subprocessor annex of a DPA: the register, and the egress actually seen."""
     rt.tenants.get(tenant)
     register = Subprocessors(rt.store, rt.ledger).list(tenant)
@@ -186,7 +185,7 @@ def dpa_annex(rt: Runtime, tenant: str) -> dict[str, Any]:
     return {"tenant": tenant, "subprocessors": rows, "uncovered": uncovered}
 
 
-def ropa(rt: Runtime, tenant: str) -> dict[str, Any]:
+def ropa(rt: Home, tenant: str) -> dict[str, Any]:
     """Records of processing (GDPR Art. 30(2)) as the processor keeps them."""
     rt.tenants.get(tenant)
     register = Subprocessors(rt.store, rt.ledger).list(tenant)

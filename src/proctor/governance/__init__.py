@@ -40,7 +40,9 @@ from proctor.governance._deployments import (
     Deployment,
     Deployments,
 )
+from proctor.governance._egress import EgressRanges
 from proctor.governance._environments import Bindings, bindings
+from proctor.governance._home import Home, HomeConfig
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
     Lifecycle,
@@ -94,7 +96,10 @@ __all__ = [
     "Dataset",
     "Deployment",
     "Deployments",
+    "EgressRanges",
     "FileChange",
+    "Home",
+    "HomeConfig",
     "KeyRing",
     "Lifecycle",
     "Manifest",

@@ -6,8 +6,7 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from proctor.governance import Runs
-from proctor.runtime import Runtime
+from proctor.governance import Home, Runs
 
 
 def _shift(at: str, seconds: float) -> str:
@@ -15,7 +14,7 @@ def _shift(at: str, seconds: float) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def what_ran(rt: Runtime, tenant: str, at: str, window: float = 3600.0) -> dict[str, Any]:
+def what_ran(rt: Home, tenant: str, at: str, window: float = 3600.0) -> dict[str, Any]:
     """The state of ``tenant`` at ``at``: deployments in force (with their artifacts,
     approvers and instructions), the policy version, and the runs in progress or
     within ``window`` seconds of it, with the data and hosts each touched."""

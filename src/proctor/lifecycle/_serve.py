@@ -21,11 +21,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
 from proctor.governance import Deployment, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._supervisor import Supervisor
-from proctor.runtime import reap_broker_sockets
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 
 log = logging.getLogger("proctor.lifecycle")

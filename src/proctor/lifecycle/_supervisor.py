@@ -21,11 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from proctor.broker import Broker, DatasetBinding, RateLimit, RunScope, SecretBinding
+from proctor.broker import (
+    Broker,
+    DatasetBinding,
+    RateLimit,
+    RunScope,
+    SecretBinding,
+    dataset_connector,
+)
 from proctor.errors import ProctorError, RunRefused
 from proctor.governance import (
     ApprovalRequired,
     Deployment,
+    Home,
     RunRecord,
     Runs,
     bindings,
@@ -34,7 +42,6 @@ from proctor.governance import (
 from proctor.ledger import Actor, EventDraft, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.policy import capability_policies
-from proctor.runtime import Runtime
 from proctor.sandbox import (
     Limits,
     SandboxResult,
@@ -77,7 +84,7 @@ def _limits(manifest_limits: Any) -> Limits:
 class Supervisor:
     """Starts runs; ``serve`` (see _serve.py) keeps services and schedules going."""
 
-    def __init__(self, rt: Runtime, broker: Broker, backend: str | None = None) -> None:
+    def __init__(self, rt: Home, broker: Broker, backend: str | None = None) -> None:
         self.rt = rt
         self.broker = broker
         self.driver = get_driver(backend)
@@ -170,13 +177,11 @@ class Supervisor:
             for ds_name, d in env_bound.datasets.items()
         }
         for ds_name, binding in datasets.items():
-            if binding.kind == "postgresql":
-                # The database enforces the approved columns too: the deployment's own
-                # role holds SELECT on exactly those (reset to match at every start).
-                from proctor.broker._pg_sql import grant_deployment_role
-
-                grant_deployment_role(binding.location, tenant, name, ds_name,
-                                      caps["datasets"][ds_name].get("tables", {}))  # fmt: skip
+            # What the engine enforces itself of the approved columns (PostgreSQL: the
+            # deployment's own role, reset to match at every start).
+            dataset_connector(binding.kind).grant(
+                binding, tenant, name, caps["datasets"][ds_name].get("tables", {})
+            )
         # Bound under the name the code uses; in the sandbox the value is the twin's.
         secrets = {
             used: SecretBinding(
@@ -211,7 +216,7 @@ class Supervisor:
             secrets=secrets,
             buckets_dir=env_bound.buckets_dir,
             lineage_key=rt.keys.lineage_key(tenant),
-            allowed_ranges=rt.egress_ranges(tenant),
+            allowed_ranges=rt.egress.get(tenant),
             rate_limit=rate_limit,
         )
         started_at = utc_now()
@@ -288,10 +293,8 @@ class Supervisor:
                 shutil.rmtree(code, ignore_errors=True)
                 if ca_dir is not None:
                     shutil.rmtree(ca_dir, ignore_errors=True)
-                if any(b.kind == "postgresql" for b in datasets.values()):
-                    from proctor.broker._pg_sql import close_pg_pools
-
-                    close_pg_pools(scope)
+                for binding in datasets.values():
+                    dataset_connector(binding.kind).release(scope, binding)
         return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest(),
                             cancel)  # fmt: skip
 
