@@ -158,9 +158,13 @@ async def admit(
             details["address"] = str(refusal.address)
             details["special_ranges"] = [cidr for cidr, _ in refusal.ranges]
             details["permitted_by"] = list(decision.policies)
-            denied = Decision(False, (SPECIAL_ADDRESS_RULE,), decision.version)
-            reason = f"refused: {refusal.reason}"
-            await scope.record("http.request", resource, denied, reason=reason, details=details)
+            await scope.record_refusal(
+                "http.request",
+                resource,
+                refusal.reason,
+                policies=(SPECIAL_ADDRESS_RULE,),
+                details=details,
+            )
             raise EgressDenied(
                 f"http.request to {resource} refused: {host.name} is or resolves to "
                 f"{refusal.address}, a special-purpose address ({refusal.ranges[0][1]})",
@@ -192,11 +196,10 @@ def resource_of(host: Host, port: int) -> str:
 async def record_bad(scope: RunScope, method: str, target: str, exc: BadCall) -> None:
     """A malformed request is recorded too; raises CallRefused if it cannot be."""
     shown = target[:256].encode("ascii", "backslashreplace").decode()
-    await scope.record(
+    await scope.record_refusal(
         "http.request",
         f"host/{shown}",
-        Decision(False, (), scope.policies.version),
-        reason=f"refused: {exc.message}",
+        exc.message,
         details={"method": method[:32], "target": shown},
     )
 
@@ -210,12 +213,8 @@ async def record_refusal(
     details: Mapping[str, Any] | None = None,
 ) -> None:
     try:
-        await scope.record(
-            action,
-            resource,
-            Decision(False, (rule,), scope.policies.version),
-            reason=f"refused: {exc.message}",
-            details=details or {},
+        await scope.record_refusal(
+            action, resource, exc.message, policies=(rule,), details=details or {}
         )
     except CallRefused as refused:
         raise refused from exc

@@ -239,12 +239,8 @@ async def _refuse(
     scope: RunScope, action: str, resource: str, error: BrokerError, details: Mapping[str, Any]
 ) -> BrokerError:
     """Record a call refused before or instead of a policy question; returns the error."""
-    await scope.record(
-        action,
-        resource,
-        Decision(False, (), scope.policies.version),
-        reason=f"refused: {error.message.removeprefix('files: ')}",
-        details=dict(details),
+    await scope.record_refusal(
+        action, resource, error.message.removeprefix("files: "), details=dict(details)
     )
     return error
 

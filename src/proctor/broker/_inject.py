@@ -50,7 +50,7 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
-from proctor.policy import Decision, Entity, EntityRef
+from proctor.policy import Entity, EntityRef
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
 SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
@@ -416,7 +416,6 @@ async def _record_tunnel_refusal(
     Refusals of the secret rules are ``secret.use`` denies, malformed requests
     ``http.request`` denies; anything else (an upstream that failed) is recorded
     by the connection's completion event, written before the answer too."""
-    version = scope.policies.version
     if isinstance(exc, (_Misplaced, _Echoed)):
         action, details = "secret.use", exc.details
     elif isinstance(exc, EgressDenied):
@@ -426,12 +425,8 @@ async def _record_tunnel_refusal(
     else:
         return exc
     try:
-        await scope.record(
-            action,
-            admitted.resource,
-            Decision(False, exc.policies, version),
-            reason=f"refused: {exc.message}",
-            details=details,
+        await scope.record_refusal(
+            action, admitted.resource, exc.message, policies=exc.policies, details=details
         )
     except CallRefused as refused:
         return refused

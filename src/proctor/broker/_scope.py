@@ -308,6 +308,23 @@ class RunScope:
             counter.count += 1
         return appended
 
+    async def record_refusal(
+        self,
+        action: str,
+        resource: str,
+        why: str,
+        *,
+        policies: tuple[str, ...] = (),
+        details: Mapping[str, Any],
+    ) -> Appended:
+        """Record a call refused before or instead of a policy decision (a malformed
+        request, a rule of the broker's own, named in ``policies``), as ``refused: why``;
+        raise CallRefused if it cannot be made durable."""
+        denied = Decision(False, policies, self.policies.version)
+        return await self.record(
+            action, resource, denied, reason=f"refused: {why}", details=details
+        )
+
     async def decide_and_record(
         self,
         action: str,

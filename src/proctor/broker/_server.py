@@ -356,11 +356,11 @@ class Broker:
             if code == 404:
                 reason = "no such broker endpoint"  # the path is in target_hmac
             try:
-                await scope.record(
+                await scope.record_refusal(
                     "broker.request",
                     f"run/{scope.run_id}",
-                    Decision(False, exc.policies, scope.policies.version),
-                    reason=f"refused: {_shown(reason, _SHOWN_REASON)}",
+                    _shown(reason, _SHOWN_REASON),
+                    policies=exc.policies,
                     details=details,
                 )
             except CallRefused as refused:
