@@ -15,8 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from proctor.broker import RunScope
-from proctor.broker._proxy import EgressProxy
+from proctor.broker import EgressProxy, RunScope
 from proctor.ledger import Actor, EventDraft, Ledger, Signer
 from proctor.policy import capability_policies, compile_policies
 from proctor.store import open_store
