@@ -11,12 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from proctor.broker._datasets import (
-    DatasetConnector,
-    event_base,
-    parse_request,
-    record_refusal,
-)
+from proctor.broker._datasets import DatasetConnector, event_base, parse_request
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 
 
@@ -77,6 +72,8 @@ async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, A
             raise CallDenied(f"sql: no dataset {call.dataset!r} is bound to this run")
         connector = dataset_connector(binding.kind)
     except BrokerError as exc:
-        await record_refusal(scope, "sql.select", f"dataset/{base['dataset']}", exc.message, base)
+        await scope.record_refusal(
+            "sql.select", f"dataset/{base['dataset']}", exc.message, details=base
+        )
         raise
     return await connector.handle(scope, binding, call, base)

@@ -41,7 +41,6 @@ import hashlib
 import hmac
 import json
 import re
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -53,17 +52,17 @@ from proctor.broker._datasets import (
     Accesses,
     DatabaseRefused,
     Failed,
+    IdleConnections,
     Outcome,
     Refused,
     SqlCall,
     TimedOut,
     answer,
-    record_refusal,
 )
 from proctor.broker._lineage import key_text, keyed_variant
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
-from proctor.store._postgres import redact, to_pg_sql
+from proctor.store import redact, to_pg_sql
 
 #: Connections a deployment role may hold at once.
 ROLE_CONNECTION_LIMIT = 16
@@ -201,37 +200,25 @@ def connect_as_role(dsn: str, role: str) -> psycopg.Connection[Any]:
 class _RolePool:
     """Connections as one deployment role, for one run; reused across its calls."""
 
-    _KEEP = 4
-
     def __init__(self, dsn: str, role: str) -> None:
         self.dsn, self.role = dsn, role
-        self._idle: list[psycopg.Connection[Any]] = []
-        self._lock = threading.Lock()
+        self._idle = IdleConnections[psycopg.Connection[Any]]()
         self._keys: dict[str, list[str] | None] = {}
         self._columns: dict[str, set[str]] = {}
 
     def take(self) -> psycopg.Connection[Any]:
-        with self._lock:
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.closed and not conn.broken:
-                    return conn
+        while (conn := self._idle.pop()) is not None:
+            if not conn.closed and not conn.broken:
+                return conn
         return connect_as_role(self.dsn, self.role)
 
     def give(self, conn: psycopg.Connection[Any]) -> None:
-        if conn.closed or conn.broken or conn.info.transaction_status != 0:  # 0: IDLE
+        reusable = not (conn.closed or conn.broken) and conn.info.transaction_status == 0  # IDLE
+        if not (reusable and self._idle.keep(conn)):
             conn.close()
-            return
-        with self._lock:
-            if len(self._idle) < self._KEEP:
-                self._idle.append(conn)
-                return
-        conn.close()
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn in self._idle.drain():
             conn.close()
 
     def columns(self, conn: psycopg.Connection[Any], table: str) -> set[str]:
@@ -537,7 +524,8 @@ class PostgresConnector:
                     "sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets"
                 )
         except (BadCall, CallDenied) as exc:
-            await record_refusal(scope, "sql.select", f"dataset/{call.dataset}", exc.message, base)
+            resource = f"dataset/{call.dataset}"
+            await scope.record_refusal("sql.select", resource, exc.message, details=base)
             raise
         details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
         stmt = _Statement(_pool(scope, binding), pg_sql, call.params, scope.statement_timeout)

@@ -51,6 +51,7 @@ from proctor.broker._datasets import (
     MAX_SQL_LENGTH,
     Accesses,
     Failed,
+    IdleConnections,
     Outcome,
     Refused,
     SqlCall,
@@ -301,11 +302,9 @@ class _ReadPool:
     """Read-only connections to one dataset for one run, reused across its calls:
     opening one and setting it up costs about as much as a small query."""
 
-    _KEEP = 4
-
     def __init__(self, location: str) -> None:
         self.location = location
-        self._idle: list[sqlite3.Connection] = []
+        self._idle = IdleConnections[sqlite3.Connection]()
         self._lock = threading.Lock()
         # Row keys by table and b-trees by root page, valid for one schema
         # version (PRAGMA schema_version).
@@ -314,22 +313,17 @@ class _ReadPool:
         self._keys_version = -1
 
     def take(self, busy_timeout: float) -> sqlite3.Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+        conn = self._idle.pop()
+        if conn is not None:
+            return conn
         return _connect(self.location, write=False, busy_timeout=busy_timeout)
 
     def give(self, conn: sqlite3.Connection) -> None:
         conn.set_authorizer(None)
         conn.set_progress_handler(None, 0)
-        if conn.in_transaction:
-            conn.close()  # a read-only statement left a transaction: do not reuse
-            return
-        with self._lock:
-            if len(self._idle) < self._KEEP:
-                self._idle.append(conn)
-                return
-        conn.close()
+        # A read-only statement that left a transaction open is not reused.
+        if conn.in_transaction or not self._idle.keep(conn):
+            conn.close()
 
     def _check_version(self, conn: sqlite3.Connection) -> None:
         version = int(conn.execute("PRAGMA schema_version").fetchone()[0])

@@ -10,7 +10,6 @@ gets is decided in one place, governance/_environments.py.
 from __future__ import annotations
 
 import re
-import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,29 +57,10 @@ SANDBOX_BUCKETS = ".sandbox"
 
 def _dataset_location(where: Path | str) -> tuple[str, str]:
     """(kind, location) of a dataset, checked to be reachable before it is registered."""
-    text = str(where)
-    if text.startswith(("postgresql://", "postgres://")):
-        import psycopg
+    # Which kind a location is, and how to reach it, is each connector's to say.
+    from proctor.broker import locate_dataset
 
-        try:
-            with psycopg.connect(text, connect_timeout=10) as conn:
-                conn.execute("SELECT 1")
-        except psycopg.Error as exc:
-            # The DSN may hold a password: never echo it.
-            raise UsageError(
-                f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
-            ) from exc
-        return "postgresql", text
-    path = Path(where).resolve()
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            db.execute("SELECT count(*) FROM sqlite_schema").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error as exc:
-        raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
-    return "sqlite", str(path)
+    return locate_dataset(where)
 
 
 class Resources:
