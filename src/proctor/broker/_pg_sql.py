@@ -29,6 +29,10 @@ undeploy. A guest statement then goes:
    before anything is answered.
 
 Only reads are supported on PostgreSQL datasets: a write is refused.
+
+Steps 3 and 5 are the path every dataset kind shares (``_datasets.py``); the
+connector (:class:`PostgresConnector`) grants at run start, releases the run's
+connections at run end and revokes at undeploy.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from proctor.broker._datasets import (
     Outcome,
     Refused,
     SqlCall,
+    Statement,
     TimedOut,
     answer,
 )
@@ -339,8 +344,9 @@ def accesses_from_plan(
 _ORDERED_INDEX_SCANS = frozenset({"Index Scan", "Index Only Scan"})
 
 
-class _Statement:
-    """One guest statement, in one read-only transaction as the deployment role."""
+class _Statement(Statement):
+    """One guest statement, in one read-only transaction as the deployment role
+    (declared a Statement: the write steps exist only to fill the protocol)."""
 
     def __init__(self, pool: _RolePool, sql: str, params: tuple[Any, ...], timeout: float) -> None:
         self.pool, self.sql, self.params, self.timeout = pool, sql, params, timeout

@@ -27,6 +27,9 @@ reported with the view as source), subqueries, CTEs and triggers. The handler:
    returned rows' primary keys) before answering. If the ledger cannot record
    it, the answer is dropped and a write is rolled back.
 
+Steps 3 and 5 (and the request's checks) are the path every dataset kind
+shares, in ``_datasets.py``; this module is the SQLite connector behind it.
+
 Row values never reach the ledger: events hold names, counts and keyed hashes.
 The statement itself is recorded only as a keyed hash (a literal in a WHERE
 clause is a row value).
