@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from proctor.errors import AlreadyExists
+from proctor.governance import Home
 from proctor.ledger import EventDraft
 from proctor.lifecycle._supervisor import Interrupt
-from proctor.runtime import Runtime
 from proctor.sandbox import Reason, SandboxDriver, SandboxResult, SandboxSpec, Sink
 
 SANDBOX_TENANT = "sandbox"
@@ -39,7 +39,7 @@ class Throwaway:
     the sandbox did) with the start on record and nothing run.
     """
 
-    def __init__(self, rt: Runtime, driver: SandboxDriver, spec: SandboxSpec, start_seq: int,
+    def __init__(self, rt: Home, driver: SandboxDriver, spec: SandboxSpec, start_seq: int,
                  common: dict[str, Any]) -> None:  # fmt: skip
         self._rt = rt
         self._driver = driver
@@ -49,7 +49,7 @@ class Throwaway:
 
     @classmethod
     def start(
-        cls, rt: Runtime, driver: SandboxDriver, spec: SandboxSpec, code: Path | None
+        cls, rt: Home, driver: SandboxDriver, spec: SandboxSpec, code: Path | None
     ) -> Throwaway:
         """Record the start of running ``spec`` (``code`` is its code directory, for the
         digest); raises if the ledger cannot take it, and then nothing runs."""
@@ -113,7 +113,7 @@ class Throwaway:
         return result
 
 
-def _ensure_tenant(rt: Runtime) -> None:
+def _ensure_tenant(rt: Home) -> None:
     if rt.tenants.find(SANDBOX_TENANT) is None:
         # Another process may make it meanwhile; either way it then exists.
         with suppress(AlreadyExists):

@@ -10,5 +10,6 @@ lock between processes; a PostgreSQL engine takes the advisory lock named by
 
 from proctor.store._base import Conn, Row, Store
 from proctor.store._open import open_store
+from proctor.store._pgtext import redact, to_pg_sql
 
-__all__ = ["Conn", "Row", "Store", "open_store"]
+__all__ = ["Conn", "Row", "Store", "open_store", "redact", "to_pg_sql"]

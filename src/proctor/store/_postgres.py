@@ -22,16 +22,13 @@ per thread, opened on first use (the ledger's writer thread keeps its own).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
-import re
 import select
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import ServerCursor
@@ -39,52 +36,12 @@ from psycopg import ServerCursor
 from proctor.errors import NotInitialized, StoreError
 from proctor.store._base import Row
 from proctor.store._pg_migrations import POSTGRES_MIGRATIONS
+from proctor.store._pgtext import redact, to_pg_sql
 
 # Wait this long for another node's lock before giving up: SQLite's busy timeout.
 _LOCK_TIMEOUT = "30s"
 _DATABASE_LOCK = "proctor:database"
 _MIGRATION_LOCK = "proctor:migrations"
-
-_SQL_TOKEN = re.compile(
-    r"""
-    (?P<string>[eE]?'(?:[^']|'')*')
-    |(?P<ident>"(?:[^"]|"")*")
-    |(?P<comment>--[^\n]*|/\*.*?\*/)
-    |(?P<dollar>\$[A-Za-z_]*\$)
-    |(?P<mark>\?)
-    |(?P<percent>%)
-    |(?P<other>[^'"\-/?%$]+|.)
-    """,
-    re.S | re.X,
-)
-
-
-@functools.lru_cache(maxsize=1024)
-def to_pg_sql(sql: str) -> str:
-    """Portable SQL (``?`` placeholders) as psycopg SQL (``%s``, ``%%``).
-
-    Raises :class:`StoreError` if a ``?`` sits inside a string literal,
-    quoted identifier or comment, or if the statement uses dollar quoting:
-    both would make the translation ambiguous, and our own SQL has neither.
-    """
-    out: list[str] = []
-    for m in _SQL_TOKEN.finditer(sql):
-        kind, text = m.lastgroup, m.group()
-        if kind == "mark":
-            out.append("%s")
-        elif kind == "percent":
-            out.append("%%")
-        elif kind == "dollar":
-            raise StoreError(f"dollar-quoted SQL is not supported by the store: {sql[:80]!r}")
-        elif kind in ("string", "ident", "comment"):
-            if "?" in text:
-                raise StoreError(
-                    f"a '?' inside a literal, identifier or comment is ambiguous: {sql[:80]!r}"
-                )
-            out.append(text.replace("%", "%%"))
-        else:
-            out.append(text)
-    return "".join(out)
 
 
 def lock_key(name: str) -> int:
@@ -99,18 +56,6 @@ def _adapt(params: Sequence[Any]) -> tuple[Any, ...]:
         int(p) if isinstance(p, bool) else bytes(p) if isinstance(p, memoryview) else p
         for p in params
     )
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, for messages and ``Store.url``."""
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{parts.username}:***@{host}" if parts.username else f"***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 _cursor_names = itertools.count()
