@@ -63,6 +63,19 @@ def pack_directory(directory: Path) -> bytes:
     return buf.getvalue()
 
 
+def _tile_path(level: int, index: int, width: int) -> str:
+    # The C2SP tlog-tiles URL path, written here like every other path of the API:
+    # the SDK imports nothing of the server (proctor.ledger.tile_path is the same rule,
+    # and tests/unit/test_client_tiles.py holds them equal).
+    digits = f"{index:03d}"
+    while len(digits) % 3:
+        digits = "0" + digits
+    groups = [digits[i : i + 3] for i in range(0, len(digits), 3)]
+    n = "/".join([f"x{g}" for g in groups[:-1]] + [groups[-1]])
+    suffix = "" if width == 256 else f".p/{width}"
+    return f"tile/{level}/{n}{suffix}"
+
+
 def _seg(value: str) -> str:
     return quote(value, safe=":")
 
@@ -377,10 +390,8 @@ class Client:
         return self._json("GET", f"{self._t(tenant)}/checkpoints")
 
     def tile(self, tenant: str, level: int, index: int, width: int = 256) -> bytes:
-        from proctor.ledger import tile_path
-
         return self._request(
-            "GET", f"{self._t(tenant)}/log/{tile_path(level, index, width)}"
+            "GET", f"{self._t(tenant)}/log/{_tile_path(level, index, width)}"
         ).content
 
     def inclusion_proof(self, tenant: str, index: int, size: int | None = None) -> Json:

@@ -1,0 +1,133 @@
+"""The components of src/proctor import only down the documented order, and only
+each other's public surface.
+
+The order, bottom to top (a component may import any component below it):
+
+    errors; store; ledger; policy; sandbox; guest; governance; broker;
+    lifecycle; evidence; runtime; api; client; cli; testing
+
+- ``guest`` is standard library only: inside a sandbox it is the package
+  ``proctor_guest``, so it imports nothing of proctor (its modules import each
+  other relatively).
+- ``runtime`` (runtime.py) opens a home and wires the components: lifecycle and
+  evidence take ``proctor.governance.Home``, a Protocol it satisfies, instead of
+  importing it; api and cli use it.
+- ``client`` (the SDK) may import only ``errors`` and its own modules, so that a
+  client process loads no server code.
+- The package root (``proctor/__init__``) imports only ``errors`` eagerly, and
+  the client lazily.
+
+Every import counts: top-level, inside functions, and under TYPE_CHECKING.
+Another component's private module (``proctor.X._y``, imported from outside
+``proctor.X``) is refused everywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
+
+ORDER = [
+    "errors", "store", "ledger", "policy", "sandbox", "guest", "governance", "broker",
+    "lifecycle", "evidence", "runtime", "api", "client", "cli", "testing",
+]  # fmt: skip
+
+#: Components allowed to import only some of those below them.
+ONLY = {"guest": set[str](), "client": {"errors"}}
+
+#: Edges that break the rules today, each with why it is allowed (aim: none).
+ALLOWED: dict[tuple[str, str], str] = {
+    ("proctor.governance._resources", "proctor.broker"): (
+        "registering a dataset asks the broker's connectors which kind its location is"
+        " (issue 14, item 2); to move below governance with the connector registry"
+    ),
+}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _component(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Every proctor module ``path`` imports, anywhere in it, absolute names."""
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            # `from proctor.x import _y` names a private module too
+            found += [(f"{target}.{a.name}", node.lineno) for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+    return [(t, line) for t, line in found if t == "proctor" or t.startswith("proctor.")]
+
+
+def _edges() -> list[tuple[str, str, int, str]]:
+    """(importer, imported, line, component of the importer) for every module."""
+    out = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module(path)
+        out += [(module, target, line, _component(module)) for target, line in _imports(path)]
+    return out
+
+
+def _problem(src: str, dst: str, here: str) -> str | None:
+    there = _component(dst)
+    if here == there:
+        return None
+    if any(p.startswith("_") for p in dst.split(".")[2:]):
+        return "imports another component's private module"
+    if here == "":
+        return None if there == "errors" or dst == "proctor.client" else "root imports it"
+    if there == "":
+        return None  # the root's __version__: it loads nothing else eagerly
+    if here in ONLY and there not in ONLY[here]:
+        return f"{here} may import only {sorted(ONLY[here]) or 'nothing of proctor'}"
+    if ORDER.index(there) > ORDER.index(here):
+        return f"points up the order ({here} is below {there})"
+    return None
+
+
+def test_every_component_is_in_the_order() -> None:
+    found = {p.stem if p.is_file() else p.name for p in SRC.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists())
+             or (p.suffix == ".py" and p.stem != "__init__")}  # fmt: skip
+    assert found == set(ORDER)
+
+
+def test_imports_point_down_the_order_and_at_public_surfaces() -> None:
+    bad = []
+    for src, dst, line, here in _edges():
+        why = _problem(src, dst, here)
+        if why is not None and (src, dst) not in ALLOWED:
+            bad.append(f"{src}:{line} -> {dst}: {why}")
+    assert bad == []
+
+
+def test_allowed_exceptions_are_still_needed() -> None:
+    edges = {(src, dst) for src, dst, _, _ in _edges()}
+    assert set(ALLOWED) <= edges, "an allowed exception is gone: remove it from ALLOWED"
+
+
+def test_the_checker_sees_what_it_must() -> None:
+    assert _problem("proctor.lifecycle._x", "proctor.evidence", "lifecycle")
+    assert _problem("proctor.evidence._x", "proctor.governance._runs", "evidence")
+    assert _problem("proctor.guest.shim", "proctor.errors", "guest")
+    assert _problem("proctor.client._client", "proctor.governance", "client")
+    assert _problem("proctor.cli._x", "proctor.broker", "cli") is None
+    assert _problem("proctor.broker._x", "proctor.guest.protocol", "broker") is None
