@@ -159,10 +159,20 @@ class Supervisor:
         attempt: int = 1,
         env: dict[str, str] | None = None,
     ) -> RunRecord:
-        rt = self.rt
         dep, artifact, approvals = self.check_startable(tenant, name, actor)
-        manifest = artifact.manifest
         run_id = "r-" + os.urandom(6).hex()
+        scope, limits, limits_doc = self._scope(tenant, dep, artifact, approvals, run_id)
+        self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
+        result, failure, output = self._run_sandbox(
+            scope, dep, artifact, limits, env, on_stdout, on_stderr, cancel
+        )
+        return self._finish(tenant, run_id, actor, dep, result, failure, output, cancel)
+
+    def _scope(
+        self, tenant: str, dep: Deployment, artifact: Any, approvals: tuple[str, ...], run_id: str
+    ) -> tuple[RunScope, Limits, dict[str, Any]]:
+        """What the broker knows of the run: its identity, policy and bindings."""
+        rt, name, manifest = self.rt, dep.name, artifact.manifest
         workload = (
             f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/deployment/{name}/run/{run_id}"
         )
@@ -190,7 +200,7 @@ class Supervisor:
             for used, s in env_bound.secrets.items()
         }
         limits = _limits(manifest.limits)
-        limits_doc = {
+        limits_doc: dict[str, Any] = {
             "memory_bytes": limits.memory_bytes, "pids": limits.pids, "cpu": str(limits.cpu),
             "wall_seconds": str(limits.wall_seconds), "output_bytes": limits.output_bytes,
         }  # fmt: skip
@@ -219,29 +229,46 @@ class Supervisor:
             allowed_ranges=rt.egress.get(tenant),
             rate_limit=rate_limit,
         )
+        return scope, limits, limits_doc
+
+    def _record_start(
+        self, actor: Actor, scope: RunScope, dep: Deployment, artifact: Any,
+        limits_doc: dict[str, Any], attempt: int,
+    ) -> None:  # fmt: skip
+        """``run.start``, durable with the run's row, before anything runs."""
+        tenant, run_id, approvals = scope.tenant, scope.run_id, scope.approvals
         started_at = utc_now()
 
         def insert(conn: Conn) -> None:
             Runs.insert(conn, (
-                run_id, tenant, name, dep.version, dep.digest, dep.environment, workload,
-                json.dumps(list(approvals)), self.driver.name, None, "running", None, None,
-                attempt, json.dumps(limits_doc), None, started_at, None,
+                run_id, tenant, dep.name, dep.version, dep.digest, dep.environment,
+                scope.workload, json.dumps(list(approvals)), self.driver.name, None, "running",
+                None, None, attempt, json.dumps(limits_doc), None, started_at, None,
             ), self.supervisor_id)  # fmt: skip
 
-        rt.ledger.append(
+        self.rt.ledger.append(
             tenant,
             EventDraft(
-                actor, "run.start", f"run/{run_id}", reason="started", deployment=name,
+                actor, "run.start", f"run/{run_id}", reason="started", deployment=dep.name,
                 run=run_id, artifact=dep.digest, approvals=approvals,
                 details={
-                    "workload": workload, "environment": dep.environment,
+                    "workload": scope.workload, "environment": dep.environment,
                     "version": dep.version, "backend": self.driver.name,
-                    "policy_version": policies.version, "limits": limits_doc,
+                    "policy_version": scope.policies.version, "limits": limits_doc,
                     "attempt": attempt, "purpose": artifact.purpose,
                 },
             ),
             hook=insert,
         )  # fmt: skip
+
+    def _run_sandbox(
+        self, scope: RunScope, dep: Deployment, artifact: Any, limits: Limits,
+        env: dict[str, str] | None, on_stdout: Callable[[bytes], object] | None,
+        on_stderr: Callable[[bytes], object] | None, cancel: threading.Event | None,
+    ) -> tuple[SandboxResult | None, str | None, str]:  # fmt: skip
+        """The sandbox, from the code's copy to its removal: (result, failure, the
+        output's digest). Whatever happens, nothing of the run is left but its logs."""
+        rt, tenant, run_id = self.rt, scope.tenant, scope.run_id
         run_dir = rt.home / "runs" / run_id
         run_dir.mkdir(parents=True, mode=0o700)
         code = run_dir / "code"
@@ -275,12 +302,12 @@ class Supervisor:
             try:
                 watcher.start()
                 rt.artifacts.materialize(tenant, dep.digest, code)
-                if secrets:
+                if scope.secrets:
                     # Constrained to this run's secrets' hosts: the CA vouches for no other name.
-                    hosts = sorted({h for s in secrets.values() for h in s.hosts})
+                    hosts = sorted({h for s in scope.secrets.values() for h in s.hosts})
                     ca_dir = self._ca_dir(tenant, run_id, rt.egress_ca_pem(tenant, hosts))
                 result = run_brokered(
-                    self.broker, scope, self.driver, tuple(manifest.entrypoint),
+                    self.broker, scope, self.driver, tuple(artifact.manifest.entrypoint),
                     code_dir=code, limits=limits, ca_dir=ca_dir, env=env,
                     on_stdout=to_out, on_stderr=to_err, cancel=stop,
                 )  # fmt: skip
@@ -293,10 +320,9 @@ class Supervisor:
                 shutil.rmtree(code, ignore_errors=True)
                 if ca_dir is not None:
                     shutil.rmtree(ca_dir, ignore_errors=True)
-                for binding in datasets.values():
+                for binding in scope.datasets.values():
                     dataset_connector(binding.kind).release(scope, binding)
-        return self._finish(tenant, run_id, actor, dep, result, failure, out_hash.hexdigest(),
-                            cancel)  # fmt: skip
+        return result, failure, out_hash.hexdigest()
 
     def _watch(
         self,
