@@ -190,6 +190,13 @@ def load_config(home: Path) -> Config:
         raise NotInitialized(f"the configuration {path} is unreadable: {exc}") from exc
 
 
+def _locate_dataset(where: Path | str) -> tuple[str, str]:
+    # The broker (and psycopg behind it) loads only when a dataset is registered.
+    from proctor.broker import locate_dataset
+
+    return locate_dataset(where)
+
+
 class Runtime:
     """Everything a command needs, opened from one home; close it when done."""
 
@@ -202,7 +209,9 @@ class Runtime:
         self.keys = KeyRing.load_or_create(home / "keys" / "runtime.key")
         self.tenants = Tenants(store, self.ledger)
         self.policies = Policies(store, self.ledger)
-        self.resources = Resources(store, self.ledger, self.keys, home / "buckets")
+        self.resources = Resources(
+            store, self.ledger, self.keys, home / "buckets", locate=_locate_dataset
+        )
         self.principals = Principals(store, self.ledger)
         self.control = ControlPlane(self.ledger)
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from proctor.broker import locate_dataset
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.governance import KeyRing, Lifecycle, Manifest, Resources, SyntheticOnly, Tenants
 from proctor.governance._approvals import ApprovalRequired, Approvals
@@ -70,7 +71,8 @@ def gov(ledger_env: LedgerEnv, tmp_path: Path) -> Gov:
     control = ControlPlane(ledger_env.ledger)
     approvals = Approvals(ledger_env.store, ledger_env.ledger, control, lookup)
     keys = KeyRing(b"k" * 32)
-    resources = Resources(ledger_env.store, ledger_env.ledger, keys, tmp_path / "buckets")
+    resources = Resources(ledger_env.store, ledger_env.ledger, keys, tmp_path / "buckets",
+                          locate=locate_dataset)  # fmt: skip
     return Gov(
         ledger_env,
         Principals(ledger_env.store, ledger_env.ledger),

@@ -38,12 +38,7 @@ ORDER = [
 ONLY = {"guest": set[str](), "client": {"errors"}}
 
 #: Edges that break the rules today, each with why it is allowed (aim: none).
-ALLOWED: dict[tuple[str, str], str] = {
-    ("proctor.governance._resources", "proctor.broker"): (
-        "registering a dataset asks the broker's connectors which kind its location is"
-        " (issue 14, item 2); to move below governance with the connector registry"
-    ),
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _module(path: Path) -> str:

@@ -10,6 +10,7 @@ gets is decided in one place, governance/_environments.py.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,20 +56,23 @@ class Secret:
 SANDBOX_BUCKETS = ".sandbox"
 
 
-def _dataset_location(where: Path | str) -> tuple[str, str]:
-    """(kind, location) of a dataset, checked to be reachable before it is registered."""
-    # Which kind a location is, and how to reach it, is each connector's to say.
-    from proctor.broker import locate_dataset
-
-    return locate_dataset(where)
+#: (kind, location) of a dataset, checked to be reachable before it is registered.
+#: Which kind a location is, and how to reach it, is each dataset connector's to
+#: say; the broker sits above governance, so the runtime hands its registry in
+#: (``proctor.broker.locate_dataset``).
+LocateDataset = Callable[[Path | str], tuple[str, str]]
 
 
 class Resources:
-    def __init__(self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path) -> None:
+    def __init__(
+        self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path,
+        locate: LocateDataset,
+    ) -> None:  # fmt: skip
         self._store = store
         self._ledger = ledger
         self._keys = keys
         self._buckets_root = buckets_root
+        self._locate = locate
 
     def _record(
         self,
@@ -107,7 +111,7 @@ class Resources:
             real = {d.name: d for d in self.datasets(tenant)}.get(twin_of)
             if real is None or real.synthetic:
                 raise UsageError(f"--twin-of: {twin_of!r} is not a real dataset of {tenant!r}")
-        kind, location = _dataset_location(path)
+        kind, location = self._locate(path)
 
         def insert(conn: Conn) -> None:
             if conn.query_one(
