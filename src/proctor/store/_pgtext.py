@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote
 
 from proctor.errors import StoreError
 
@@ -53,13 +53,54 @@ def to_pg_sql(sql: str) -> str:
     return "".join(out)
 
 
+_URI = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<rest>.*)$", re.S)
+# A keyword/value DSN (``host=h password='a b'``): any keyword ending in
+# "password" (``sslpassword`` too), quoted (with backslash escapes) or not.
+_KV_PASSWORD = re.compile(
+    r"(?P<key>\b[A-Za-z_]*password\s*=\s*)(?P<value>'(?:[^'\\]|\\.)*'?|[^\s]*)",
+    re.I | re.S,
+)
+_URI_PASSWORD = re.compile(r"(?P<key>password=)(?!\*\*\*(?:[&#\s]|$))[^&#\s]*", re.I)
+_MASK = "***"
+
+
+def _is_password_key(key: str) -> bool:
+    return unquote(key).strip().lower().endswith("password")
+
+
+def _redact_query(query: str) -> str:
+    params = []
+    for param in query.split("&"):
+        key, eq, _value = param.partition("=")
+        params.append(f"{key}={_MASK}" if eq and _is_password_key(key) else param)
+    return "&".join(params)
+
+
 def redact(dsn: str) -> str:
-    """The DSN without its password, for messages and ``Store.url``."""
-    parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{parts.username}:***@{host}" if parts.username else f"***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """The DSN without its password, wherever a DSN can carry one, for messages
+    and ``Store.url``: the URI's userinfo (``user:pw@``), its ``password=``
+    query parameters (any case, percent-encoded keys, several of them), and a
+    keyword/value DSN's ``password=`` (quoted or not). Conservative where libpq
+    and a URL parser would read a malformed URI differently: more is masked."""
+    m = _URI.match(dsn)
+    if m is None:
+        return _KV_PASSWORD.sub(lambda k: k.group("key") + _MASK, dsn)
+    scheme, rest = m.group("scheme"), m.group("rest")
+    # libpq ends the authority at the first "/"; userinfo runs to an "@" before it
+    # (the last one: a password holding an unencoded "@" is masked whole).
+    slash = rest.find("/")
+    authority, tail = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+    if "?" in authority and "@" not in authority.rpartition("?")[2]:
+        # No path: the query starts in what looked like the authority.
+        authority, query_start = authority.split("?", 1)
+        tail = "?" + query_start + tail
+    user, at, host = authority.rpartition("@")
+    if at:
+        name, colon, _password = user.partition(":")
+        authority = f"{name}:{_MASK}@{host}" if colon else f"{user}@{host}"
+    path, q, query = tail.partition("?")
+    if q:
+        query, hash_, fragment = query.partition("#")
+        tail = f"{path}?{_redact_query(query)}{hash_}{fragment}"
+    # Whatever the split above made of a malformed URI, no "password=" survives.
+    return _URI_PASSWORD.sub(lambda k: k.group("key") + _MASK, scheme + authority + tail)
