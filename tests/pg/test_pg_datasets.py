@@ -22,8 +22,10 @@ from proctor.broker import (
 from proctor.broker._pg_sql import (
     close_pg_pools,
     connect_as_role,
+    create_run_login,
     grant_deployment_role,
     revoke_deployment_role,
+    run_login_role,
 )
 from proctor.policy import compile_policies
 from proctor.testing import PostgresServer
@@ -65,6 +67,10 @@ class PgEnv:
     dsn: str
     scope: RunScope
     role: str
+    # A login of the deployment's role outside any broker run: what a guest's
+    # statements run as, for checks of what the database itself refuses.
+    login: str
+    password: str
 
 
 @pytest.fixture
@@ -73,9 +79,11 @@ def pg(pg_server: PostgresServer, ledger_env: LedgerEnv, tmp_path: Any) -> Itera
     dsn = make_pg_dataset(pg_server, name)
     tables = default_caps()["datasets"]["crm"]["tables"]
     role = grant_deployment_role(dsn, TENANT, DEPLOYMENT, "crm", tables)
+    login = run_login_role(TENANT, "direct", "crm")
+    password = create_run_login(dsn, role, login)
     scope = make_scope(ledger_env, tmp_path / "unused.db")
     scope = replace(scope, datasets={"crm": DatasetBinding("crm", "postgresql", dsn)})
-    yield PgEnv(ledger_env, dsn, scope, role)
+    yield PgEnv(ledger_env, dsn, scope, role, login, password)
     close_pg_pools(scope)
     revoke_deployment_role(dsn, TENANT, DEPLOYMENT, "crm")
     pg_server.drop_database(name)
@@ -151,7 +159,7 @@ def test_the_database_refuses_a_column_outside_the_grant_even_if_policy_permits(
     finally:
         close_pg_pools(scope)
     # And with no broker at all: logged in as the role, the database says no.
-    with connect_as_role(pg.dsn, pg.role) as conn:
+    with connect_as_role(pg.dsn, pg.login, pg.password) as conn:
         assert conn.execute("SELECT name FROM customers WHERE id = 1").fetchone() == (
             "Ada Lovelace",
         )
@@ -208,7 +216,7 @@ def test_undeploy_drops_the_role(pg: PgEnv) -> None:
             conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (pg.role,)).fetchone() is None
         )
     with pytest.raises(psycopg.OperationalError):
-        connect_as_role(pg.dsn, pg.role)
+        connect_as_role(pg.dsn, pg.login, pg.password)
     assert revoke_deployment_role(pg.dsn, TENANT, DEPLOYMENT, "crm") is False
 
 
@@ -216,7 +224,7 @@ def test_regrant_matches_the_new_approval_exactly(pg: PgEnv) -> None:
     grant_deployment_role(
         pg.dsn, TENANT, DEPLOYMENT, "crm", {"customers": {"columns": ["id", "plan"]}}
     )
-    with connect_as_role(pg.dsn, pg.role) as conn:
+    with connect_as_role(pg.dsn, pg.login, pg.password) as conn:
         assert conn.execute("SELECT id, plan FROM customers WHERE id = 42").fetchone() == (
             42,
             "enterprise",
@@ -224,7 +232,7 @@ def test_regrant_matches_the_new_approval_exactly(pg: PgEnv) -> None:
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("SELECT name FROM customers")
     with (
-        connect_as_role(pg.dsn, pg.role) as conn,
+        connect_as_role(pg.dsn, pg.login, pg.password) as conn,
         pytest.raises(psycopg.errors.InsufficientPrivilege),
     ):
         conn.execute("SELECT kind FROM events")

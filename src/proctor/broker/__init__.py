@@ -7,7 +7,12 @@ refused if the ledger cannot record it; so is every answer the socket gives
 itself (whoami, malformed requests, unknown endpoints, refused tokens).
 """
 
-from proctor.broker._connectors import dataset_connector, handle_sql, locate_dataset
+from proctor.broker._connectors import (
+    dataset_connector,
+    handle_sql,
+    locate_dataset,
+    revoke_run_grants,
+)
 from proctor.broker._datasets import DatasetConnector, StatementTimeout
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
 from proctor.broker._factory import broker_socket_root, make_broker, reap_broker_sockets
@@ -69,6 +74,7 @@ __all__ = [
     "make_broker",
     "read_object",
     "reap_broker_sockets",
+    "revoke_run_grants",
     "system_resolver",
     "write_object",
 ]

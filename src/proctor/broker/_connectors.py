@@ -7,7 +7,7 @@ a tenant with only SQLite datasets never needs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,19 @@ def locate_dataset(where: Path | str) -> tuple[str, str]:
         if connector.recognises(text):
             return connector.kind, connector.locate(text)
     raise AssertionError("the SQLite connector takes any path")  # pragma: no cover
+
+
+def revoke_run_grants(datasets: Iterable[tuple[str, str, str]], tenant: str, run_id: str) -> None:
+    """Take back what a run was granted outside Proctor, for a run whose owner is
+    gone (the runtime's sweep of dead owners' runs): ``datasets`` are the
+    tenant's (kind, location, name). PostgreSQL: the run's login roles; the
+    other kinds grant nothing per run. Raises :class:`~proctor.errors.ProctorError`
+    if a database cannot be reached (the sweep tries again at the next opening)."""
+    for kind, location, name in datasets:
+        if kind == "postgresql":
+            from proctor.broker._pg_sql import drop_run_logins
+
+            drop_run_logins(location, tenant, run_id, name)
 
 
 async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,25 +1,40 @@
 """SQL on a tenant's PostgreSQL datasets, with column control done by the database.
 
 The runtime holds the dataset's DSN (an account allowed to create roles and
-grant on the dataset's tables). For each deployment and dataset,
-:func:`grant_deployment_role` creates a role whose privileges are exactly the
-approved capabilities: ``USAGE`` on the tables' schemas and column-level
-``SELECT (c1, c2, ...)`` on each approved table, nothing else (a role starts
-with only what ``PUBLIC`` has). :func:`revoke_deployment_role` drops it on
-undeploy. A guest statement then goes:
+grant on the dataset's tables). Two kinds of role, both created here:
 
-1. onto a connection that logs in *as the deployment role*, in a
+* per deployment and dataset, a *group* role (``proctor_dep_...``, ``NOLOGIN``)
+  whose privileges are exactly the approved capabilities: ``USAGE`` on the
+  tables' schemas and column-level ``SELECT (c1, c2, ...)`` on each approved
+  table, nothing else. :func:`grant_deployment_role` resets it to the approved
+  manifest at every run start; :func:`revoke_deployment_role` drops it (and the
+  logins of its live runs) on undeploy;
+* per run and dataset, a *login* role (``proctor_run_...``), member of the
+  group, created at the run's first statement with a random password that
+  only this process's memory holds (sent to the server as a SCRAM verifier, so
+  not even the server's statement log has it) and dropped when the run ends,
+  whichever way it ends (:meth:`PostgresConnector.release`; the runtime's sweep
+  of dead owners' runs calls :func:`drop_run_login` too). A role per run, not
+  per deployment: two runs of one deployment overlap, and a login shared by
+  them could not be taken back when the first one ends. A password the guest
+  set on its own role (PostgreSQL lets any role do that) dies with the role.
+
+A guest statement then goes:
+
+0. parsed with PostgreSQL's own parser (``pglast``): exactly one statement, a
+   ``SELECT``, that calls only functions of an allowlist (ones that compute on
+   their arguments: no SQL run by a function, no cluster state, no catalog
+   lookup by a ``reg*`` cast) and names no catalog. Refusals are recorded;
+1. onto a connection that logs in *as the run's login role*, in a
    ``READ ONLY`` transaction with ``SET LOCAL statement_timeout`` and
-   ``SET LOCAL ROLE``. Logging in as the role (not only ``SET ROLE`` from the
-   runtime's account) matters: PostgreSQL checks ``SET ROLE`` and
-   ``set_config('role', ...)`` against the *session* user, so a guest's
-   ``SELECT set_config('role', 'postgres', true)`` would otherwise take back
-   the runtime account's rights. The role's password is derived from the
-   runtime's DSN (HMAC-SHA256), so only the runtime can log in as it;
+   ``SET LOCAL ROLE`` (the group). Logging in as the role (not only ``SET
+   ROLE`` from the runtime's account) matters: PostgreSQL checks ``SET ROLE``
+   and ``set_config('role', ...)`` against the *session* user;
 2. ``EXPLAIN (VERBOSE, FORMAT JSON)`` of the statement, as the role: the plan
    names every base table and the columns each scan outputs or filters on.
    The database refuses here already if the statement touches a column
-   outside the grant (that refusal is recorded too);
+   outside the grant (that refusal is recorded too). A plan that scans a
+   catalog or a function outside the allowlist is refused;
 3. Cedar decides per table (``sql.select``, the set of columns), exactly as
    for SQLite datasets; one deny denies the statement, recorded first;
 4. the statement runs (``row_limit + 1`` fetched) and the transaction is
@@ -28,11 +43,17 @@ undeploy. A guest statement then goes:
    rows' primary keys: the same ``keys_hmac`` lineage as SQLite) is recorded
    before anything is answered.
 
+Every guest text (the EXPLAIN, the keyed variant, the fetch) goes over the
+extended query protocol (a prepared statement), where the *server* refuses
+more than one statement ("cannot insert multiple commands into a prepared
+statement"): a ``; COMMIT; ...`` never leaves the read-only transaction,
+whatever step 0 made of the text.
+
 Only reads are supported on PostgreSQL datasets: a write is refused.
 
 Steps 3 and 5 are the path every dataset kind shares (``_datasets.py``); the
-connector (:class:`PostgresConnector`) grants at run start, releases the run's
-connections at run end and revokes at undeploy.
+connector (:class:`PostgresConnector`) grants at run start, drops the run's
+login at run end and revokes at undeploy.
 """
 
 from __future__ import annotations
@@ -42,14 +63,19 @@ import base64
 import datetime as dt
 import decimal
 import hashlib
-import hmac
 import json
+import logging
 import re
+import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import pglast
 import psycopg
+from pglast import ast as pgast
+from pglast import visitors as pgvisitors
 from psycopg import sql as pgsql
 
 from proctor.broker._datasets import (
@@ -69,9 +95,12 @@ from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
 from proctor.store import redact, to_pg_sql
 
-#: Connections a deployment role may hold at once.
+log = logging.getLogger("proctor")
+
+#: Connections a run's login role may hold at once.
 ROLE_CONNECTION_LIMIT = 16
 _ROLE_PREFIX = "proctor_dep_"
+_LOGIN_PREFIX = "proctor_run_"
 _READ_WORDS = frozenset({"SELECT", "WITH", "TABLE", "VALUES"})
 # Plan nodes after which a result row no longer stands for one table row.
 _COARSE_NODES = frozenset(
@@ -92,9 +121,11 @@ def deployment_role(tenant: str, deployment: str, dataset: str) -> str:
     return _ROLE_PREFIX + digest[:32]
 
 
-def _role_password(dsn: str, role: str) -> str:
-    # Only the holder of the runtime's DSN (with its password) can derive it.
-    return hmac.new(dsn.encode(), f"proctor-pg-role/v1/{role}".encode(), hashlib.sha256).hexdigest()
+def run_login_role(tenant: str, run_id: str, dataset: str) -> str:
+    """The login role of one run on one dataset (stable, <= 63 bytes): the sweep of
+    a dead owner's runs finds it again from the run's id alone."""
+    digest = hashlib.sha256(f"{tenant}\x00{run_id}\x00{dataset}".encode()).hexdigest()
+    return _LOGIN_PREFIX + digest[:32]
 
 
 def _split_table(table: str) -> tuple[str, str]:
@@ -110,23 +141,25 @@ def grant_deployment_role(
     ``tables`` is the approved manifest's ``datasets.<dataset>.tables``:
     ``{table: {"columns": [...], ...}}`` (a table may be ``schema.table``).
     Afterwards the role holds exactly ``SELECT`` on those columns: grants from
-    an earlier version of the deployment are revoked first.
+    an earlier version of the deployment are revoked first. The role never logs
+    in: each run logs in as a role of its own, a member of this one.
     """
     role = deployment_role(tenant, deployment, dataset)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
             exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
             ident = pgsql.Identifier(role)
-            password = pgsql.Literal(_role_password(dsn, role))
             if exists is None:
                 conn.execute(
                     pgsql.SQL(
-                        "CREATE ROLE {} LOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
-                        " NOREPLICATION CONNECTION LIMIT {} PASSWORD {}"
-                    ).format(ident, pgsql.Literal(ROLE_CONNECTION_LIMIT), password)
+                        "CREATE ROLE {} NOLOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
+                        " NOREPLICATION"
+                    ).format(ident)
                 )
             else:
-                conn.execute(pgsql.SQL("ALTER ROLE {} PASSWORD {}").format(ident, password))
+                # A role of an earlier version logged in with a password derived from
+                # the DSN: it logs in no more.
+                conn.execute(pgsql.SQL("ALTER ROLE {} NOLOGIN PASSWORD NULL").format(ident))
                 _revoke_all(conn, role)
             schemas = sorted({_split_table(t)[0] for t in tables})
             for schema in schemas:
@@ -162,24 +195,37 @@ def _revoke_all(conn: psycopg.Connection[Any], role: str) -> None:
     conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(role)))
 
 
+def _drop_logins(conn: psycopg.Connection[Any], roles: list[str]) -> None:
+    # NOLOGIN first (no new session), then end the sessions, then drop.
+    for role in roles:
+        conn.execute(pgsql.SQL("ALTER ROLE {} NOLOGIN").format(pgsql.Identifier(role)))
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = ANY(%s)",
+        (roles,),
+    )
+    for role in roles:
+        with conn.transaction():
+            _revoke_all(conn, role)
+            conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
+
+
 def revoke_deployment_role(dsn: str, tenant: str, deployment: str, dataset: str) -> bool:
-    """Drop the deployment's role on the dataset, ending its sessions. Returns
-    whether there was one. Roles are cluster-wide: a cluster holding several
-    datasets needs this once per dataset (each has its own role)."""
+    """Drop the deployment's role on the dataset, and the login roles of its runs,
+    ending their sessions. Returns whether there was one. Roles are
+    cluster-wide: a cluster holding several datasets needs this once per
+    dataset (each has its own role)."""
     role = deployment_role(tenant, deployment, dataset)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            with conn.transaction():
-                exists = conn.execute(
-                    "SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)
-                ).fetchone()
-                if exists is None:
-                    return False
-                conn.execute(pgsql.SQL("ALTER ROLE {} NOLOGIN").format(pgsql.Identifier(role)))
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+            rows = conn.execute(
+                "SELECT m.rolname FROM pg_roles g JOIN pg_auth_members a ON a.roleid = g.oid"
+                " JOIN pg_roles m ON m.oid = a.member WHERE g.rolname = %s",
                 (role,),
-            )
+            ).fetchall()
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            if exists is None:
+                return False
+            _drop_logins(conn, [str(r[0]) for r in rows if str(r[0]).startswith(_LOGIN_PREFIX)])
             with conn.transaction():
                 _revoke_all(conn, role)
                 conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
@@ -191,31 +237,99 @@ def revoke_deployment_role(dsn: str, tenant: str, deployment: str, dataset: str)
     return True
 
 
-def connect_as_role(dsn: str, role: str) -> psycopg.Connection[Any]:
-    """A connection logged in as a deployment role (what every guest query uses)."""
+def create_run_login(dsn: str, group: str, role: str) -> str:
+    """Create the login role ``role``, a member of ``group``, with a fresh random
+    password; return the password (the caller's memory is the only place it is
+    kept). The server receives a SCRAM verifier, never the password itself."""
+    password = secrets.token_urlsafe(32)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+            verifier = conn.pgconn.encrypt_password(
+                password.encode(), role.encode(), b"scram-sha-256"
+            ).decode()
+            ident = pgsql.Identifier(role)
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            if exists is None:
+                conn.execute(
+                    pgsql.SQL(
+                        "CREATE ROLE {} LOGIN INHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
+                        " NOREPLICATION CONNECTION LIMIT {} PASSWORD {} IN ROLE {}"
+                    ).format(
+                        ident,
+                        pgsql.Literal(ROLE_CONNECTION_LIMIT),
+                        pgsql.Literal(verifier),
+                        pgsql.Identifier(group),
+                    )
+                )
+            else:
+                conn.execute(
+                    pgsql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
+                        ident, pgsql.Literal(verifier)
+                    )
+                )
+                conn.execute(pgsql.SQL("GRANT {} TO {}").format(pgsql.Identifier(group), ident))
+    except psycopg.Error as exc:
+        raise DatasetRoleError(
+            f"cannot open a login for the run on the dataset ({redact(dsn)}): {_first_line(exc)}",
+            hint="the deployment's role is gone if it was undeployed",
+        ) from exc
+    return password
+
+
+def drop_run_login(dsn: str, role: str) -> bool:
+    """Drop a run's login role, ending its sessions; whether there was one."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
+            if exists is None:
+                return False
+            _drop_logins(conn, [role])
+    except psycopg.Error as exc:
+        raise DatasetRoleError(
+            f"cannot drop a run's login role on the dataset ({redact(dsn)}): {_first_line(exc)}"
+        ) from exc
+    return True
+
+
+def drop_run_logins(dsn: str, tenant: str, run_id: str, dataset: str) -> bool:
+    """:func:`drop_run_login` for a run known by its id (a dead owner's run)."""
+    return drop_run_login(dsn, run_login_role(tenant, run_id, dataset))
+
+
+def connect_as_role(dsn: str, role: str, password: str) -> psycopg.Connection[Any]:
+    """A connection logged in as a run's login role (what every guest query uses)."""
     return psycopg.connect(
-        dsn, user=role, password=_role_password(dsn, role), autocommit=True,
-        application_name="proctor-broker",
-    )  # fmt: skip
+        dsn, user=role, password=password, autocommit=True, application_name="proctor-broker"
+    )
 
 
 # -- connections ----------------------------------------------------------------
 
 
 class _RolePool:
-    """Connections as one deployment role, for one run; reused across its calls."""
+    """Connections of one run as its login role; reused across its calls. The
+    login is created at the first statement and dropped by :meth:`close`."""
 
-    def __init__(self, dsn: str, role: str) -> None:
-        self.dsn, self.role = dsn, role
+    def __init__(self, dsn: str, role: str, login: str) -> None:
+        self.dsn, self.role, self.login = dsn, role, login
         self._idle = IdleConnections[psycopg.Connection[Any]]()
         self._keys: dict[str, list[str] | None] = {}
         self._columns: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+        self._password: str | None = None
+        self._closed = False
 
     def take(self) -> psycopg.Connection[Any]:
         while (conn := self._idle.pop()) is not None:
             if not conn.closed and not conn.broken:
                 return conn
-        return connect_as_role(self.dsn, self.role)
+        with self._lock:
+            if self._closed:
+                raise DatasetRoleError("the run has ended: its login on the dataset is dropped")
+            if self._password is None:
+                self._password = create_run_login(self.dsn, self.role, self.login)
+            password = self._password
+        return connect_as_role(self.dsn, self.login, password)
 
     def give(self, conn: psycopg.Connection[Any]) -> None:
         reusable = not (conn.closed or conn.broken) and conn.info.transaction_status == 0  # IDLE
@@ -223,8 +337,14 @@ class _RolePool:
             conn.close()
 
     def close(self) -> None:
+        """End the run on the dataset: its connections closed, its login dropped."""
+        with self._lock:
+            self._closed = True
+            created, self._password = self._password is not None, None
         for conn in self._idle.drain():
             conn.close()
+        if created:
+            drop_run_login(self.dsn, self.login)
 
     def columns(self, conn: psycopg.Connection[Any], table: str) -> set[str]:
         if table not in self._columns:
@@ -253,15 +373,25 @@ def _pool(scope: RunScope, binding: DatasetBinding) -> _RolePool:
     pool = pools.get(binding.name)
     if pool is None:
         role = deployment_role(scope.tenant, scope.deployment, binding.name)
-        pool = pools.setdefault(binding.name, _RolePool(binding.location, role))
+        login = run_login_role(scope.tenant, scope.run_id, binding.name)
+        pool = pools.setdefault(binding.name, _RolePool(binding.location, role, login))
     return pool
 
 
 def close_pg_pools(scope: RunScope) -> None:
-    """Close a run's dataset connections (the supervisor calls it when the run ends)."""
+    """End a run on its PostgreSQL datasets: connections closed, logins dropped."""
     pools: dict[str, _RolePool] = scope.__dict__.pop("_pg_role_pools", {})
     for pool in pools.values():
+        _close_logged(pool)
+
+
+def _close_logged(pool: _RolePool) -> None:
+    # At run end: the run is over whatever happens here; a login left behind is
+    # swept with the run's id at the next opening of the home.
+    try:
         pool.close()
+    except DatasetRoleError as exc:
+        log.warning("proctor: %s", exc.message)
 
 
 # -- one statement ----------------------------------------------------------------
@@ -340,6 +470,159 @@ def accesses_from_plan(
     return accesses, coarse
 
 
+# -- what a statement may call ---------------------------------------------------
+
+#: Functions a guest statement may call: builtins of pg_catalog that compute only
+#: on their arguments (strings, numbers, dates, JSON, arrays, aggregates, window
+#: functions). Anything else is refused: a function may run SQL of its own
+#: (query_to_xml, dblink), read or change the cluster's state (pg_stat_*,
+#: pg_lock_status, advisory locks, set_config, current_setting, large objects,
+#: files) or look a catalog up (to_regclass, has_*_privilege), and none of that
+#: shows in a plan node Cedar is asked about.
+ALLOWED_FUNCTIONS = frozenset(
+    {
+        # aggregates
+        "count", "sum", "avg", "min", "max", "string_agg", "array_agg", "bool_and",
+        "bool_or", "every", "bit_and", "bit_or", "stddev", "stddev_pop", "stddev_samp",
+        "variance", "var_pop", "var_samp", "corr", "covar_pop", "covar_samp",
+        "regr_slope", "regr_intercept", "regr_r2", "regr_count", "regr_avgx", "regr_avgy",
+        "percentile_cont", "percentile_disc", "mode", "json_agg", "jsonb_agg",
+        "json_object_agg", "jsonb_object_agg",
+        # window functions
+        "row_number", "rank", "dense_rank", "percent_rank", "cume_dist", "ntile", "lag",
+        "lead", "first_value", "last_value", "nth_value",
+        # strings
+        "lower", "upper", "initcap", "length", "char_length", "character_length",
+        "octet_length", "bit_length", "substr", "substring", "left", "right", "trim",
+        "btrim", "ltrim", "rtrim", "lpad", "rpad", "replace", "translate", "concat",
+        "concat_ws", "position", "strpos", "split_part", "reverse", "repeat", "format",
+        "starts_with", "ascii", "chr", "overlay", "md5", "sha224", "sha256", "sha384",
+        "sha512", "encode", "decode", "regexp_replace", "regexp_match", "regexp_matches",
+        "regexp_like", "regexp_count", "regexp_instr", "regexp_substr",
+        "regexp_split_to_array", "regexp_split_to_table", "quote_literal", "quote_ident",
+        "quote_nullable", "to_hex", "normalize", "unistr", "string_to_array",
+        "string_to_table", "array_to_string", "convert_from", "convert_to", "to_ascii",
+        "soundex", "like_escape", "textcat",
+        # numbers
+        "abs", "round", "ceil", "ceiling", "floor", "trunc", "sqrt", "cbrt", "power", "pow",
+        "exp", "ln", "log", "log10", "mod", "sign", "div", "gcd", "lcm", "factorial",
+        "degrees", "radians", "pi", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
+        "width_bucket", "scale", "min_scale", "trim_scale", "numeric", "int4", "int8",
+        "float8", "text", "random", "to_char", "to_number",
+        # dates and times
+        "now", "clock_timestamp", "statement_timestamp", "transaction_timestamp",
+        "date_trunc", "date_part", "extract", "date_bin", "age", "make_date", "make_time",
+        "make_timestamp", "make_timestamptz", "make_interval", "to_date", "to_timestamp",
+        "justify_days", "justify_hours", "justify_interval", "isfinite", "timezone",
+        "date_add", "date_subtract",
+        # JSON
+        "to_json", "to_jsonb", "row_to_json", "array_to_json", "json_build_object",
+        "jsonb_build_object", "json_build_array", "jsonb_build_array", "json_object",
+        "jsonb_object", "json_array_length", "jsonb_array_length", "json_extract_path",
+        "jsonb_extract_path", "json_extract_path_text", "jsonb_extract_path_text",
+        "json_array_elements", "jsonb_array_elements", "json_array_elements_text",
+        "jsonb_array_elements_text", "json_each", "jsonb_each", "json_each_text",
+        "jsonb_each_text", "json_object_keys", "jsonb_object_keys", "json_typeof",
+        "jsonb_typeof", "jsonb_set", "jsonb_insert", "jsonb_strip_nulls",
+        "json_strip_nulls", "jsonb_pretty", "jsonb_path_query", "jsonb_path_query_array",
+        "jsonb_path_query_first", "jsonb_path_exists", "jsonb_path_match",
+        # arrays and sets
+        "array_length", "array_lower", "array_upper", "array_ndims", "array_dims",
+        "cardinality", "unnest", "array_position", "array_positions", "array_append",
+        "array_prepend", "array_cat", "array_remove", "array_replace", "array_fill",
+        "generate_series", "generate_subscripts", "trim_array",
+        # other pure functions
+        "gen_random_uuid", "num_nulls", "num_nonnulls",
+    }
+)  # fmt: skip
+#: Schemas whose relations carry the cluster's state, other sessions' data or the
+#: catalog (roles, databases, settings, locks, statistics).
+CATALOG_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
+_WRITE_NODES = (pgast.InsertStmt, pgast.UpdateStmt, pgast.DeleteStmt, pgast.MergeStmt)
+
+
+def _qualified(names: Any) -> tuple[str, str]:
+    parts = [str(n.sval) for n in names or () if isinstance(n, pgast.String)]
+    return (parts[-2] if len(parts) > 1 else ""), (parts[-1] if parts else "")
+
+
+class _Checker(pgvisitors.Visitor):
+    """Every node of the parsed statement that could read what no plan shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusal: str | None = None
+
+    def _refuse(self, why: str) -> None:
+        if self.refusal is None:
+            self.refusal = why
+
+    def visit(self, ancestors: Any, node: Any) -> None:
+        if isinstance(node, _WRITE_NODES):
+            self._refuse("only reads (SELECT) are allowed on PostgreSQL datasets")
+        elif isinstance(node, pgast.SelectStmt):
+            if node.intoClause is not None or node.lockingClause:
+                self._refuse("only reads (SELECT) are allowed on PostgreSQL datasets")
+        elif isinstance(node, pgast.FuncCall):
+            schema, name = _qualified(node.funcname)
+            if schema not in ("", "pg_catalog") or name not in ALLOWED_FUNCTIONS:
+                shown = f"{schema}.{name}" if schema else name
+                self._refuse(
+                    f"the function {shown}() is not allowed on PostgreSQL datasets: only"
+                    " functions that compute on their arguments are (none that runs SQL,"
+                    " reads the cluster's state or looks a catalog up)"
+                )
+        elif isinstance(node, pgast.TypeName):
+            _, name = _qualified(node.names)
+            if name.startswith("reg"):
+                self._refuse(f"a cast to {name} is a catalog lookup, not allowed on datasets")
+        elif isinstance(node, pgast.RangeVar):
+            schema = str(node.schemaname or "")
+            if schema in CATALOG_SCHEMAS or (not schema and str(node.relname).startswith("pg_")):
+                self._refuse(
+                    f"{node.relname} is a catalog or cluster view: not readable through a dataset"
+                )
+
+
+def check_statement(pg_sql: str) -> None:
+    """Refuse, before anything reaches the database, what is not one plain read
+    calling only allowed functions (``pg_sql``: psycopg text, ``%s`` marks).
+    Raises :class:`CallDenied` (refused) or :class:`BadCall` (does not parse)."""
+    marks = iter(range(1, 1 << 16))
+    text = re.sub(r"%[s%]", lambda m: "%" if m.group() == "%%" else f"${next(marks)}", pg_sql)
+    try:
+        statements = pglast.parse_sql(text)
+    except pglast.parser.ParseError as exc:
+        raise BadCall(f"sql: the statement does not parse: {exc}") from None
+    if len(statements) != 1:
+        raise CallDenied("sql: refused: one statement per call on PostgreSQL datasets")
+    if not isinstance(statements[0].stmt, pgast.SelectStmt):
+        raise CallDenied("sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets")
+    checker = _Checker()
+    checker(statements[0])
+    if checker.refusal is not None:
+        raise CallDenied(f"sql: refused: {checker.refusal}")
+
+
+def _plan_refusal(plan: Mapping[str, Any]) -> str | None:
+    """What the plan reads that is not a dataset's table, if anything: a catalog or
+    cluster view (a view's plan names the relations and functions under it), a
+    function outside the allowlist as a row source."""
+    for node in _plan_nodes(plan):
+        schema = str(node.get("Schema", ""))
+        if node.get("Relation Name") is not None and schema in CATALOG_SCHEMAS:
+            return (
+                f"the statement reads {schema}.{node['Relation Name']}, a catalog or cluster"
+                " view: not readable through a dataset"
+            )
+        function = node.get("Function Name")
+        if function is not None and (
+            schema not in ("", "pg_catalog") or str(function) not in ALLOWED_FUNCTIONS
+        ):
+            return f"the statement calls the function {function}(), not allowed on datasets"
+    return None
+
+
 #: Plan nodes that return rows in an index's order (a bitmap scan does not).
 _ORDERED_INDEX_SCANS = frozenset({"Index Scan", "Index Only Scan"})
 
@@ -356,7 +639,10 @@ class _Statement(Statement):
         self.coarse = True
 
     def analyse(self) -> Accesses:
-        self.conn = conn = self.pool.take()
+        try:
+            self.conn = conn = self.pool.take()
+        except (psycopg.Error, DatasetRoleError):
+            raise Refused("the dataset cannot be reached as this run's role") from None
         ms = max(1, int(self.timeout * 1000))
         try:
             conn.execute("BEGIN READ ONLY")
@@ -368,7 +654,10 @@ class _Statement(Statement):
             conn.execute("SET LOCAL enable_indexscan = off")
             conn.execute("SET LOCAL enable_indexonlyscan = off")
             conn.execute(pgsql.SQL("SET LOCAL ROLE {}").format(pgsql.Identifier(self.pool.role)))
-            row = conn.execute("EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params).fetchone()
+            # prepare=True: the extended query protocol, one statement or none.
+            row = conn.execute(
+                "EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params, prepare=True
+            ).fetchone()
         except psycopg.errors.QueryCanceled:
             raise TimedOut from None
         except psycopg.errors.InsufficientPrivilege as exc:
@@ -382,6 +671,9 @@ class _Statement(Statement):
         assert row is not None
         doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
         self.plan = doc[0]["Plan"]
+        refusal = _plan_refusal(self.plan)
+        if refusal is not None:
+            raise Refused(refusal)
         if any(n.get("Node Type") in _ORDERED_INDEX_SCANS for n in _plan_nodes(self.plan)):
             raise Refused(
                 "the plan reads through an index, whose order could reveal a column this run"
@@ -432,7 +724,8 @@ class _Statement(Statement):
     def _fetch(
         self, conn: psycopg.Connection[Any], sql: str, row_limit: int, key_width: int
     ) -> Outcome:
-        cur = conn.execute(sql, self.params)
+        # The guest's text, as a prepared statement: the server runs one statement.
+        cur = conn.execute(sql, self.params, prepare=True)
         raw = cur.fetchmany(row_limit + 1)
         description = cur.description or []
         out = Outcome(truncated=len(raw) > row_limit)
@@ -529,6 +822,7 @@ class PostgresConnector:
                 raise CallDenied(
                     "sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets"
                 )
+            check_statement(pg_sql)
         except (BadCall, CallDenied) as exc:
             resource = f"dataset/{call.dataset}"
             await scope.record_refusal("sql.select", resource, exc.message, details=base)
@@ -544,7 +838,7 @@ class PostgresConnector:
         pools: dict[str, _RolePool] = scope.__dict__.get("_pg_role_pools", {})
         pool = pools.pop(binding.name, None)
         if pool is not None:
-            pool.close()
+            _close_logged(pool)
 
     def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
         return revoke_deployment_role(location, tenant, deployment, dataset)

@@ -4,7 +4,10 @@ port, ``pg_ctl start``, and ``pg_ctl stop`` plus removal at the end.
 PostgreSQL refuses to run as root, so when the caller is root the cluster
 belongs to the ``postgres`` system user (Debian's package creates it) and every
 server command runs through ``runuser -u postgres --``. Authentication is
-``trust`` on loopback only: the server is for tests and benches, never data.
+``trust`` on loopback for the superuser only (the server is for tests and
+benches, never data); every other role logs in with its password (SCRAM), as
+on a real deployment, so that a test of who logs in with which password means
+something.
 """
 
 from __future__ import annotations
@@ -119,6 +122,11 @@ class PostgresServer:
             with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as f:
                 for key, value in conf.items():
                     f.write(f"{key} = {value}\n")
+            (self.data_dir / "pg_hba.conf").write_text(
+                f"host all {_SUPERUSER} 127.0.0.1/32 trust\n"
+                "host all all 127.0.0.1/32 scram-sha-256\n",
+                encoding="utf-8",
+            )
             for _attempt in range(5):
                 self.port = _free_port()
                 proc = subprocess.run(
