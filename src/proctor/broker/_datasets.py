@@ -12,12 +12,12 @@ answer path, so every outcome on every engine is recorded before it is answered.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, EntitySet, Request, decide
@@ -381,7 +381,7 @@ async def answer(
             return accesses, grants, exc
 
     try:
-        accesses, grants, read = await asyncio.to_thread(analyse_decide_read)
+        accesses, grants, read = await run_blocking(scope, analyse_decide_read)
     except Refused as exc:
         refused = "sql.write" if exc.write else "sql.select"
         await scope.record_refusal(refused, f"dataset/{dataset}", exc.reason, details=details)
@@ -415,7 +415,7 @@ async def answer(
     reason = decision.reason
     try:
         if accesses.is_write:
-            outcome = await asyncio.to_thread(stmt.run_write, accesses)
+            outcome = await run_blocking(scope, stmt.run_write, accesses)
         elif isinstance(read, Exception):
             raise read
         else:
@@ -445,9 +445,9 @@ async def answer(
         try:
             await scope.record(action, resource, decision, reason=reason, details=details)
         except BaseException:
-            await asyncio.to_thread(stmt.rollback)
+            await run_blocking(scope, stmt.rollback)
             raise
-        await asyncio.to_thread(stmt.commit)
+        await run_blocking(scope, stmt.commit)
         return {"rows_affected": outcome.rows_affected}
 
     details["row_count"] = len(outcome.rows)

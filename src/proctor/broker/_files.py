@@ -21,7 +21,6 @@ is removed: readers never see an object whose write is not in the ledger.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import hashlib
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 from proctor.policy import Decision, Entity, EntityRef
 
@@ -280,7 +280,7 @@ async def read_object(
     bucket, key, root, decision, details = await _prepare(scope, action, bucket, key, {})
     resource = f"bucket/{bucket}/{key}"
     try:
-        data = await asyncio.to_thread(_read, root, bucket, key, max_bytes)
+        data = await run_blocking(scope, _read, root, bucket, key, max_bytes)
     except _Missing:
         error: BrokerError = ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}")
         raise await _refuse(scope, action, resource, error, details) from None
@@ -325,7 +325,7 @@ async def write_object(
     digest = hashlib.sha256(data).hexdigest()
     error: BrokerError
     try:
-        staged = await asyncio.to_thread(_stage, root, bucket, key, data)
+        staged = await run_blocking(scope, _stage, root, bucket, key, data)
     except _Missing:
         error = ObjectNotFound(f"files: no bucket {bucket!r}")
         raise await _refuse(scope, action, resource, error, details) from None
@@ -339,7 +339,7 @@ async def write_object(
     try:
         await scope.record(action, resource, decision, reason=decision.reason, details=details)
     except BaseException:
-        await asyncio.to_thread(staged.discard)
+        await run_blocking(scope, staged.discard)
         raise
-    await asyncio.to_thread(staged.commit)
+    await run_blocking(scope, staged.commit)
     return {"sha256": digest, "bytes": len(data)}

@@ -37,7 +37,6 @@ clause is a row value).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 import secrets
@@ -61,6 +60,7 @@ from proctor.broker._datasets import (
     TimedOut,
     answer,
 )
+from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant, quote_name
 from proctor.broker._scope import DatasetBinding, RunScope
 from proctor.errors import UsageError
@@ -848,7 +848,7 @@ class SQLiteConnector:
                 stmt.lock.release()
                 stmt.close()
             else:
-                await asyncio.to_thread(stmt.close)
+                await run_blocking(scope, stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
         # The read pools are the scope's and go with it; no connection outlives a
