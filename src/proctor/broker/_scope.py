@@ -5,6 +5,13 @@ and :meth:`RunScope.record`: Cedar decides with the run's workload as principal,
 and the event is durable in the tenant's ledger before the call is answered. If
 the ledger cannot record, :class:`CallRefused` is raised and the call must fail.
 
+Every allowed call is also held to the run's standing in the same transaction
+as its event (:attr:`RunScope.standing`, a read of the store): a tenant frozen,
+a deployment stopped or an approval revoked by another process is seen by the
+very next call, not at the supervisor's next look. The call is then refused,
+and its refusal is recorded instead (``refused: why``, rule
+:data:`STANDING_RULE`).
+
 Every call is also charged to the run's token bucket (:meth:`RunScope.admit_call`)
 before anything else is done with it: a run over its limit is answered 429
 and its refusals are counted, not recorded one by one, so that neither the
@@ -37,6 +44,7 @@ from proctor.policy import (
     Request,
     decide,
 )
+from proctor.store import Conn
 
 log = logging.getLogger("proctor.broker")
 
@@ -48,6 +56,11 @@ DEFAULT_CALL_BURST = 2000
 RATE_LIMITED_WINDOW = 1.0
 #: The rule named in a ``broker.rate_limited`` event.
 RATE_LIMIT_RULE = "proctor:broker:rate-limit"
+#: The rule named when a call is refused because its run no longer stands.
+STANDING_RULE = "proctor:broker:run-standing"
+#: Events that record what an admitted call did, not a new call: never refused
+#: for the run's standing (the evidence of what already happened must be kept).
+_COMPLETIONS = frozenset({"http.request.end"})
 #: The rule named in a ``broker.whoami`` event: a run may always ask who it is.
 WHOAMI_RULE = "proctor:broker:whoami"
 
@@ -97,6 +110,10 @@ class CallRefused(BrokerError):
 
     code = "not_recorded"
     status = 503
+
+
+class _NotStanding(ProctorError):
+    """Raised inside the append's transaction: the run no longer stands."""
 
 
 class BadCall(BrokerError):
@@ -227,6 +244,9 @@ class RunScope:
     extra_entities: tuple[Entity, ...] = ()
     # None: the broker's default (Broker.rate_limit) applies when the run opens.
     rate_limit: RateLimit | None = None
+    # Why the run may no longer make calls (None: it may), read in the transaction
+    # that appends each allowed call's event; set by the supervisor.
+    standing: Callable[[Conn], str | None] | None = field(default=None, repr=False)
     _entities: EntitySet | None = field(default=None, init=False, repr=False)
     _limiter: CallLimiter | None = field(default=None, init=False, repr=False)
     _flush_timer: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
@@ -297,8 +317,24 @@ class RunScope:
                 **({"policy_version": decision.version} if decision is not None else {}),
             },
         )
+        standing = self.standing
+        hook = None
+        if standing is not None and draft.decision == "allow" and action not in _COMPLETIONS:
+
+            def hook(conn: Conn) -> None:
+                why = standing(conn)
+                if why is not None:
+                    raise _NotStanding(why)
+
         try:
-            appended = await self.ledger.append_async(self.tenant, draft)
+            appended = await self.ledger.append_async(self.tenant, draft, hook)
+        except _NotStanding as exc:
+            await self.record_refusal(
+                action, resource, exc.message, policies=(STANDING_RULE,), details=details
+            )
+            raise CallDenied(
+                f"{action} on {resource} refused: {exc.message}", policies=(STANDING_RULE,)
+            ) from None
         except LedgerError as exc:
             raise CallRefused(
                 f"the call was refused because the ledger cannot record it: {exc.message}"

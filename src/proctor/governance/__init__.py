@@ -63,7 +63,7 @@ from proctor.governance._principals import (
     Principals,
 )
 from proctor.governance._resources import Dataset, Resources, Secret
-from proctor.governance._runs import RunRecord, Runs
+from proctor.governance._runs import RunRecord, Runs, RunStanding
 from proctor.governance._subprocessors import (
     Subprocessor,
     Subprocessors,
@@ -114,6 +114,7 @@ __all__ = [
     "RowProblem",
     "RunLimits",
     "RunRecord",
+    "RunStanding",
     "Runs",
     "Secret",
     "Subprocessor",

@@ -8,10 +8,12 @@ imports the other for it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from proctor.errors import NotFound
+from proctor.ledger import utc_now
 from proctor.store import Conn, Store
 
 
@@ -126,3 +128,66 @@ class Runs:
                 (tenant, end, start),
             )
         return [_row(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class RunStanding:
+    """What a run stands on, held against the store at each of its calls.
+
+    Called with the connection of the transaction that appends the call's event
+    (see the broker's ``RunScope.standing``), so a ``tenant freeze``, a stopped
+    deployment or a revoked approval committed by any process before that event
+    is seen by it: no call is allowed after the event that took its footing away.
+    Returns why the run no longer stands, or None. Two indexed reads (three for a
+    production run); the supervisor's watcher still makes the full quorum check
+    (from the signed record) and stops the run.
+    """
+
+    tenant: str
+    deployment: str
+    digest: str
+    #: The approvals the run started under (production), and how many independent
+    #: voters the quorum then required (0: none, a sandbox run).
+    approvals: tuple[str, ...] = ()
+    required: int = 0
+    #: Set when the run was asked to stop (a signal, ``serve`` ending, the watcher).
+    stopped: Callable[[], bool] | None = None
+
+    def __call__(self, conn: Conn) -> str | None:
+        if self.stopped is not None and self.stopped():
+            return "the run was asked to stop"
+        row = conn.query_one(
+            "SELECT (SELECT status FROM tenants WHERE name = ?),"
+            " (SELECT status FROM deployments WHERE tenant = ? AND name = ?"
+            " ORDER BY version DESC LIMIT 1)",
+            (self.tenant, self.tenant, self.deployment),
+        )
+        tenant_status, deployment_status = (None, None) if row is None else row
+        if tenant_status is None:
+            return "the tenant is gone"
+        if tenant_status == "frozen":
+            return "the tenant is frozen"
+        if deployment_status != "active":
+            return f"the deployment is {deployment_status or 'gone'}"
+        if self.required <= 0:
+            return None
+        now = utc_now()
+        voters: set[str] = set()
+        for ident, principal, decision, expires_at, revoked_at in conn.query(
+            "SELECT id, principal, decision, expires_at, revoked_at FROM approvals"
+            " WHERE tenant = ? AND digest = ?",
+            (self.tenant, self.digest),
+        ):
+            standing = revoked_at is None and (expires_at is None or str(expires_at) > now)
+            if not standing:
+                continue
+            if decision == "reject":
+                return f"the artifact was rejected by {principal}"
+            if ident in self.approvals:
+                voters.add(str(principal))
+        if len(voters) < self.required:
+            return (
+                f"its approvals no longer make the quorum ({len(voters)} standing of the "
+                f"{self.required} required)"
+            )
+        return None

@@ -36,6 +36,7 @@ from proctor.governance import (
     Home,
     RunRecord,
     Runs,
+    RunStanding,
     bindings,
     require_backed,
 )
@@ -70,6 +71,36 @@ class Interrupt(threading.Event):
         self.set()
 
 
+class _RunStop(Interrupt):
+    """One run's stop: set by its own watcher or by the supervisor shutting down,
+    and set as well whenever the caller's ``cancel`` is (a signal, a slot of
+    ``serve``). Only ``is_set`` is read while the sandbox runs."""
+
+    def __init__(self, outer: threading.Event | None) -> None:
+        super().__init__()
+        self.outer = outer
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self.outer is not None and self.outer.is_set())
+
+    def stop(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.set()
+
+    @property
+    def why(self) -> str | None:
+        """Why it ended as 'interrupted', if it did: the caller's signal first."""
+        outer = self.outer
+        if isinstance(outer, Interrupt) and outer.is_set() and outer.reason is not None:
+            return outer.reason
+        return self.reason
+
+
+#: The reason a run ends with when the ``serve`` that owns it is told to stop.
+SUPERVISOR_STOPPING = "supervisor stopping"
+
+
 def _limits(manifest_limits: Any) -> Limits:
     base = Limits()
     return Limits(
@@ -93,6 +124,23 @@ class Supervisor:
         # keep our runs 'running' (see mark_interrupted).
         pid = os.getpid()
         self.supervisor_id = f"{os.uname().nodename}:{pid}:{process_start_time(pid)}"
+        # The runs this supervisor has in progress, whoever asked (serve's slots, the
+        # API, the CLI), so that shutting down stops every one of them.
+        self._active: dict[str, _RunStop] = {}
+        self._lock = threading.Lock()
+        self._closing: str | None = None
+        self._idle = threading.Condition(self._lock)
+
+    def shutdown(self, reason: str = SUPERVISOR_STOPPING, timeout: float = 60.0) -> list[str]:
+        """Refuse new runs, stop every run in progress, and wait for each to be
+        recorded (``run.end``, interrupted with ``reason``) and its sandbox removed.
+        Returns the ids of runs still not finished after ``timeout`` seconds."""
+        with self._lock:
+            self._closing = self._closing or reason
+            for stop in self._active.values():
+                stop.stop(reason)
+            self._idle.wait_for(lambda: not self._active, timeout)
+            return sorted(self._active)
 
     def _ca_dir(self, tenant: str, run_id: str, pem: bytes) -> Path:
         # One bundle per run: each run's CA certificate names its own secrets' hosts.
@@ -159,14 +207,37 @@ class Supervisor:
         attempt: int = 1,
         env: dict[str, str] | None = None,
     ) -> RunRecord:
+        with self._lock:
+            if self._closing is not None:
+                raise RunRefused(
+                    f"run of {name} refused: this supervisor is shutting down ({self._closing})"
+                )
         dep, artifact, approvals = self.check_startable(tenant, name, actor)
         run_id = "r-" + os.urandom(6).hex()
+        stop = _RunStop(cancel)
         scope, limits, limits_doc = self._scope(tenant, dep, artifact, approvals, run_id)
-        self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
-        result, failure, output = self._run_sandbox(
-            scope, dep, artifact, limits, env, on_stdout, on_stderr, cancel
+        # Held to the store at every call, in the call's own transaction: a freeze,
+        # stop or revocation by any process is seen by the next call.
+        required = 0
+        if dep.environment == "production":
+            required = self.rt.approvals.quorum(tenant).required
+        scope.standing = RunStanding(
+            tenant, name, dep.digest, approvals, required, stopped=stop.is_set
         )
-        return self._finish(tenant, run_id, actor, dep, result, failure, output, cancel)
+        with self._lock:
+            if self._closing is not None:
+                raise RunRefused(f"run of {name} refused: this supervisor is shutting down")
+            self._active[run_id] = stop
+        try:
+            self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
+            result, failure, output = self._run_sandbox(
+                scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
+            )
+            return self._finish(tenant, run_id, actor, dep, result, failure, output, stop)
+        finally:
+            with self._lock:
+                self._active.pop(run_id, None)
+                self._idle.notify_all()
 
     def _scope(
         self, tenant: str, dep: Deployment, artifact: Any, approvals: tuple[str, ...], run_id: str
@@ -360,7 +431,10 @@ class Supervisor:
         else:
             reason = result.reason.value
             code, platform = result.exit_code, result.platform
-            why = cancel.reason if isinstance(cancel, Interrupt) else None
+            if isinstance(cancel, _RunStop):
+                why = cancel.why
+            else:
+                why = cancel.reason if isinstance(cancel, Interrupt) else None
             if result.reason.value == "stopped" and why is not None:
                 # Stopped because its own process was told to end (a signal): the run
                 # did not choose to stop, and was not stopped by governance.

@@ -1,0 +1,115 @@
+"""Issue 23, item 6: a run's footing is held at every call, not at the next poll.
+
+A real governed run on a real sandbox loops SQL calls through the real broker
+while another process (the CLI) freezes the tenant, stops the deployment or
+revokes the run's approval. No timing is asserted: the ledger orders it. Every
+call event of the run after the governance event's index must be a refusal
+(its standing re-read in the same transaction as the call's event), and the
+run must have been answered before it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proctor.lifecycle import RunRecord, Supervisor
+from tests.conftest import run_cli
+from tests.e2e.conftest_gov import Gov, build_gov
+from tests.sandbox_conftest_helpers import working
+
+pytestmark = pytest.mark.sandbox
+STANDING_RULE = "proctor:broker:run-standing"  # the broker's rule named in the refusal
+ONE = ([b for b in ("bubblewrap", "gvisor") if b in working()] or ["bubblewrap"])[:1]
+
+# Calls until it is stopped; every answer and refusal is printed.
+LOOPER = """
+import proctor_guest as g
+for i in range(1000000):
+    try:
+        g.sql("crm", "SELECT id FROM customers WHERE id <= ?", [1 + i % 5])
+        print("ANSWER", i, flush=True)
+    except Exception as exc:
+        print("REFUSED", i, str(exc)[:200], flush=True)
+"""
+CAPS = """
+[datasets.crm.tables.customers]
+columns = ["id"]
+access = "read"
+"""
+
+
+@pytest.fixture
+def gov(tmp_path: Path) -> Iterator[Gov]:
+    g = build_gov(tmp_path)
+    yield g
+    g.rt.close()
+
+
+def _deploy(gov: Gov) -> str:
+    digest = gov.submit("acme", gov.artifact_dir("looper", LOOPER, CAPS))
+    approval = gov.rt.approvals.grant("acme", digest, gov.principal("alice"))
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "looper",
+                              environment="production", instruction="loops calls (RET-1)",
+                              actor=gov.principal("dev").actor)  # fmt: skip
+    return approval.id
+
+
+def _events(gov: Gov) -> list[dict[str, Any]]:
+    return [json.loads(e) for e in gov.rt.ledger.entries("acme")]
+
+
+@pytest.mark.parametrize("how", ["freeze", "stop", "revoke"])
+@pytest.mark.parametrize("backend", ONE)
+def test_the_first_call_after_a_freeze_stop_or_revocation_is_refused(
+    gov: Gov, backend: str, how: str
+) -> None:
+    approval = _deploy(gov)
+    answered = threading.Event()
+    done: list[RunRecord] = []
+
+    def out(data: bytes) -> None:
+        if b"ANSWER 20" in data:
+            answered.set()
+
+    with gov.rt.make_broker() as broker:
+        sup = Supervisor(gov.rt, broker, backend)
+        thread = threading.Thread(
+            target=lambda: done.append(
+                sup.start("acme", "looper", gov.principal("dev").actor, on_stdout=out)
+            )
+        )
+        thread.start()
+        try:
+            assert answered.wait(120), "the run never got going"
+            # Another process takes the run's footing away.
+            args = {
+                "freeze": ["tenant", "freeze", "acme"],
+                "stop": ["deployment", "stop", "looper", "-t", "acme"],
+                "revoke": ["approval", "revoke", approval, "-t", "acme"],
+            }[how]
+            run_cli(*args, "--token", gov.token("root"), home=gov.home)
+        finally:
+            thread.join(120)
+    (record,) = done
+    action = {"freeze": "tenant.freeze", "stop": "deployment.stopped",
+              "revoke": "approval.revoke"}[how]  # fmt: skip
+    evs = _events(gov)
+    (cut,) = [e["seq"] for e in evs if e["action"] == action]
+    calls = [e for e in evs if e.get("run") == record.id and e["action"] == "sql.select"]
+    before = [e for e in calls if e["seq"] < cut]
+    after = [e for e in calls if e["seq"] > cut]
+    assert before and all(e["decision"] == "allow" for e in before)
+    assert after, "the run made calls after the event (the watcher polls every 0.5 s)"
+    allowed = [e["seq"] for e in after if e["decision"] == "allow"]
+    assert allowed == [], f"calls allowed after {action} (seq {cut})"
+    assert all(e["policies"] == [STANDING_RULE] for e in after)
+    why = {"freeze": "the tenant is frozen", "stop": "the deployment is stopped",
+           "revoke": "its approvals no longer make the quorum"}[how]  # fmt: skip
+    assert after[0]["reason"].startswith(f"refused: {why}")
+    assert record.status == "stopped"
