@@ -308,8 +308,19 @@ class Runtime:
             # What the dead owner made for the run: its copy of the approved code, its CA bundle.
             shutil.rmtree(self.home / "runs" / run_id / "code", ignore_errors=True)
             shutil.rmtree(self.home / "ca-bundles" / tenant / run_id, ignore_errors=True)
+            self._revoke_run_grants(tenant, run_id)
             closed.append((tenant, run_id))
         return closed
+
+    def _revoke_run_grants(self, tenant: str, run_id: str) -> None:
+        # The dead owner's run logins on PostgreSQL datasets (see docs/postgres.md).
+        from proctor.broker import revoke_run_grants
+
+        datasets = [(d.kind, d.location, d.name) for d in self.resources.datasets(tenant)]
+        try:
+            revoke_run_grants(datasets, tenant, run_id)
+        except ProctorError as exc:
+            log.warning("proctor: run %s's dataset logins not dropped: %s", run_id, exc.message)
 
     def _reap_dead_owners(self) -> None:
         from proctor.sandbox import SandboxCleanupFailed, reap_orphans

@@ -6,6 +6,8 @@ views that read what no plan node names, and a DSN password in an error."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -347,3 +349,44 @@ def test_no_error_path_prints_the_dsn_password(pg: PgEnv, ledger_env: LedgerEnv,
     with pytest.raises(DatasetRoleError):
         grant_deployment_role(dsn, TENANT, DEPLOYMENT, "crm", {"nosuch": {"columns": ["a"]}})
     assert DSN_FORMS
+
+
+def test_opening_the_home_drops_the_logins_of_a_dead_owners_run(pg: PgEnv, home: Path) -> None:
+    """A process that held a run died (nothing released its login): the next
+    opening of the home closes the run and drops the login with it."""
+    from proctor.broker._pg_sql import create_run_login, deployment_role, run_login_role
+    from proctor.ledger import utc_now
+    from proctor.runtime import Runtime
+
+    rt = Runtime.open(home)
+    try:
+        rt.tenants.create(TENANT, rt.operator)
+        rt.resources.add_dataset(TENANT, "crm", pg.dsn, rt.operator)
+        run_id = "r-dead-owner"
+        login = run_login_role(TENANT, run_id, "crm")
+        create_run_login(pg.dsn, deployment_role(TENANT, DEPLOYMENT, "crm"), login)
+        with rt.store.write() as conn:
+            conn.execute(
+                "INSERT INTO runs (id, tenant, deployment, version, digest, environment,"
+                " workload, approvals, backend, status, attempt, limits, started_at, supervisor)"
+                " VALUES (?, ?, ?, 1, 'sha256:0', 'sandbox', 'w', '[]', 'bubblewrap', 'running',"
+                " 1, '{}', ?, ?)",
+                (run_id, TENANT, DEPLOYMENT, utc_now(), f"{os.uname().nodename}:999999999:1"),
+            )
+    finally:
+        rt.close()
+    Runtime.open(home).close()
+    with superuser(pg) as conn:
+        assert (
+            conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (login,)).fetchone() is None
+        )
+
+
+def test_registration_warns_of_databases_any_role_may_connect_to(
+    pg: PgEnv, pg_server: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="proctor"):
+        assert POSTGRESQL.locate(pg.dsn) == pg.dsn
+    # The test cluster is as initdb made it: "postgres" is open to every role.
+    assert "postgres" in caplog.text and "REVOKE CONNECT" in caplog.text
+    assert SECRET not in caplog.text

@@ -279,7 +279,7 @@ def create_run_login(dsn: str, group: str, role: str) -> str:
 def drop_run_login(dsn: str, role: str) -> bool:
     """Drop a run's login role, ending its sessions; whether there was one."""
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
             exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
             if exists is None:
                 return False
@@ -781,6 +781,12 @@ def _first_word(sql: str) -> str:
 
 # -- the connector ---------------------------------------------------------------
 
+#: Databases of the cluster, other than the dataset's, that any role may connect to.
+_OPEN_DATABASES = (
+    "SELECT datname FROM pg_database WHERE datallowconn AND datname <> current_database()"
+    " AND has_database_privilege('public', oid, 'CONNECT') ORDER BY datname"
+)
+
 
 class PostgresConnector:
     """PostgreSQL datasets: the database enforces the approved columns too, through
@@ -794,12 +800,20 @@ class PostgresConnector:
     def locate(self, where: str) -> str:
         try:
             with psycopg.connect(where, connect_timeout=10) as conn:
-                conn.execute("SELECT 1")
+                open_to_all = [str(r[0]) for r in conn.execute(_OPEN_DATABASES).fetchall()]
         except psycopg.Error as exc:
             # The DSN may hold a password: never echo it.
             raise UsageError(
                 f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
             ) from exc
+        if open_to_all:
+            # The operator's set-up (docs/postgres.md): a run's login could connect there.
+            log.warning(
+                "proctor: on the PostgreSQL dataset's cluster every role may connect to"
+                " the databases %s; a run's login role could too. Run `REVOKE CONNECT ON"
+                " DATABASE <name> FROM PUBLIC` for each (docs/postgres.md)",
+                ", ".join(open_to_all),
+            )
         return where
 
     def grant(
