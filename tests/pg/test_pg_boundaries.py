@@ -390,3 +390,13 @@ def test_registration_warns_of_databases_any_role_may_connect_to(
     # The test cluster is as initdb made it: "postgres" is open to every role.
     assert "postgres" in caplog.text and "REVOKE CONNECT" in caplog.text
     assert SECRET not in caplog.text
+
+
+def test_a_call_arriving_after_the_run_ended_opens_no_login(pg: PgEnv) -> None:
+    assert sql(pg.scope, "SELECT id FROM customers WHERE id = 1")["rows"] == [[1]]
+    role = run_role(pg.scope)
+    POSTGRESQL.release(pg.scope, pg.scope.datasets["crm"])
+    with pytest.raises(NOT_RUN):
+        sql(pg.scope, "SELECT id FROM customers WHERE id = 1")
+    with superuser(pg) as conn:
+        assert conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None

@@ -379,9 +379,11 @@ def _pool(scope: RunScope, binding: DatasetBinding) -> _RolePool:
 
 
 def close_pg_pools(scope: RunScope) -> None:
-    """End a run on its PostgreSQL datasets: connections closed, logins dropped."""
-    pools: dict[str, _RolePool] = scope.__dict__.pop("_pg_role_pools", {})
-    for pool in pools.values():
+    """End a run on its PostgreSQL datasets: connections closed, logins dropped.
+    The closed pools stay with the scope: a call still on its way finds its
+    run ended instead of opening a login again."""
+    pools: dict[str, _RolePool] = scope.__dict__.get("_pg_role_pools", {})
+    for pool in list(pools.values()):
         _close_logged(pool)
 
 
@@ -849,10 +851,9 @@ class PostgresConnector:
             await asyncio.to_thread(stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
-        pools: dict[str, _RolePool] = scope.__dict__.get("_pg_role_pools", {})
-        pool = pools.pop(binding.name, None)
-        if pool is not None:
-            _close_logged(pool)
+        # The closed pool stays with the scope (see close_pg_pools); one is made
+        # closed if no call came, so that a late call opens no login either.
+        _close_logged(_pool(scope, binding))
 
     def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
         return revoke_deployment_role(location, tenant, deployment, dataset)
