@@ -11,6 +11,8 @@ connections than a source may hold, uploads a run could not make at all.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -206,3 +208,99 @@ def test_slow_statements_of_one_tenant_do_not_delay_another(two: TwoTenants) -> 
         f"max {max(loaded) * 1e3:.1f} ms"
     )
     assert p50(loaded) < RATIO * idle, (idle, loaded)
+
+
+# -- stalled uploads --------------------------------------------------------------------
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+#: What the senders send, made once: the test's own buffers are not the server's growth.
+_PIECE = bytes(range(256)) * 4096
+
+
+def _stall_upload(channel: RunChannel, key: str, sent: int, opened: list[socket.socket]) -> None:
+    """Announce a 64 MiB object, send ``sent`` bytes of it, then stall (the socket is
+    left open in ``opened``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(channel.socket))
+    opened.append(sock)
+    head = (
+        f"PUT /v1/files/reports/{key} HTTP/1.1\r\nHost: broker\r\n"
+        f"{TOKEN_HEADER}: {channel.token}\r\nContent-Length: {64 << 20}\r\n\r\n"
+    )
+    with contextlib.suppress(OSError):  # refused from the head: the broker hangs up
+        sock.sendall(head.encode())
+        for _ in range(sent // len(_PIECE)):
+            sock.sendall(_PIECE)
+
+
+def test_stalled_uploads_are_decided_from_the_head_and_never_held_in_memory(
+    two: TwoTenants,
+) -> None:
+    """Eight stalled 64 MiB uploads grew the server by the bytes sent: the body was
+    read whole before the call was decided. A run with no bucket is refused from
+    the head (its body is not read); a granted upload streams to disk."""
+    idle = _idle(two)
+    sent = 8 << 20
+    opened: list[socket.socket] = []
+    before = _rss()
+    senders = [
+        threading.Thread(target=_stall_upload, args=(two.attacker.channel, f"k{i}", sent, opened))
+        for i in range(8)
+    ] + [
+        # The victim's own run has the bucket: its stalled uploads go to disk.
+        threading.Thread(target=_stall_upload, args=(two.victim.channel, f"v{i}", sent, opened))
+        for i in range(4)
+    ]
+    try:
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        grown = _rss() - before
+        loaded = [timed(_victim_call, two) for _ in range(SAMPLES)]
+    finally:
+        for sock in opened:
+            sock.close()
+    total = sent * len(senders)
+    print(
+        f"sent {total >> 20} MiB, RSS grew {grown >> 20} MiB; victim idle "
+        f"{idle * 1e3:.1f} ms, under stalled uploads {p50(loaded) * 1e3:.1f} ms"
+    )
+    assert grown < total / 5, (grown, total)
+    assert p50(loaded) < RATIO * idle, (idle, loaded)
+    refused = two.events("mallory", "file.write")
+    assert len(refused) == 8 and all(e["decision"] == "deny" for e in refused)
+    assert all(e["reason"] == "refused: this run has no buckets" for e in refused), refused[0]
+
+
+def test_a_granted_upload_streams_to_disk_whole_and_a_cut_one_leaves_nothing(
+    two: TwoTenants, tmp_path: Path
+) -> None:
+    data = _PIECE * 3 + b"tail"
+    status, doc = call(two.victim.channel, "PUT", "/v1/files/reports/big.bin", data)
+    assert status == 200, doc
+    assert doc == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    bucket = tmp_path / "buckets-victim" / "reports"
+    assert (bucket / "big.bin").read_bytes() == data
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(two.victim.channel.socket))
+    head = (
+        f"PUT /v1/files/reports/cut.bin HTTP/1.1\r\nHost: broker\r\n"
+        f"{TOKEN_HEADER}: {two.victim.channel.token}\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data[:-10])
+    sock.shutdown(socket.SHUT_WR)  # the body ends early
+    answer = sock.makefile("rb").read()
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert sorted(p.name for p in bucket.iterdir()) == ["big.bin"]
+    last = two.events("victim", "file.write")[-1]
+    assert last["decision"] == "deny" and "ended early" in last["reason"]

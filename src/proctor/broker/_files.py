@@ -17,6 +17,11 @@ A write is staged in a temporary file beside its target and fsync'd; the
 event is recorded; only then is the file renamed into place and the
 directory fsync'd. If the ledger cannot record the event, the temporary file
 is removed: readers never see an object whose write is not in the ledger.
+
+An upload through the run's socket is decided on its head alone (bucket, key,
+announced length) before a byte of its body is read: a refused upload is never
+read and its connection closes. A permitted one is streamed to the temporary
+file a chunk at a time (a stalled sender holds one chunk, not the object).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proctor.broker._fair import run_blocking
+from proctor.broker._http import BodyStream
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 from proctor.policy import Decision, Entity, EntityRef
 
@@ -175,11 +181,27 @@ def _read(root: Path, bucket: str, key: str, max_bytes: int) -> bytes:
 
 @dataclass
 class _Staged:
-    """A written, fsync'd temporary file waiting for its event to be recorded."""
+    """A temporary file beside its target: written a piece at a time, fsync'd
+    (:meth:`finish`), then renamed into place once its event is recorded."""
 
     dir_fd: int
     temp: str
     name: str
+    fd: int | None = None
+
+    def write(self, data: bytes) -> None:
+        assert self.fd is not None
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def finish(self) -> None:
+        assert self.fd is not None
+        fd, self.fd = self.fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def commit(self) -> None:
         try:
@@ -190,6 +212,9 @@ class _Staged:
 
     def discard(self) -> None:
         try:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
             os.unlink(self.temp, dir_fd=self.dir_fd)
         except FileNotFoundError:
             pass
@@ -197,7 +222,8 @@ class _Staged:
             os.close(self.dir_fd)
 
 
-def _stage(root: Path, bucket: str, key: str, data: bytes) -> _Staged:
+def _stage(root: Path, bucket: str, key: str) -> _Staged:
+    """An open, empty temporary file beside the object ``key`` names."""
     *parents, name = key.split("/")
     dir_fd = _open_dirs(root, bucket, parents, create=True)
     try:
@@ -216,20 +242,10 @@ def _stage(root: Path, bucket: str, key: str, data: bytes) -> _Staged:
             0o600,
             dir_fd=dir_fd,
         )
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            os.unlink(temp, dir_fd=dir_fd)
-            raise
-        os.close(fd)
     except BaseException:
         os.close(dir_fd)
         raise
-    return _Staged(dir_fd, temp, name)
+    return _Staged(dir_fd, temp, name, fd)
 
 
 # -- the handlers ----------------------------------------------------------------------
@@ -298,17 +314,42 @@ async def read_object(
     return data
 
 
+async def _pieces(data: bytes | BodyStream) -> AsyncIterator[bytes]:
+    if isinstance(data, BodyStream):
+        async for chunk in data.chunks(_CHUNK):
+            yield chunk
+    else:
+        for at in range(0, len(data), _CHUNK):
+            yield data[at : at + _CHUNK]
+
+
 async def write_object(
-    scope: RunScope, bucket: str, key: str, data: bytes, *, max_bytes: int = MAX_OBJECT_BYTES
+    scope: RunScope,
+    bucket: str,
+    key: str,
+    data: bytes | BodyStream,
+    *,
+    max_bytes: int = MAX_OBJECT_BYTES,
 ) -> dict[str, Any]:
     """Write the object atomically once ``file.write`` is permitted; the event
     (SHA-256, size) is durable before the object is visible. Returns
     ``{"sha256", "bytes"}``. Raises CallDenied, BadCall, ObjectTooLarge, or
-    CallRefused (not recorded: nothing is written)."""
+    CallRefused (not recorded: nothing is written).
+
+    ``data`` is the object's bytes, or a :class:`BodyStream` not read yet: the
+    call is then decided on its announced length before a byte of it is read
+    (a refused body is never read), and it is streamed to disk a chunk at a
+    time, never held whole."""
     action = "file.write"
     untrusted: object = data
     early: BrokerError | None = None
-    size = len(untrusted) if isinstance(untrusted, bytes | bytearray | memoryview) else -1
+    if isinstance(untrusted, BodyStream):
+        size = untrusted.length
+    elif isinstance(untrusted, bytes | bytearray | memoryview):
+        size = len(untrusted)
+        data = bytes(untrusted)
+    else:
+        size = -1
     if size < 0:
         early = BadCall("files: the object must be bytes")
     elif size > max_bytes:
@@ -317,15 +358,13 @@ async def write_object(
         resource = f"bucket/{_printable(bucket)}/{_printable(key)}"
         info: dict[str, Any] = {"bucket": _printable(bucket), "key": _printable(key)}
         raise await _refuse(scope, action, resource, early, {**info, "bytes": size})
-    data = bytes(data)
     bucket, key, root, decision, details = await _prepare(
-        scope, action, bucket, key, {"bytes": len(data)}
+        scope, action, bucket, key, {"bytes": size}
     )
     resource = f"bucket/{bucket}/{key}"
-    digest = hashlib.sha256(data).hexdigest()
     error: BrokerError
     try:
-        staged = await run_blocking(scope, _stage, root, bucket, key, data)
+        staged = await run_blocking(scope, _stage, root, bucket, key)
     except _Missing:
         error = ObjectNotFound(f"files: no bucket {bucket!r}")
         raise await _refuse(scope, action, resource, error, details) from None
@@ -335,11 +374,25 @@ async def write_object(
     except OSError as exc:
         error = BrokerError(f"files: the object could not be written: {exc.strerror}")
         raise await _refuse(scope, action, resource, error, details) from None
-    details |= {"bytes": len(data), "sha256": digest}
+    hasher = hashlib.sha256()
+    written = 0
     try:
+        try:
+            async for piece in _pieces(data):
+                hasher.update(piece)
+                written += len(piece)
+                await run_blocking(scope, staged.write, piece)
+            await run_blocking(scope, staged.finish)
+        except BadCall as exc:  # the body stalled or ended early
+            raise await _refuse(scope, action, resource, exc, details) from None
+        except OSError as exc:
+            error = BrokerError(f"files: the object could not be written: {exc.strerror}")
+            raise await _refuse(scope, action, resource, error, details) from None
+        digest = hasher.hexdigest()
+        details |= {"bytes": written, "sha256": digest}
         await scope.record(action, resource, decision, reason=decision.reason, details=details)
     except BaseException:
         await run_blocking(scope, staged.discard)
         raise
     await run_blocking(scope, staged.commit)
-    return {"sha256": digest, "bytes": len(data)}
+    return {"sha256": digest, "bytes": written}

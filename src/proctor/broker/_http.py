@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -163,11 +163,9 @@ async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> Requ
     return parse_request_head(raw)
 
 
-async def read_body(
-    reader: asyncio.StreamReader, head: RequestHead, limit: int, idle: float = 30.0
-) -> bytes:
-    """The body ``head`` announces, at most ``limit`` bytes; refused if ``idle``
-    seconds pass with no byte of it arriving (a stalled sender holds nothing)."""
+def body_length(head: RequestHead, limit: int) -> int:
+    """The length ``head`` announces for its body, checked against ``limit`` before a
+    byte of the body is read (413 over it); chunked bodies are refused."""
     if head.header("Transfer-Encoding") is not None:
         raise BadCall("send a Content-Length body; chunked requests are not accepted here")
     lengths = {v for k, v in head.headers if k.lower() == "content-length"}
@@ -183,20 +181,48 @@ async def read_body(
         err = BadCall(f"the request body is larger than the {limit} bytes allowed")
         err.status = 413
         raise err
-    left = int(length_s)
-    body = bytearray()
-    while left:
-        try:
-            chunk = await asyncio.wait_for(reader.read(min(left, 1 << 16)), idle)
-        except TimeoutError as exc:
-            err = BadCall(f"no byte of the request body for {idle:g} s")
-            err.status = 408
-            raise err from exc
-        if not chunk:
-            raise BadCall("the request body ended early")
-        body += chunk
-        left -= len(chunk)
-    return bytes(body)
+    return int(length_s)
+
+
+@dataclass
+class BodyStream:
+    """A request body not read yet: ``length`` bytes (checked against its limit),
+    handed to a handler that decides the call first and only then reads it, a
+    chunk at a time, so a refused or stalled body is never held in memory."""
+
+    reader: asyncio.StreamReader
+    length: int
+    idle: float = 30.0
+
+    async def chunks(self, size: int = 1 << 20) -> AsyncIterator[bytes]:
+        """The body in pieces of at most ``size`` bytes; refused (408) if ``idle``
+        seconds pass with no byte of it, or if it ends early."""
+        left = self.length
+        while left:
+            piece = bytearray()
+            while left and len(piece) < size:
+                try:
+                    chunk = await asyncio.wait_for(
+                        self.reader.read(min(left, size - len(piece), CHUNK)), self.idle
+                    )
+                except TimeoutError as exc:
+                    err = BadCall(f"no byte of the request body for {self.idle:g} s")
+                    err.status = 408
+                    raise err from exc
+                if not chunk:
+                    raise BadCall("the request body ended early")
+                piece += chunk
+                left -= len(chunk)
+            yield bytes(piece)
+
+
+async def read_body(
+    reader: asyncio.StreamReader, head: RequestHead, limit: int, idle: float = 30.0
+) -> bytes:
+    """The body ``head`` announces, at most ``limit`` bytes; refused if ``idle``
+    seconds pass with no byte of it arriving (a stalled sender holds nothing)."""
+    stream = BodyStream(reader, body_length(head, limit), idle)
+    return b"".join([chunk async for chunk in stream.chunks()])
 
 
 async def respond(

@@ -38,7 +38,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from proctor.broker._http import (
+    BodyStream,
     RequestHead,
+    body_length,
     error_bytes,
     read_body,
     read_head,
@@ -69,7 +71,7 @@ _CLOSE_GRACE = 10.0
 
 SqlHandler = Callable[[RunScope, dict[str, Any]], Awaitable[dict[str, Any]]]
 ReadHandler = Callable[[RunScope, str, str], Awaitable[bytes]]
-WriteHandler = Callable[[RunScope, str, str, bytes], Awaitable[dict[str, Any]]]
+WriteHandler = Callable[[RunScope, str, str, bytes | BodyStream], Awaitable[dict[str, Any]]]
 ConnectHandler = Callable[
     [RunScope, str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 ]
@@ -493,8 +495,10 @@ class Broker:
         writer: asyncio.StreamWriter,
     ) -> None:
         bucket, key = self._object(head)
-        data = await read_body(reader, head, MAX_OBJECT)
-        await respond_json(writer, 200, await self._handlers.write_object(scope, bucket, key, data))
+        # Not read here: the handler decides from the head first (a refused upload is
+        # never read; the connection closes), then streams it to disk.
+        body = BodyStream(reader, body_length(head, MAX_OBJECT))
+        await respond_json(writer, 200, await self._handlers.write_object(scope, bucket, key, body))
 
     async def _connect(
         self,
