@@ -6,6 +6,7 @@ views that read what no plan node names, and a DSN password in an error."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import replace
@@ -16,7 +17,7 @@ import psycopg
 import pytest
 
 from proctor.broker import BadCall, CallDenied, DatasetBinding, RunScope, handle_sql
-from proctor.broker._datasets import Refused
+from proctor.broker._datasets import Refused, TimedOut
 from proctor.broker._pg_sql import (
     POSTGRESQL,
     DatasetRoleError,
@@ -400,3 +401,70 @@ def test_a_call_arriving_after_the_run_ended_opens_no_login(pg: PgEnv) -> None:
         sql(pg.scope, "SELECT id FROM customers WHERE id = 1")
     with superuser(pg) as conn:
         assert conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None
+
+
+def test_a_statement_past_the_time_limit_is_cut_even_past_our_parse(pg: PgEnv) -> None:
+    pool = _pool(pg.scope, pg.scope.datasets["crm"])
+    stmt = _Statement(pool, "SELECT id, pg_sleep(30) FROM customers WHERE id = 1", (), 0.3)
+    try:
+        accesses = stmt.analyse()
+        with pytest.raises(TimedOut):
+            stmt.run_read(accesses, 10)
+    finally:
+        stmt.close()
+
+
+MISSING_TABLE_MANIFEST = """
+[artifact]
+name = "pgjob"
+entrypoint = ["python3", "main.py"]
+purpose = "count customers"
+[datasets.crm.tables.no_such_table]
+columns = ["id"]
+access = "read"
+"""
+
+
+def test_a_deployment_naming_a_missing_table_shows_no_dsn_password(
+    tmp_path: Path, pg_server: PostgresServer
+) -> None:
+    """The issue's observation, through the CLI: the grant's error names the DSN."""
+    from tests.conftest import run_cli
+
+    home = tmp_path / "home"
+    run_cli("init", "--home", str(home))
+    name = f"crm_cli_{abs(hash(str(tmp_path))) % 10**9}"
+    dsn = make_pg_dataset(pg_server, name) + f"?sslmode=disable&password={SECRET}"
+    try:
+        run_cli("tenant", "create", "acme", home=home)
+        dev = run_cli("principal", "create", "-t", "acme", "dev", "--role", "developer",
+                      home=home).out.splitlines()[-1]  # fmt: skip
+        alice = run_cli("principal", "create", "-t", "acme", "alice", "--role", "approver",
+                        home=home).out.splitlines()[-1]  # fmt: skip
+        os.environ["CRM_DSN"] = dsn
+        try:
+            out = run_cli("dataset", "add", "-t", "acme", "crm", "--postgres-env", "CRM_DSN",
+                          home=home)  # fmt: skip
+        finally:
+            del os.environ["CRM_DSN"]
+        art = tmp_path / "art"
+        art.mkdir(mode=0o755)
+        (art / "main.py").write_text("print('hi')\n")
+        (art / "proctor.toml").write_text(MISSING_TABLE_MANIFEST)
+        digest = json.loads(run_cli("artifact", "submit", str(art), "-t", "acme", "--json",
+                                    "--token", dev, home=home).out)["digest"]  # fmt: skip
+        run_cli("approve", digest, "-t", "acme", "--token", alice, home=home)
+        run_cli("deploy", digest, "-t", "acme", "--name", "pgjob", "--env", "production",
+                "--instruction", "count", "--token", dev, home=home)  # fmt: skip
+        res = run_cli("run", "pgjob", "-t", "acme", "--backend", "bubblewrap", "--token", dev,
+                      home=home, check=False)  # fmt: skip
+        shown = res.out + res.err + out.out + out.err
+        assert "no_such_table" in shown and "password=***" in shown
+        assert SECRET not in shown
+        events = run_cli("audit", "events", "-t", "acme", "--json", home=home).out
+        assert SECRET not in events
+        assert SECRET not in "".join(
+            p.read_text(errors="replace") for p in home.rglob("*.log") if p.is_file()
+        )
+    finally:
+        pg_server.drop_database(name)
