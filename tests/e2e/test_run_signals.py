@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -251,3 +252,85 @@ def test_a_signal_stops_a_throwaway_sandbox_and_records_its_end(place: Place, ba
     assert start["reason"] == "started" and end["reason"] == "interrupted: SIGTERM"
     assert place.leftovers() == []
     assert not [c for c in cgroups if c.exists()]
+
+
+SERVICE_MANIFEST = '[lifecycle]\nmode = "service"\n'
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("backend", GVISOR + BWRAP)
+def test_sigterm_to_serve_ends_every_run_it_supervises_before_it_exits(
+    place: Place, backend: str
+) -> None:
+    """A service kept up by `serve` and a job started through its API: SIGTERM
+    stops both sandboxes and records both ends before `serve` exits; nothing of
+    either is left for a successor to find."""
+    from proctor import Client
+
+    gov = place.gov
+    art = gov.artifact_dir("svc", SLEEPER, SERVICE_MANIFEST)
+    digest = gov.submit("acme", art)
+    gov.rt.approvals.grant("acme", digest, gov.principal("alice"))
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="production", mode="service", instruction="svc",
+                              actor=gov.principal("dev").actor)  # fmt: skip
+    port = _free_port()
+    serve = subprocess.Popen([PROCTOR, "serve", "--backend", backend, "--api-port", str(port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=place.env)  # fmt: skip
+    runs = Runs(gov.rt)
+    client = Client(f"http://127.0.0.1:{port}", gov.token("dev"))
+    api_run: list[Any] = []
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            try:
+                client.health()
+                break
+            except Exception:
+                assert time.monotonic() < deadline and serve.poll() is None, "no API"
+                time.sleep(0.1)
+        started = threading.Event()
+
+        def job() -> None:
+            try:
+                api_run.append(client.run("acme", "sleeper", on_stdout=lambda _: started.set()))
+            except Exception as exc:  # the stream may be cut by the exit
+                api_run.append(exc)
+
+        threading.Thread(target=job, daemon=True).start()
+        assert started.wait(DEADLINE), "the job through the API never started"
+        while len(runs.all("acme", status="running")) < 2:
+            assert time.monotonic() < deadline, "the service never started"
+            time.sleep(0.1)
+        cgroups = [Path(p) for e in place.registry().values() if e.get("pid") == serve.pid
+                   for p in (e.get("cgroups") or {}).values()]  # fmt: skip
+        assert cgroups, "both sandboxes are registered under serve's pid"
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=DEADLINE)
+        assert serve.returncode == 0, err.decode()
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.communicate()
+    records, host = runs.all("acme"), os.uname().nodename
+    assert {r.deployment for r in records} == {"svc", "sleeper"}
+    assert [r.status for r in records] == ["interrupted", "interrupted"]
+    evs = [json.loads(e) for e in gov.rt.ledger.entries("acme")]
+    for record in records:
+        ends = [e for e in evs if e.get("run") == record.id and e["action"] == "run.end"]
+        assert [e["reason"] for e in ends] == ["interrupted: supervisor stopping"]
+        starter = (
+            "acme/dev" if record.deployment == "sleeper" else f"supervisor:{host}:{serve.pid}:"
+        )
+        assert ends[0]["actor"]["id"].startswith(starter), "recorded as its starter's act"
+        assert not (gov.home / "runs" / record.id / "code").exists()
+    assert place.leftovers() == []
+    assert not [c for c in cgroups if c.exists()], "the runs' cgroups are removed"

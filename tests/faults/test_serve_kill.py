@@ -657,7 +657,7 @@ def test_serve_killed_at_random_moments_leaves_nothing_and_loses_nothing(
         assert not places.registry_entries(), "the decoy left its sandbox registered"
         assert not places.broker_owners(), "the decoy left its broker socket directory"
         assert not decoy_node.jail.children()
-        assert [r.status for r in Runs(decoy_gov.rt).all("acme")] == ["stopped"]
+        assert [r.status for r in Runs(decoy_gov.rt).all("acme")] == ["interrupted"]
         for log in ("acme", "system"):
             decoy_gov.rt.ledger.verify(log)
         print("\n".join(timeline))

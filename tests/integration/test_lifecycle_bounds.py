@@ -11,6 +11,11 @@ run must have been answered before it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +24,7 @@ from typing import Any
 import pytest
 
 from proctor.lifecycle import RunRecord, Supervisor
-from tests.conftest import run_cli
+from tests.conftest import PROCTOR, run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import working
 
@@ -113,3 +118,50 @@ def test_the_first_call_after_a_freeze_stop_or_revocation_is_refused(
            "revoke": "its approvals no longer make the quorum"}[how]  # fmt: skip
     assert after[0]["reason"].startswith(f"refused: {why}")
     assert record.status == "stopped"
+
+
+# -- one serve per home -------------------------------------------------------------
+
+
+def _serve_env(gov: Gov, root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PROCTOR_TOKEN", None)
+    env.update(PROCTOR_HOME=str(gov.home), PROCTOR_SANDBOX_REGISTRY=str(root / "sandboxes"),
+               PROCTOR_BROKER_SOCKETS=str(root / "brokers"), COLUMNS="200")  # fmt: skip
+    return env
+
+
+def _serving(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A `proctor serve --no-api` that has said it is serving."""
+    proc = subprocess.Popen([PROCTOR, "serve", "--no-api"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(b"serving"), (line, proc.stderr.read() if proc.stderr else b"")
+    return proc
+
+
+def test_a_second_serve_of_one_home_is_refused_and_a_dead_ones_lock_is_not_kept(
+    gov: Gov,
+) -> None:
+    root = Path(tempfile.mkdtemp(prefix="lock-", dir="/tmp"))
+    env = _serve_env(gov, root)
+    first = _serving(env)
+    try:
+        second = subprocess.run([PROCTOR, "serve", "--no-api"], capture_output=True,
+                                env=env, timeout=60)  # fmt: skip
+        err = second.stderr.decode()
+        assert second.returncode != 0
+        assert "supervises" in err and f":{first.pid}:" in err, err
+        assert first.poll() is None, "the first serve is not disturbed"
+        first.kill()  # SIGKILL: no clean-up; the kernel drops the lock with the process
+        first.wait()
+        third = _serving(env)
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=60) == 0
+    finally:
+        for proc in (first,):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,10 +1,16 @@
 """``proctor serve``: keep services up, fire schedules, stop what loses its footing.
 
+One ``serve`` per home (and per PostgreSQL store): a second is refused when it
+is built (see _lock.py).
+
 One loop, once a second, reads the store (so a `proctor deploy`, `freeze` or
 `approval revoke` made by another process takes effect here): a service whose
 run ended is restarted with exponential backoff, and stopped for good after too
 many failures in a window (a crash loop, recorded); a schedule fires when its
 interval has passed since its last start; a frozen tenant's runs are stopped.
+When told to stop (SIGTERM, SIGINT), it stops every run it supervises, the
+API's included, and records each ``run.end`` (interrupted: supervisor
+stopping) before it returns.
 Each run watches its own approvals (see Supervisor). On start, runs that a
 previous, dead supervisor left 'running' are recorded as interrupted, after its
 sandboxes and broker sockets are removed; then, every few seconds, so are the
@@ -25,6 +31,7 @@ from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
 from proctor.governance import Deployment, RunRecord
 from proctor.ledger import Actor
+from proctor.lifecycle._lock import ServeLock
 from proctor.lifecycle._supervisor import Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 
@@ -72,6 +79,17 @@ class Server:
         self.actor = Actor("runtime", f"supervisor:{supervisor.supervisor_id}")
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._stop = threading.Event()
+        # Taken first, before the API or any run: a second serve of this home (or of
+        # this PostgreSQL store) is refused here, not left to double every schedule.
+        self._lock: ServeLock | None = ServeLock(
+            self.rt.home, self.rt.store, supervisor.supervisor_id
+        ).acquire()
+
+    def close(self) -> None:
+        """Let another serve take over (done when :meth:`serve` returns)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -107,11 +125,18 @@ class Server:
                         self.sweep()
                 self._stop.wait(self.tick_seconds)
         finally:
+            # Every run of this process, whoever started it (a slot, the API), is
+            # stopped and its end recorded before we exit: a run left 'running'
+            # with its sandbox alive would wait for the next serve to be closed.
+            unfinished = self.supervisor.shutdown()
+            if unfinished:
+                log.error("proctor serve: runs %s did not end in time", ", ".join(unfinished))
             for slot in self._slots.values():
                 slot.cancel.set()
             for slot in self._slots.values():
                 if slot.thread is not None:
                     slot.thread.join(timeout=30)
+            self.close()
 
     def tick(self) -> None:
         now = time.monotonic()
