@@ -41,6 +41,13 @@ NOT_RUN = (CallDenied, BadCall)
 pg = _datasets.pg  # the fixture: a dataset database, its deployment role, a run's scope
 
 
+@pytest.fixture
+def store_engine() -> str:
+    """The ledger's engine is not what these tests are about (the dataset's is):
+    SQLite only, so each attack runs once."""
+    return "sqlite"
+
+
 def sql(scope: RunScope, query: str) -> dict[str, Any]:
     return asyncio.run(handle_sql(scope, {"dataset": "crm", "sql": query}))
 
@@ -81,18 +88,24 @@ SEVERAL = (
 )
 
 
-@pytest.mark.parametrize("query", SEVERAL)
-def test_only_one_read_statement_runs_whatever_the_guest_sends(pg: PgEnv, query: str) -> None:
+def test_only_one_read_statement_runs_whatever_the_guest_sends(pg: PgEnv) -> None:
+    # One database for every form (a fresh one each costs more than the attacks).
+    role = run_role(pg.scope)
+    password = "SELECT rolpassword FROM pg_authid WHERE rolname = %s"
     with superuser(pg) as conn:
-        before = conn.execute("SELECT count(*) FROM pg_largeobject_metadata").fetchone()
-    with pytest.raises(NOT_RUN):
-        sql(pg.scope, query)
-    ev = last_event(pg.ledger)
-    assert ev["decision"] == "deny" and ev["action"] == "sql.select"
+        before = conn.execute(password, (role,)).fetchone()
+    for query in SEVERAL:
+        with pytest.raises(NOT_RUN):
+            sql(pg.scope, query)
+        ev = last_event(pg.ledger)
+        assert ev["decision"] == "deny" and ev["action"] == "sql.select", query
+        with superuser(pg) as conn:
+            # Nothing after a COMMIT ran: no large object persists, the role's
+            # password is the one the broker set.
+            objects = conn.execute("SELECT count(*) FROM pg_largeobject_metadata").fetchone()
+            assert objects == (0,), query
+            assert conn.execute(password, (role,)).fetchone() == before, query
     close_pg_pools(pg.scope)
-    with superuser(pg) as conn:
-        # Nothing after a COMMIT ran: no large object persists.
-        assert conn.execute("SELECT count(*) FROM pg_largeobject_metadata").fetchone() == before
 
 
 def test_the_server_refuses_several_statements_even_past_our_parse(pg: PgEnv) -> None:
@@ -233,13 +246,12 @@ CATALOG_READS = (
 )
 
 
-@pytest.mark.parametrize("query", CATALOG_READS)
-def test_catalogs_and_cluster_state_are_refused_with_a_clear_message(pg: PgEnv, query: str) -> None:
-    with pytest.raises(NOT_RUN) as err:
-        sql(pg.scope, query)
-    assert any(w in str(err.value) for w in ("catalog", "function", "not allowed", "refused"))
-    ev = last_event(pg.ledger)
-    assert ev["decision"] == "deny"
+def test_catalogs_and_cluster_state_are_refused_with_a_clear_message(pg: PgEnv) -> None:
+    for query in CATALOG_READS:
+        with pytest.raises(NOT_RUN) as err:
+            sql(pg.scope, query)
+        assert any(w in str(err.value) for w in ("catalog", "function", "refused")), query
+        assert last_event(pg.ledger)["decision"] == "deny", query
 
 
 def test_two_tenants_guests_cannot_pass_data_through_the_cluster(
