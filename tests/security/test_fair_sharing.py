@@ -304,3 +304,91 @@ def test_a_granted_upload_streams_to_disk_whole_and_a_cut_one_leaves_nothing(
     assert sorted(p.name for p in bucket.iterdir()) == ["big.bin"]
     last = two.events("victim", "file.write")[-1]
     assert last["decision"] == "deny" and "ended early" in last["reason"]
+
+
+# -- idle connections ---------------------------------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+#: Opens N connections to a Unix socket and holds them until its stdin closes.
+_HOLDER = """
+import socket, sys
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    held.append(s)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_of_one_run_are_bounded_refused_and_counted(two: TwoTenants) -> None:
+    """1,120 idle connections from one guest took the process to its descriptor
+    limit and other tenants' calls timed out, with no event. Scaled: the broker's
+    process gets 300 descriptors of headroom and the guest (another process)
+    opens 400 connections."""
+    import resource
+    import subprocess
+    import sys
+
+    idle = _idle(two)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 300, hard))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(two.attacker.channel.socket), "400"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        # The guest's process has descriptors of its own.
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        time.sleep(0.3)  # the broker accepts them all (and refuses the excess)
+        loaded = [timed(_victim_call, two) for _ in range(SAMPLES)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        holder.communicate(timeout=30)
+    print(
+        f"victim idle {idle * 1e3:.1f} ms, beside 400 idle connections {p50(loaded) * 1e3:.1f} ms"
+    )
+    assert p50(loaded) < RATIO * idle, (idle, loaded)
+    expected = 400 - two.broker.max_connections_per_run
+    deadline = time.monotonic() + 10
+    while True:  # one summary per second of refusals
+        refused = two.events("mallory", "broker.connections.refused")
+        total = sum(e["details"]["refused"] for e in refused)
+        if total >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert total == expected, refused
+    assert len(refused) <= 3  # a summary per interval, not an event per connection
+    assert all(e["decision"] == "deny" for e in refused)
+
+
+def test_a_connection_that_sends_nothing_is_closed_and_counted(
+    two: TwoTenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a silent connection was held 30 s and then answered, one recorded
+    refusal each; now it is closed at the first-byte timeout and counted."""
+    from proctor.broker import _server
+
+    monkeypatch.setattr(_server, "FIRST_BYTE_TIMEOUT", 0.2)
+    socks = []
+    for _ in range(5):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(str(two.victim.channel.socket))
+        socks.append(sock)
+    try:
+        assert [s.recv(100) for s in socks] == [b""] * 5  # closed, nothing answered
+    finally:
+        for sock in socks:
+            sock.close()
+    two.broker.close_run(two.victim.scope.run_id)
+    refused = two.events("victim", "broker.connections.refused")
+    assert [e["details"]["idle"] for e in refused] == [5]
+    assert two.events("victim", "broker.request") == []

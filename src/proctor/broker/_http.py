@@ -148,12 +148,28 @@ def parse_response_head(raw: bytes) -> tuple[str, int, list[tuple[str, str]]]:
     return first, int(parts[1]), headers
 
 
-async def read_head(reader: asyncio.StreamReader, timeout: float = 30.0) -> RequestHead | None:
-    """The next request head, or None at a clean end of stream."""
+class IdleConnection(Exception):
+    """No byte of a request arrived before the first-byte timeout."""
+
+
+async def read_head(
+    reader: asyncio.StreamReader, timeout: float = 30.0, *, first_byte: float | None = None
+) -> RequestHead | None:
+    """The next request head, or None at a clean end of stream. With ``first_byte``,
+    :class:`IdleConnection` if no byte arrives within that many seconds (a connection
+    opened only to be held)."""
+    first = b""
+    if first_byte is not None:
+        try:
+            first = await asyncio.wait_for(reader.readexactly(1), first_byte)
+        except asyncio.IncompleteReadError:
+            return None
+        except TimeoutError:
+            raise IdleConnection from None
     try:
-        raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        raw = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
     except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
+        if not exc.partial and not first:
             return None
         raise BadCall("the request head ended early") from exc
     except asyncio.LimitOverrunError as exc:

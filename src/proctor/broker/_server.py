@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -32,13 +33,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 from proctor.broker._http import (
     BodyStream,
+    IdleConnection,
     RequestHead,
     body_length,
     error_bytes,
@@ -65,6 +67,14 @@ from proctor.policy import Decision
 log = logging.getLogger("proctor.broker")
 
 MAX_SQL_BODY = 1024 * 1024
+#: Connections one run's socket holds at once; more are closed unread, and counted.
+MAX_CONNECTIONS_PER_RUN = 64
+#: A connection that sends no byte for this long is closed, and counted (no event each).
+FIRST_BYTE_TIMEOUT = 10.0
+#: At most one ``broker.connections.refused`` event per run per this many seconds.
+REFUSED_WINDOW = 1.0
+#: The rule named in a ``broker.connections.refused`` event.
+CONNECTION_LIMIT_RULE = "proctor:broker:connection-limit"
 MAX_OBJECT = 64 * 1024 * 1024
 #: How long closing a run waits for its cancelled connections to finish writing.
 _CLOSE_GRACE = 10.0
@@ -164,6 +174,36 @@ class RunChannel:
     token: str
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open descriptors to its hard limit (a
+    server holds a descriptor per connection); returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+@dataclass
+class _Refused:
+    """Connections a run's socket closed unread, counted until one event records them."""
+
+    over_run: int = 0
+    over_total: int = 0
+    idle: int = 0
+    total: int = 0
+    first: float | None = None
+    timer: asyncio.TimerHandle | None = None
+    flushing: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return self.over_run + self.over_total + self.idle
+
+
 @dataclass
 class _Run:
     scope: RunScope
@@ -171,6 +211,7 @@ class _Run:
     socket: Path
     connections: set[asyncio.Task[None]]
     opening: str
+    refused: _Refused = field(default_factory=_Refused)
 
 
 class Broker:
@@ -184,8 +225,15 @@ class Broker:
         socket_root: Path | None = None,
         *,
         rate_limit: RateLimit | None = None,
+        max_connections_per_run: int = MAX_CONNECTIONS_PER_RUN,
+        max_connections: int | None = None,
     ):
         self._handlers = handlers
+        self.max_connections_per_run = max_connections_per_run
+        # Of the process's descriptors, the broker's connections may hold a quarter:
+        # the API, the store, the ledger and the sandboxes need the rest.
+        self.max_connections = max_connections or max(256, raise_open_files_limit() // 4)
+        self._open_connections = 0
         self._tokens = RunTokens(token_key)
         self.rate_limit = rate_limit or RateLimit()
         self._root = Path(tempfile.mkdtemp(prefix="proctor-broker-", dir=socket_root))
@@ -261,16 +309,36 @@ class Broker:
         connections: set[asyncio.Task[None]] = set()
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            run = self._runs.get(scope.run_id)
+            over = None
+            if run is None:
+                over = "closed"
+            elif len(connections) >= self.max_connections_per_run:
+                over = "over_run"
+            elif self._open_connections >= self.max_connections:
+                over = "over_total"
+            if over is not None:
+                # Closed unread: a connection refused costs neither a read nor an event.
+                writer.close()
+                if run is not None:
+                    self._count_refused(run, over)
+                return
             task = asyncio.current_task()
             assert task is not None
             connections.add(task)
+            self._open_connections += 1
             try:
                 await self._connection(scope, reader, writer)
             finally:
+                self._open_connections -= 1
                 connections.discard(task)
                 writer.close()
 
-        server = await asyncio.start_unix_server(on_connect, path=str(path), limit=64 * 1024)
+        # The backlog is also how many connections asyncio accepts at a time: no more
+        # than a run may hold, so refusing a flood never needs more descriptors.
+        server = await asyncio.start_unix_server(
+            on_connect, path=str(path), limit=64 * 1024, backlog=self.max_connections_per_run
+        )
         # The guest's uid differs from ours; the 0700 directory is what guards the socket.
         os.chmod(path, 0o666)  # noqa: S103
         self._runs[scope.run_id] = _Run(scope, server, path, connections, opening)
@@ -292,6 +360,83 @@ class Broker:
         run.socket.unlink(missing_ok=True)
         # After the last connection: every refusal counted is in the run's ledger.
         await run.scope.close_rate_limit()
+        await self._close_refused(run)
+
+    # -- connections refused: counted, recorded once per window ---------------
+
+    def _count_refused(self, run: _Run, why: str) -> None:
+        refused = run.refused
+        if refused.pending == 0:
+            refused.first = time.monotonic()
+        setattr(refused, why, getattr(refused, why) + 1)
+        refused.total += 1
+        if refused.timer is None and refused.flushing is None:
+            # In a context of its own: the event is no connection's answer.
+            refused.timer = self._loop.call_later(
+                REFUSED_WINDOW, self._start_refused_flush, run, context=contextvars.Context()
+            )
+
+    def _start_refused_flush(self, run: _Run) -> None:
+        run.refused.timer = None
+        run.refused.flushing = self._loop.create_task(self._flush_refused(run))
+
+    async def _flush_refused(self, run: _Run) -> None:
+        try:
+            await self._record_refused(run)
+        finally:
+            run.refused.flushing = None
+        if run.refused.pending and run.scope.run_id in self._runs:
+            run.refused.timer = self._loop.call_later(
+                REFUSED_WINDOW, self._start_refused_flush, run, context=contextvars.Context()
+            )
+
+    async def _record_refused(self, run: _Run) -> None:
+        refused, scope = run.refused, run.scope
+        counts = {"over_run": refused.over_run, "over_total": refused.over_total,
+                  "idle": refused.idle}  # fmt: skip
+        count = refused.pending
+        if count == 0:
+            return
+        seconds = time.monotonic() - (refused.first or time.monotonic())
+        refused.over_run = refused.over_total = refused.idle = 0
+        refused.first = None
+        why = (
+            f"{count} connections closed unread: over the run's {self.max_connections_per_run} "
+            f"or the broker's {self.max_connections}, or idle for {FIRST_BYTE_TIMEOUT:g} s"
+        )
+        try:
+            await scope.record_refusal(
+                "broker.connections.refused",
+                f"run/{scope.run_id}",
+                why,
+                policies=(CONNECTION_LIMIT_RULE,),
+                details={
+                    "refused": count,
+                    **counts,
+                    "refused_total": refused.total,
+                    "seconds": round(seconds, 3),
+                    "per_run": self.max_connections_per_run,
+                    "total": self.max_connections,
+                },
+            )
+        except CallRefused as exc:
+            # Kept for the next event: a count is never dropped for a ledger outage.
+            refused.over_run += counts["over_run"]
+            refused.over_total += counts["over_total"]
+            refused.idle += counts["idle"]
+            refused.first = time.monotonic() - seconds
+            log.error("broker.connections.refused for run %s not recorded: %s",
+                      scope.run_id, exc.message)  # fmt: skip
+
+    async def _close_refused(self, run: _Run) -> None:
+        refused = run.refused
+        if refused.flushing is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await refused.flushing
+        if refused.timer is not None:
+            refused.timer.cancel()
+            refused.timer = None
+        await self._record_refused(run)
 
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -301,7 +446,12 @@ class Broker:
         head: RequestHead | None = None
         try:
             try:
-                head = await read_head(reader)
+                head = await read_head(reader, first_byte=FIRST_BYTE_TIMEOUT)
+            except IdleConnection:
+                run = self._runs.get(scope.run_id)
+                if run is not None:
+                    self._count_refused(run, "idle")
+                return
             except BadCall:
                 # A malformed request is a call: charged before its refusal is recorded.
                 scope.admit_call()
