@@ -23,7 +23,10 @@ from typing import Any
 
 import pytest
 
-from proctor.lifecycle import RunRecord, Supervisor
+from proctor.errors import RunRefused, StoreError
+from proctor.ledger import utc_now
+from proctor.lifecycle import RunRecord, Runs, Supervisor
+from proctor.store import Store
 from tests.conftest import PROCTOR, run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import working
@@ -165,3 +168,111 @@ def test_a_second_serve_of_one_home_is_refused_and_a_dead_ones_lock_is_not_kept(
                 proc.kill()
                 proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# -- one run of a service at a time -------------------------------------------------
+
+
+def _row(run_id: str, deployment: str = "svc") -> tuple[Any, ...]:
+    """A run's values in RunRecord's field order."""
+    return (run_id, "acme", deployment, 1, "sha256:" + "0" * 64, "production",
+            f"spiffe://proctor.local/tenant/acme/deployment/{deployment}/run/{run_id}", "[]",
+            "bubblewrap", None, "running", None, None, 1, "{}", None, utc_now(), None)  # fmt: skip
+
+
+def _running(store: Store, deployment: str = "svc") -> list[str]:
+    with store.read() as conn:
+        rows = conn.query(
+            "SELECT id FROM runs WHERE tenant = 'acme' AND deployment = ? AND status = 'running'",
+            (deployment,),
+        )
+    return [str(r[0]) for r in rows]
+
+
+def test_racing_starts_of_a_service_leave_one_run_on_either_engine(ledger_env: Any) -> None:
+    store = ledger_env.store
+    with store.write() as conn:
+        conn.execute("INSERT INTO tenants (name, created_at, created_by, status)"
+                     " VALUES ('acme', ?, 'test', 'active')", (utc_now(),))  # fmt: skip
+    starters = 6
+    barrier = threading.Barrier(starters)
+    outcomes: list[str] = []
+
+    def start(i: int) -> None:
+        barrier.wait()
+        try:
+            # Distinct lock names: on PostgreSQL the transactions really overlap.
+            with store.write(f"race-{i}") as conn:
+                Runs.insert(conn, _row(f"r-{i}"), f"owner-{i}", exclusive=True)
+            outcomes.append("started")
+        except RunRefused as exc:
+            outcomes.append(exc.message)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(starters)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcomes.count("started") == 1, outcomes
+    assert all("running already" in o for o in outcomes if o != "started")
+    assert len(_running(store)) == 1
+    # The store itself refuses a second running row, not only Runs' look before it.
+    columns = (
+        "id, tenant, deployment, version, digest, environment, workload, approvals, backend,"
+        " platform, status, reason, exit_code, attempt, limits, output_digest, started_at,"
+        " ended_at, supervisor, service"
+    )
+    with pytest.raises(StoreError), store.write() as conn:
+        conn.execute(f"INSERT INTO runs ({columns}) VALUES ({', '.join('?' * 20)})",
+                     (*_row("r-sneak"), "owner", "svc"))  # fmt: skip
+    assert len(_running(store)) == 1
+    # Jobs are not limited; a service whose run ended may start again.
+    for i in range(2):
+        with store.write() as conn:
+            Runs.insert(conn, _row(f"j-{i}", "job"), "owner")
+    assert len(_running(store, "job")) == 2
+    with store.write() as conn:
+        conn.execute("UPDATE runs SET status = 'interrupted' WHERE deployment = 'svc'")
+    with store.write() as conn:
+        Runs.insert(conn, _row("r-again"), "owner", exclusive=True)
+    assert _running(store) == ["r-again"]
+
+
+SERVICE = """
+import time
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("backend", ONE)
+def test_a_second_start_of_a_running_service_is_refused_and_recorded(
+    gov: Gov, backend: str
+) -> None:
+    digest = gov.submit("acme", gov.artifact_dir("svc", SERVICE, '[lifecycle]\nmode = "service"\n'))
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="sandbox", mode="service", instruction="svc",
+                              actor=gov.op)  # fmt: skip
+    up = threading.Event()
+    stop = threading.Event()
+    done: list[RunRecord] = []
+    with gov.rt.make_broker() as broker:
+        sup = Supervisor(gov.rt, broker, backend)
+        thread = threading.Thread(target=lambda: done.append(sup.start(
+            "acme", "svc", gov.op, on_stdout=lambda _: up.set(), cancel=stop)))  # fmt: skip
+        thread.start()
+        try:
+            assert up.wait(120), "the service never came up"
+            # From another process: the CLI's own supervisor.
+            res = run_cli("run", "svc", "-t", "acme", "--backend", backend, "--token",
+                          gov.token("dev"), home=gov.home, check=False)  # fmt: skip
+            assert res.code != 0 and "running already" in res.err, res.err
+            with pytest.raises(RunRefused, match="running already"):
+                sup.start("acme", "svc", gov.op)
+        finally:
+            stop.set()
+            thread.join(120)
+    (record,) = Runs(gov.rt).all("acme", "svc")
+    assert record.id == done[0].id and record.status == "stopped"
+    refusals = [e for e in _events(gov) if e["action"] == "run.start" and e["decision"] == "deny"]
+    assert len(refusals) == 2 and all("running already" in e["reason"] for e in refusals)

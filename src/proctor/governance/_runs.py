@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from proctor.errors import NotFound
+from proctor.errors import NotFound, RunRefused
 from proctor.ledger import utc_now
 from proctor.store import Conn, Store
 
@@ -58,6 +58,15 @@ def _row(r: tuple[Any, ...]) -> RunRecord:
     )  # fmt: skip
 
 
+def _already_running(deployment: str, run_id: str | None) -> RunRefused:
+    which = f" ({run_id})" if run_id else ""
+    return RunRefused(
+        f"deployment {deployment} is running already{which}; a service or a schedule "
+        "has one run at a time",
+        hint="stop the running one first, or let `proctor serve` keep it up",
+    )
+
+
 @runtime_checkable
 class _HasStore(Protocol):
     @property
@@ -72,14 +81,47 @@ class Runs:
         self._store: Store = source.store if isinstance(source, _HasStore) else source
 
     @staticmethod
-    def insert(conn: Conn, values: tuple[Any, ...], supervisor: str) -> None:
+    def insert(
+        conn: Conn, values: tuple[Any, ...], supervisor: str, *, exclusive: bool = False
+    ) -> None:
         """Write a new run's row: ``values`` in :class:`RunRecord`'s field order, then
-        the id of the process that owns it (see ``Runtime.close_orphaned_runs``)."""
-        conn.execute(
-            f"INSERT INTO runs ({_COLUMNS}, supervisor) VALUES"  # noqa: S608
-            " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (*values, supervisor),
-        )
+        the id of the process that owns it (see ``Runtime.close_orphaned_runs``).
+
+        ``exclusive`` (a service or a schedule): the deployment has at most one run
+        'running', enforced by the store (a partial unique index, migration 8), so
+        two starts racing on two processes or nodes yield one run; the other is
+        refused with :class:`RunRefused`. Call inside the transaction that records
+        ``run.start``.
+        """
+        tenant, deployment = str(values[1]), str(values[2])
+        if exclusive:
+            row = conn.query_one(
+                "SELECT id FROM runs WHERE tenant = ? AND service = ? AND status = 'running'",
+                (tenant, deployment),
+            )
+            if row is not None:
+                raise _already_running(deployment, str(row[0]))
+        try:
+            conn.execute(
+                f"INSERT INTO runs ({_COLUMNS}, supervisor, service) VALUES"  # noqa: S608
+                " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (*values, supervisor, deployment if exclusive else None),
+            )
+        except Exception as exc:
+            # A start on another connection won the race between our look and our
+            # insert: the index refuses the second (the engines name it differently).
+            if exclusive and type(exc).__name__ in ("UniqueViolation", "IntegrityError"):
+                raise _already_running(deployment, None) from None
+            raise
+
+    def running_one(self, tenant: str, deployment: str) -> str | None:
+        """The id of the service's or schedule's run in progress, if any."""
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT id FROM runs WHERE tenant = ? AND service = ? AND status = 'running'",
+                (tenant, deployment),
+            )
+        return None if row is None else str(row[0])
 
     def get(self, tenant: str, run_id: str) -> RunRecord:
         with self._store.read() as conn:

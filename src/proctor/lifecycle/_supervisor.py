@@ -193,6 +193,14 @@ class Supervisor:
                 raise self._refuse(tenant, actor, name, exc.message, dep.digest) from exc
         else:
             rt.deployments.check_synthetic(tenant, artifact)
+        if dep.mode != "job" and (running := self.runs.running_one(tenant, name)) is not None:
+            # Answered early (the API's stream has not started); the store decides a race.
+            raise self._refuse(
+                tenant, actor, name,
+                f"deployment {name} is running already ({running}); a service or a schedule"
+                " has one run at a time",
+                dep.digest,
+            )  # fmt: skip
         return dep, artifact, approvals
 
     def start(
@@ -229,7 +237,10 @@ class Supervisor:
                 raise RunRefused(f"run of {name} refused: this supervisor is shutting down")
             self._active[run_id] = stop
         try:
-            self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
+            try:
+                self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
+            except RunRefused as exc:  # running already: the refusal is recorded
+                raise self._refuse(tenant, actor, name, exc.message, dep.digest) from None
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )
@@ -311,11 +322,12 @@ class Supervisor:
         started_at = utc_now()
 
         def insert(conn: Conn) -> None:
+            # A service or a schedule: one run at a time, held by the store.
             Runs.insert(conn, (
                 run_id, tenant, dep.name, dep.version, dep.digest, dep.environment,
                 scope.workload, json.dumps(list(approvals)), self.driver.name, None, "running",
                 None, None, attempt, json.dumps(limits_doc), None, started_at, None,
-            ), self.supervisor_id)  # fmt: skip
+            ), self.supervisor_id, exclusive=dep.mode != "job")  # fmt: skip
 
         self.rt.ledger.append(
             tenant,

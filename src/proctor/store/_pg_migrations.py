@@ -230,4 +230,11 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
         " 'principal.disable', 'principal.enable', 'token.issue', 'quorum.set',"
         " 'tenant.freeze', 'tenant.unfreeze')",
     ],
+    # 8: a service or a schedule has at most one run at a time, whichever process or
+    # node starts it: the store refuses a second 'running' row (lifecycle, Runs.insert).
+    [
+        "ALTER TABLE runs ADD COLUMN service TEXT",
+        "CREATE UNIQUE INDEX runs_one_per_service ON runs (tenant, service)"
+        " WHERE status = 'running' AND service IS NOT NULL",
+    ],
 ]
