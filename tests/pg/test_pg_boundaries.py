@@ -313,6 +313,14 @@ def test_pure_functions_still_work(pg: PgEnv) -> None:
     assert out["row_count"] == 3
     out = sql(pg.scope, "SELECT g FROM generate_series(1, 3) AS g, customers WHERE id = 1")
     assert out["rows"] == [[1], [2], [3]]
+    # SQL-standard syntax the parser turns into function calls.
+    out = sql(
+        pg.scope,
+        "SELECT id FROM customers WHERE name SIMILAR TO 'Ada%' AND name LIKE 'A!%' ESCAPE '!'"
+        " OR (now(), now()) OVERLAPS (now(), now()) AND id = 1 AND name IS NORMALIZED"
+        " AND substring(name FROM 1 FOR 3) = 'Ada' AND position('a' IN name) > 0",
+    )
+    assert out["rows"] == [[1]]
 
 
 # -- 4. no DSN password in any message ---------------------------------------------

@@ -504,7 +504,8 @@ ALLOWED_FUNCTIONS = frozenset(
         "regexp_split_to_array", "regexp_split_to_table", "quote_literal", "quote_ident",
         "quote_nullable", "to_hex", "normalize", "unistr", "string_to_array",
         "string_to_table", "array_to_string", "convert_from", "convert_to", "to_ascii",
-        "soundex", "like_escape", "textcat",
+        "soundex", "like_escape", "textcat", "similar_to_escape", "similar_escape",
+        "is_normalized",
         # numbers
         "abs", "round", "ceil", "ceiling", "floor", "trunc", "sqrt", "cbrt", "power", "pow",
         "exp", "ln", "log", "log10", "mod", "sign", "div", "gcd", "lcm", "factorial",
@@ -516,7 +517,7 @@ ALLOWED_FUNCTIONS = frozenset(
         "date_trunc", "date_part", "extract", "date_bin", "age", "make_date", "make_time",
         "make_timestamp", "make_timestamptz", "make_interval", "to_date", "to_timestamp",
         "justify_days", "justify_hours", "justify_interval", "isfinite", "timezone",
-        "date_add", "date_subtract",
+        "date_add", "date_subtract", "overlaps",
         # JSON
         "to_json", "to_jsonb", "row_to_json", "array_to_json", "json_build_object",
         "jsonb_build_object", "json_build_array", "jsonb_build_array", "json_object",
