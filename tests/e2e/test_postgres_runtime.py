@@ -78,6 +78,7 @@ def test_runtime_on_postgresql_with_a_postgresql_dataset(
         roles = [r[0] for r in conn.execute(
             "SELECT rolname FROM pg_roles WHERE rolname LIKE 'proctor%'").fetchall()]  # fmt: skip
         assert roles, "the deployment's role exists while it is deployed"
+        assert not [r for r in roles if r.startswith("proctor_run_")], "the run's login is gone"
         granted = conn.execute(
             "SELECT column_name FROM information_schema.column_privileges"
             " WHERE grantee = %s AND table_name = 'customers' ORDER BY column_name",
