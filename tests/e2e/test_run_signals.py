@@ -13,6 +13,7 @@ on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -334,3 +335,62 @@ def test_sigterm_to_serve_ends_every_run_it_supervises_before_it_exits(
         assert not (gov.home / "runs" / record.id / "code").exists()
     assert place.leftovers() == []
     assert not [c for c in cgroups if c.exists()], "the runs' cgroups are removed"
+
+
+def _procs(cgroups: list[Path]) -> set[int]:
+    found: set[int] = set()
+    for c in cgroups:
+        with contextlib.suppress(OSError):
+            found.update(int(p) for p in (c / "cgroup.procs").read_text().split())
+    return found
+
+
+@pytest.mark.parametrize("backend", GVISOR + BWRAP)
+def test_a_sandbox_dies_at_its_wall_clock_limit_though_its_owner_was_killed(
+    place: Place, backend: str
+) -> None:
+    """SIGKILL of the owner before the limit: no proctor process runs afterwards,
+    and still the sandbox's processes are gone once the limit (plus the guard's
+    grace) has passed; the next command that opens the home records the run."""
+    gov = place.gov
+    art = gov.artifact_dir("short", SLEEPER, '[limits]\ntimeout = "3s"\n')
+    digest = gov.submit("acme", art)
+    gov.rt.approvals.grant("acme", digest, gov.principal("alice"))
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "short",
+                              environment="production", instruction="a 3 s limit",
+                              actor=gov.principal("dev").actor)  # fmt: skip
+    proc = subprocess.Popen(
+        [PROCTOR, "run", "short", "-t", "acme", "--backend", backend,
+         "--token", gov.token("dev")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=place.env,
+    )  # fmt: skip
+    wait_ready(proc)
+    cgroups = cgroups_of(place, proc.pid)
+    proc.kill()  # the owner is gone before the limit; nothing of proctor runs from here
+    proc.communicate(timeout=DEADLINE)
+    assert _procs(cgroups), "the sandbox outlives its owner's SIGKILL (runsc, bwrap do)"
+    deadline = time.monotonic() + DEADLINE  # generous: the limit is 3 s, the grace 2 s
+    while _procs(cgroups):
+        assert time.monotonic() < deadline, "the sandbox outlived its wall-clock limit"
+        time.sleep(0.2)
+
+    def guards() -> list[Path]:
+        return [p for p in Path("/proc").iterdir() if p.name.isdigit()
+                and any(str(c) in _cmdline(p) for c in cgroups)]  # fmt: skip
+
+    while guards():
+        assert time.monotonic() < deadline, "the guard stays once the sandbox is dead"
+        time.sleep(0.1)
+    record = Runs(gov.rt).all("acme", "short")[0]
+    assert record.status == "running", "nobody has looked yet"
+    out = subprocess.run([PROCTOR, "runs", "list", "-t", "acme", "--json"], capture_output=True,
+                         env=place.env, timeout=DEADLINE, check=True).stdout  # fmt: skip
+    assert {r["deployment"]: r["status"] for r in json.loads(out)} == {"short": "interrupted"}
+    assert_nothing_left(place, record.id, cgroups)
+
+
+def _cmdline(p: Path) -> str:
+    try:
+        return (p / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

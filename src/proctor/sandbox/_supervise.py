@@ -9,6 +9,7 @@ would not be safe in a threaded parent such as the warm pool.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import selectors
 import signal
@@ -26,6 +27,35 @@ from proctor.sandbox._model import Limits, Reason
 # Exit 125 if the supervisor died before opening the gate: never run unconfined.
 _GATE = 'read -r _ || exit 125; exec "$@"'
 _GATE_FAILED = 125
+#: The wall-clock guard: a process of its own session, outside the run's cgroup,
+#: that outlives the owner (a SIGKILL of ``serve`` included) and kills everything
+#: in the run's cgroup once the limit (plus a grace, so the owner's own kill,
+#: recorded as a timeout, comes first) has passed. It leaves as soon as the cgroup
+#: is gone (the run ended, or a successor reaped it). POSIX shell builtins but
+#: ``sleep``: $1 the deadline in /proc/uptime seconds, $2 cgroup.kill or "",
+#: then each cgroup.procs file.
+_GUARD = r"""
+end=$1; kill_file=$2; shift 2
+while :; do
+  [ -e "$1" ] || exit 0
+  read -r up _ < /proc/uptime
+  [ "${up%.*}" -ge "$end" ] && break
+  sleep 0.2
+done
+[ -n "$kill_file" ] && { echo 1 > "$kill_file"; } 2>/dev/null
+n=0
+while [ "$n" -lt 600 ]; do
+  left=
+  for f in "$@"; do
+    [ -r "$f" ] || continue
+    while read -r pid; do kill -9 "$pid" 2>/dev/null; left=1; done < "$f"
+  done
+  [ -z "$left" ] && exit 0
+  n=$((n + 1)); sleep 0.05
+done
+"""
+#: How long after the run's own deadline the guard acts.
+GUARD_GRACE = 2.0
 _READ_CHUNK = 65536
 _COUNTER_INTERVAL = 0.05
 _EXIT_GRACE = 0.5
@@ -106,6 +136,42 @@ def launch(
     return proc
 
 
+def _uptime() -> float:
+    with open("/proc/uptime", "rb") as f:
+        return float(f.read().split()[0])
+
+
+def start_guard(cgroup: RunCgroup, seconds: float) -> subprocess.Popen[bytes] | None:
+    """Start the run's wall-clock guard (see ``_GUARD``): ``seconds`` from now, it
+    kills what is left in ``cgroup`` whether or not this process still lives.
+    None if it cannot be started (the owner still enforces the limit itself)."""
+    procs = [str(d / "cgroup.procs") for d in cgroup.directories]
+    if not procs:
+        return None
+    kill_file = str(cgroup.v2 / "cgroup.kill") if cgroup.v2 is not None else ""
+    try:
+        end = math.ceil(_uptime() + max(0.0, seconds))
+        return subprocess.Popen(
+            ["/bin/sh", "-c", _GUARD, "proctor-guard", str(end), kill_file, *procs],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            start_new_session=True,
+        )
+    except (OSError, ValueError):
+        return None
+
+
+def stop_guard(guard: subprocess.Popen[bytes] | None) -> None:
+    """End the guard (and its ``sleep``): the run is over and its cgroup empty."""
+    if guard is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(guard.pid, signal.SIGKILL)
+    guard.wait()
+
+
 def _shell_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
@@ -135,6 +201,8 @@ def watch(
     dropped = {"stdout": 0, "stderr": 0}
     budget = limits.output_bytes
     deadline = started + limits.wall_seconds
+    # The limit holds even if this process dies before it: see _GUARD.
+    guard = start_guard(cgroup, deadline - time.monotonic() + GUARD_GRACE)
     kill_reason: Reason | None = None
     exited_at: float | None = None
     next_counters = 0.0
@@ -205,6 +273,7 @@ def watch(
             proc.wait()
         # Sweep anything that outlived the tool (a daemonised child, a gofer).
         cgroup.kill()
+        stop_guard(guard)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 with contextlib.suppress(OSError):
