@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -136,11 +137,28 @@ def run_cli(*args: str, home: Path | None = None, check: bool = True) -> CliResu
     return res
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    h = tmp_path / "home"
+def copy_home(template: Path, to: Path) -> Path:
+    """A copy of an initialised home at ``to``: the same files (one signing key for
+    the copies of one template), its own SQLite file. ``proctor init`` costs a second
+    of process start and key generation; a copy of its result costs milliseconds."""
+    shutil.copytree(template, to, symlinks=True)
+    config = to / "config.json"
+    # The store URL is the only absolute path in a home.
+    config.write_text(config.read_text().replace(str(template), str(to)))
+    return to
+
+
+@pytest.fixture(scope="session")
+def initialised_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``proctor init`` per session, run for real; tests get copies (``home``)."""
+    h = tmp_path_factory.mktemp("template") / "home"
     run_cli("init", "--home", str(h))
     return h
+
+
+@pytest.fixture
+def home(initialised_home: Path, tmp_path: Path) -> Path:
+    return copy_home(initialised_home, tmp_path / "home")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -18,18 +18,24 @@ from proctor.ledger import (
     verify_consistency,
     verify_inclusion,
 )
-from tests.conftest import run_cli
+from tests.conftest import copy_home, run_cli
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def two_tenants(initialised_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    h = copy_home(initialised_home, tmp_path_factory.mktemp("two-tenants") / "home")
+    run_cli("tenant", "create", "acme", home=h)
+    run_cli("tenant", "create", "globex", home=h)
+    return h
+
+
 @pytest.fixture
-def acme(home: Path) -> Path:
-    run_cli("tenant", "create", "acme", home=home)
-    run_cli("tenant", "create", "globex", home=home)
-    return home
+def acme(two_tenants: Path, tmp_path: Path) -> Path:
+    return copy_home(two_tenants, tmp_path / "home")
 
 
 def test_init_makes_a_private_key_and_a_system_log(home: Path) -> None:

@@ -17,7 +17,7 @@ from proctor.errors import NotFound, UsageError, VerificationFailed
 from proctor.governance import Tenants
 from proctor.governance._artifacts import Artifacts, artifact_digest
 from proctor.ledger import SYSTEM_LOG, EventDraft
-from tests.conftest import OPERATOR, CliResult, LedgerEnv, run_cli
+from tests.conftest import OPERATOR, CliResult, LedgerEnv, copy_home, run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "churn-report"
 
@@ -491,10 +491,16 @@ def audit(home: Path, tenant: str = "acme") -> list[dict[str, object]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
+@pytest.fixture(scope="module")
+def acme_template(initialised_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    h = copy_home(initialised_home, tmp_path_factory.mktemp("acme") / "home")
+    run_cli("tenant", "create", "acme", home=h)
+    return h
+
+
 @pytest.fixture
-def acme(home: Path) -> Path:
-    run_cli("tenant", "create", "acme", home=home)
-    return home
+def acme(acme_template: Path, tmp_path: Path) -> Path:
+    return copy_home(acme_template, tmp_path / "home")
 
 
 def test_cli_submit_show_list_diff(acme: Path, tmp_path: Path) -> None:

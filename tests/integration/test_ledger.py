@@ -71,9 +71,12 @@ def test_large_tree_uses_higher_tile_levels(ledger_env: LedgerEnv) -> None:
     ledger = ledger_env.ledger
     ledger.create_log("big", draft(0))
 
+    # Concurrent batches (a commit per batch, not per event): the tile levels are the
+    # point here; test_concurrent_appends_are_dense_and_each_acknowledged covers
+    # one-event appends racing.
     def worker(k: int) -> None:
-        for i in range(k, n - 1, 16):
-            ledger.append("big", draft(i + 1))
+        for start in range(1 + 64 * k, n, 64 * 16):
+            ledger.append_many("big", [draft(i) for i in range(start, min(start + 64, n))])
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(16)]
     for t in threads:
