@@ -196,6 +196,7 @@ FRAMING: dict[str, type[ProctorError]] = {
     "too_large": UsageError,
     "unsupported_media_type": UsageError,
     "method_not_allowed": UsageError,
+    "rate_limited": UsageError,
 }
 
 #: Codes whose answer asks the client to retry (the Retry-After header).

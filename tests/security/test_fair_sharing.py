@@ -28,11 +28,14 @@ from typing import Any
 
 import pytest
 
+from proctor.api import Limits
 from proctor.broker import Broker, DatasetBinding, RunChannel, RunScope, make_broker
+from proctor.governance import Runs
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Actor, EventDraft, Ledger, Signer
 from proctor.policy import capability_policies, compile_policies
 from proctor.store import open_store
+from tests.integration.test_api_support import ApiEnv, build_env
 from tests.integration.test_broker_sql import make_dataset
 
 #: The victim's latency under a flood may be this many times its idle latency.
@@ -392,3 +395,198 @@ def test_a_connection_that_sends_nothing_is_closed_and_counted(
     refused = two.events("victim", "broker.connections.refused")
     assert [e["details"]["idle"] for e in refused] == [5]
     assert two.events("victim", "broker.request") == []
+
+
+# -- the API --------------------------------------------------------------------------
+
+
+@dataclass
+class Api:
+    env: ApiEnv
+    run_id: str  # a run of globex, 'running'
+
+
+def _api(tmp: Path, limits: Limits) -> Api:
+    env = build_env(tmp, limits=limits)
+    run_id = "run-follow"
+    with env.rt.store.write() as conn:
+        Runs.insert(conn, (
+            run_id, "globex", "job", 1, "sha256:" + "ab" * 32, "production",
+            "spiffe://x/tenant/globex/deployment/job/run/run-follow", "[]", "bubblewrap", None,
+            "running", None, None, 1, "{}", None, "2026-01-01T00:00:00.000000Z", None,
+        ), "test")  # fmt: skip
+    return Api(env, run_id)
+
+
+@contextlib.contextmanager
+def _api_env(tmp: Path, limits: Limits) -> Iterator[Api]:
+    api = _api(tmp, limits)
+    try:
+        yield api
+    finally:
+        api.env.server.stop()
+        api.env.rt.close()
+
+
+def _victim_get(client: Any) -> None:
+    resp = client.get("/tenants/acme/runs")
+    assert resp.status_code == 200, resp.text
+
+
+def _api_idle(client: Any) -> float:
+    for _ in range(3):
+        _victim_get(client)
+    return p50([timed(_victim_get, client) for _ in range(SAMPLES)])
+
+
+def _raw_get(
+    host: str, port: int, path: str, token: str, source: str = "127.0.0.1"
+) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n\r\n".encode()
+    )
+    return sock
+
+
+@pytest.mark.parametrize("bound", [None, 64], ids=["default-bound", "bound-raised"])
+def test_log_follows_of_one_auditor_hold_no_worker_threads(
+    tmp_path: Path, bound: int | None
+) -> None:
+    """Forty follows of one auditor held the API's forty shared worker threads and
+    another tenant's GET timed out. Now a principal holds at most a few follows
+    (429 beyond), and a follow waits on the event loop, not on a worker thread:
+    with the bound raised past them, 45 follows still leave the victim near idle."""
+    limits = Limits() if bound is None else Limits(follows_per_principal=bound)
+    with _api_env(tmp_path, limits) as api:
+        env = api.env
+        with env.http("acme", "aud") as victim:
+            idle = _api_idle(victim)
+            path = f"/tenants/globex/runs/{api.run_id}/logs?follow=true"
+            follows = [
+                _raw_get(env.server.host, env.server.port, path, env.token("globex", "aud"))
+                for _ in range(45)
+            ]
+            try:
+                answers = [sock.recv(12) for sock in follows]
+                loaded = [timed(_victim_get, victim) for _ in range(SAMPLES)]
+            finally:
+                for sock in follows:
+                    sock.close()
+        print(f"API victim idle {idle * 1e3:.1f} ms, beside 45 follows {p50(loaded) * 1e3:.1f} ms")
+        assert p50(loaded) < RATIO * idle, (idle, loaded)
+        held = answers.count(b"HTTP/1.1 200")
+        assert held == (45 if bound else Limits().follows_per_principal), answers
+        assert answers.count(b"HTTP/1.1 429") == 45 - held
+
+
+def test_follows_per_principal_are_bounded_with_a_clear_429(tmp_path: Path) -> None:
+    with _api_env(tmp_path, Limits(follows_per_principal=2)) as api:
+        env = api.env
+        path = f"/tenants/globex/runs/{api.run_id}/logs?follow=true"
+        token = env.token("globex", "aud")
+        held = [_raw_get(env.server.host, env.server.port, path, token) for _ in range(2)]
+        try:
+            for sock in held:
+                assert sock.recv(12) == b"HTTP/1.1 200"
+            with env.http("globex", "aud") as client:
+                resp = client.get(path)
+                assert resp.status_code == 429, resp.text
+                assert resp.json()["error"]["code"] == "rate_limited"
+                assert "follows 2 logs" in resp.json()["error"]["message"]
+                assert resp.headers["Retry-After"] == "1"
+                # Another principal of the tenant is not held up by this one's follows.
+                with env.http("globex", "root") as other:
+                    assert other.get(f"/tenants/globex/runs/{api.run_id}").status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+        # Given back when the client goes: a follow can be taken again.
+        deadline = time.monotonic() + 10
+        while True:
+            with env.http("globex", "aud") as client, client.stream("GET", path) as resp:
+                if resp.status_code == 200 or time.monotonic() > deadline:
+                    break
+            time.sleep(0.2)
+        assert resp.status_code == 200
+
+
+def test_api_requests_per_principal_are_rate_limited_and_counted(tmp_path: Path) -> None:
+    """2,000 reads added 2,000 events with no limit. Now a principal over its budget
+    is answered 429 before its request is decided, and the refusals are counted in
+    one api.rate_limited event per second, not one event each."""
+    with _api_env(tmp_path, Limits(requests_per_second=5, request_burst=40)) as api:
+        env = api.env
+        with env.http("acme", "aud") as victim:
+            idle = _api_idle(victim)
+            before = len(env.events("globex"))
+            with env.http("globex", "aud") as flood:
+                codes = [flood.get("/tenants/globex/runs").status_code for _ in range(300)]
+            loaded = [timed(_victim_get, victim) for _ in range(SAMPLES)]
+        refused = codes.count(429)
+        assert set(codes) == {200, 429} and refused >= 200, codes
+        assert p50(loaded) < RATIO * idle, (idle, loaded)
+        env.server.stop()  # what is still only counted is recorded at shutdown
+        added = env.events("globex")[before:]
+        requests = [e for e in added if e["action"] == "api.request"]
+        summaries = [e for e in added if e["action"] == "api.rate_limited"]
+        assert len(requests) == codes.count(200)
+        assert sum(e["details"]["refused"] for e in summaries) == refused
+        assert len(summaries) <= 1 + len(codes) // 20  # one per second at most, not one each
+        assert all(e["actor"]["id"].endswith("aud") for e in summaries), summaries
+
+
+_TCP_HOLDER = """
+import socket, sys
+held = []
+for _ in range(int(sys.argv[3])):
+    held.append(socket.create_connection((sys.argv[1], int(sys.argv[2])),
+                                         source_address=("127.0.0.2", 0)))
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_api_connections_of_one_address_are_bounded_refused_and_counted(
+    tmp_path: Path,
+) -> None:
+    """1,100 idle unauthenticated connections took the API to its descriptor limit
+    and other tenants' requests timed out, with no event. Scaled: the server's
+    process gets 400 descriptors of headroom; one address (127.0.0.2) opens 800."""
+    import resource
+    import subprocess
+    import sys
+
+    with _api_env(tmp_path, Limits()) as api:
+        env = api.env
+        with env.http("acme", "aud") as victim:
+            idle = _api_idle(victim)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 400, hard))
+            holder = subprocess.Popen(
+                [sys.executable, "-c", _TCP_HOLDER, env.server.host, str(env.server.port), "800"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+            )
+            try:
+                assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+                time.sleep(0.5)
+                loaded = [timed(_victim_get, victim) for _ in range(SAMPLES)]
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                holder.communicate(timeout=30)
+        print(
+            f"API victim idle {idle * 1e3:.1f} ms, beside 800 idle connections "
+            f"{p50(loaded) * 1e3:.1f} ms"
+        )
+        assert p50(loaded) < RATIO * idle, (idle, loaded)
+        env.server.stop()
+        refused = [
+            json.loads(e)
+            for e in env.rt.ledger.entries("system")
+            if json.loads(e)["action"] == "api.connections.refused"
+        ]
+        assert refused, "the refused connections are not on the record"
+        assert sum(e["details"]["over_source"] for e in refused) >= 800 - 64
+        assert len(refused) <= 5

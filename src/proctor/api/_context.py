@@ -23,6 +23,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from proctor.api._auth import Authenticator
 from proctor.api._errors import ApiError, not_found
+from proctor.api._limits import PrincipalLimits
 from proctor.errors import PolicyError
 from proctor.governance import Principal
 from proctor.ledger import EventDraft
@@ -35,11 +36,22 @@ _PATH_MAX = 512
 
 @dataclass(frozen=True)
 class Limits:
-    """Request size limits, in bytes."""
+    """Request size limits (bytes), and what one principal or address may hold."""
 
     json_body: int = 1 << 20
     artifact_upload: int = 64 << 20
     artifact_files: int = 10_000
+    #: Each principal's request budget: sustained per second, and at once.
+    requests_per_second: float = 50.0
+    request_burst: int = 500
+    #: Log follows (``logs?follow=true``) one principal may hold open at once.
+    follows_per_principal: int = 8
+    #: Connections the server holds from one client address, and in all (None: a
+    #: quarter of the process's descriptor limit).
+    connections_per_source: int = 64
+    connections_total: int | None = None
+    #: A connection that sends no byte for this long is closed, and counted.
+    first_byte_timeout: float = 10.0
 
 
 @dataclass
@@ -51,6 +63,15 @@ class ApiState:
     supervisor: Any = None  # proctor.lifecycle.Supervisor, made on the first run
     own_broker: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    principals: PrincipalLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.principals = PrincipalLimits(
+            lambda: self.rt.ledger,
+            self.limits.requests_per_second,
+            self.limits.request_burst,
+            self.limits.follows_per_principal,
+        )
 
     def get_supervisor(self) -> Any:
         from proctor.lifecycle import Supervisor
@@ -62,6 +83,7 @@ class ApiState:
             return self.supervisor
 
     def close(self) -> None:
+        self.principals.flush()
         with self.lock:
             if self.own_broker is not None:
                 self.own_broker.stop()
@@ -166,6 +188,8 @@ def current(
     """The FastAPI dependency every authenticated route takes."""
     state: ApiState = request.app.state.proctor
     principal = state.auth.authenticate(request.headers.get("authorization"))
+    # Before the request is decided (and recorded): over its budget it costs no event.
+    state.principals.admit(principal)
     return Ctx(
         state,
         principal,

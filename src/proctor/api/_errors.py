@@ -101,6 +101,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (413, "Request body too large (code too_large)"),
         (415, "Unsupported content type (code unsupported_media_type)"),
         (422, "Malformed parameters or body (code invalid_request)"),
+        (
+            429,
+            "Over the principal's request rate or follows: retry after Retry-After "
+            "(code rate_limited)",
+        ),
         (500, "Internal error (code internal), without detail"),
         (503, "Ledger or store cannot write: retry after Retry-After (code ledger_unavailable)"),
     )

@@ -4,13 +4,14 @@ approvals, deployments, runs and history. Each handler authorizes first (see
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import queue
 import shutil
 import tempfile
 import threading
-import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -577,23 +578,32 @@ _NDJSON: dict[int | str, dict[str, Any]] = {
     responses=_NDJSON,
     tags=["runs"],
 )
-def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
+async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
     """Run a job deployment now and stream it as JSON lines: ``{"stream": "stdout"|"stderr",
     "data": text}`` while it runs, then ``{"run": {...}}`` (or ``{"error": {...}}``)."""
-    ctx.authorize("run.start", tenant, f"deployment/{name}", _deployment_ref(tenant, name))
-    sup = ctx.state.get_supervisor()
+    await run_in_threadpool(
+        ctx.authorize, "run.start", tenant, f"deployment/{name}", _deployment_ref(tenant, name)
+    )
+    sup = await run_in_threadpool(ctx.state.get_supervisor)
     actor = ctx.principal.actor
     # Refusals (frozen tenant, stopped deployment, no quorum) are answered as errors,
     # not as a stream that starts well and ends badly.
-    sup.check_startable(tenant, name, actor)
-    lines: queue.Queue[bytes | None] = queue.Queue()
+    await run_in_threadpool(sup.check_startable, tenant, name, actor)
+    # The stream waits on the event loop, not on a worker thread: a client that
+    # holds many runs' streams open holds no thread of the API's pool.
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def put(item: bytes | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the server stopped: nobody reads
+            loop.call_soon_threadsafe(lines.put_nowait, item)
 
     def emit(stream: str) -> Any:
-        def put(data: bytes) -> None:
+        def out(data: bytes) -> None:
             doc = {"stream": stream, "data": data.decode("utf-8", errors="replace")}
-            lines.put(json.dumps(doc).encode() + b"\n")
+            put(json.dumps(doc).encode() + b"\n")
 
-        return put
+        return out
 
     request_id = ctx.request_id
 
@@ -601,18 +611,18 @@ def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
         try:
             record = sup.start(tenant, name, actor, on_stdout=emit("stdout"),
                                on_stderr=emit("stderr"))  # fmt: skip
-            lines.put(json.dumps({"run": record.as_json()}).encode() + b"\n")
+            put(json.dumps({"run": record.as_json()}).encode() + b"\n")
         except Exception as exc:
             _, doc, _ = describe(exc, request_id)
-            lines.put(json.dumps(doc).encode() + b"\n")
+            put(json.dumps(doc).encode() + b"\n")
         finally:
-            lines.put(None)
+            put(None)
 
     # The run outlives a client that hangs up: it is recorded to the end either way.
     threading.Thread(target=body, name=f"api-run-{name}", daemon=True).start()
 
-    def stream() -> Iterator[bytes]:
-        while (line := lines.get()) is not None:
+    async def stream() -> AsyncIterator[bytes]:
+        while (line := await lines.get()) is not None:
             yield line
 
     return StreamingResponse(stream(), media_type="application/x-ndjson")
@@ -655,38 +665,62 @@ _TEXT: dict[int | str, dict[str, Any]] = {
     responses=_TEXT,
     tags=["runs"],
 )
-def run_logs(
+async def run_logs(
     ctx: CtxDep,
     tenant: str,
     run_id: str,
     stream: Annotated[str, Query(pattern="^(stdout|stderr)$")] = "stdout",
     follow: bool = False,
 ) -> StreamingResponse:
-    """A run's stdout or stderr; with ``follow``, kept open until the run ends."""
+    """A run's stdout or stderr; with ``follow``, kept open until the run ends. A
+    principal may follow a few logs at once (429 beyond)."""
     from proctor.lifecycle import Runs
 
-    ctx.authorize("run.read", tenant, f"run/{run_id}", _runs_ref(ctx, tenant))
+    await run_in_threadpool(
+        ctx.authorize, "run.read", tenant, f"run/{run_id}", _runs_ref(ctx, tenant)
+    )
     runs = Runs(ctx.rt)
-    record = runs.get(tenant, run_id)
+    record = await run_in_threadpool(runs.get, tenant, run_id)
     path = ctx.rt.home / "runs" / record.id / f"{stream}.log"
+    release = ctx.state.principals.follow(ctx.principal) if follow else None
 
-    def tail() -> Iterator[bytes]:
+    async def tail() -> AsyncIterator[bytes]:
+        # Waits with awaits between polls: a follow holds no worker thread while
+        # its run is quiet, only for each short read.
         offset = 0
-        while True:
-            running = follow and runs.get(tenant, run_id).status == "running"
-            try:
-                with path.open("rb") as f:
-                    f.seek(offset)
-                    while chunk := f.read(64 * 1024):
-                        offset += len(chunk)
-                        yield chunk
-            except FileNotFoundError:
-                pass
-            if not running:
-                return
-            time.sleep(0.2)
+        try:
+            while True:
+                running = (
+                    follow
+                    and (await run_in_threadpool(runs.get, tenant, run_id)).status == "running"
+                )
+                chunk = await run_in_threadpool(_read_at, path, offset)
+                while chunk:
+                    offset += len(chunk)
+                    yield chunk
+                    chunk = await run_in_threadpool(_read_at, path, offset)
+                if not running:
+                    return
+                await asyncio.sleep(0.2)
+        finally:
+            if release is not None:
+                release()
 
-    return StreamingResponse(tail(), media_type="text/plain")
+    body = tail()
+    if release is not None:
+        # A stream never started (the client left first) runs no finally: the
+        # follow is given back when the generator is collected.
+        weakref.finalize(body, release)
+    return StreamingResponse(body, media_type="text/plain")
+
+
+def _read_at(path: Path, offset: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read(64 * 1024)
+    except FileNotFoundError:
+        return b""
 
 
 # -- history ------------------------------------------------------------------------

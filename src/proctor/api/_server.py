@@ -3,6 +3,8 @@ start it beside the supervisor and stop it cleanly."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -11,15 +13,76 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from proctor.api._app import create_app
 from proctor.api._auth import OIDCIssuer
 from proctor.api._context import Limits
+from proctor.api._limits import WINDOW, ConnectionGate
 from proctor.errors import ProctorError, UsageError
+from proctor.ledger import Actor
 from proctor.runtime import Runtime
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open descriptors to its hard limit (each
+    connection holds one); returns the soft limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+class _GatedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol behind a :class:`ConnectionGate`: a connection over
+    its address's or the server's bound is closed before a byte is read, and one
+    that sends nothing before the first-byte timeout is closed; both are counted."""
+
+    gate: ConnectionGate
+    _flush: asyncio.TimerHandle | None = None
+    _source: str | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        source = self.client[0] if self.client else "unknown"
+        if not self.gate.admit(source):
+            transport.abort()
+            self._schedule_record()
+            return
+        self._source = source
+        # The keep-alive timer doubles as the first-byte timeout: any byte cancels it.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.gate.first_byte, self._first_byte_timeout
+        )
+
+    def _first_byte_timeout(self) -> None:
+        self.gate.idle()
+        self._schedule_record()
+        self.timeout_keep_alive_handler()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._source is not None:
+            self.gate.release(self._source)
+            self._source = None
+        super().connection_lost(exc)
+
+    def _schedule_record(self) -> None:
+        cls = type(self)
+        if cls._flush is None:
+            cls._flush = self.loop.call_later(WINDOW, cls._record, self.loop)
+
+    @classmethod
+    def _record(cls, loop: asyncio.AbstractEventLoop) -> None:
+        cls._flush = None
+        # The ledger append blocks (fsync): off the loop.
+        loop.run_in_executor(None, cls.gate.record)
 
 
 class ApiServer:
@@ -31,6 +94,7 @@ class ApiServer:
         self._server = server
         self._thread = thread
         self._sock = sock
+        self.gate: ConnectionGate | None = None
         host, port = sock.getsockname()[:2]
         self.host: str = host
         self.port: int = port
@@ -41,6 +105,8 @@ class ApiServer:
         self._server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
+        if self.gate is not None:
+            self.gate.record()  # what is still only counted
 
     def __enter__(self) -> ApiServer:
         return self
@@ -76,6 +142,17 @@ def serve_api(
         backend=backend,
         worker_threads=worker_threads,
     )
+    limits = limits or Limits()
+    # A connection is a descriptor: raise the soft limit, bound connections below it.
+    nofile = raise_open_files_limit()
+    gate = ConnectionGate(
+        rt.ledger,
+        limits.connections_per_source,
+        limits.connections_total or max(256, nofile // 4),
+        limits.first_byte_timeout,
+        Actor("runtime", "proctor-api"),
+    )
+    protocol = type("GatedH11", (_GatedH11,), {"gate": gate})
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections
     # only when the socket says so, and without it Nagle's algorithm meets delayed
@@ -93,9 +170,12 @@ def serve_api(
         ssl_certfile=str(certfile) if certfile else None,
         ssl_keyfile=str(keyfile) if keyfile else None,
         access_log=False,
+        http=protocol,
         server_header=False,
-        # Enough for 64 clients without queueing in the kernel backlog.
-        backlog=512,
+        # Enough for 64 clients without queueing in the kernel backlog, and also how
+        # many connections asyncio accepts at a time: a flood refused costs at most
+        # that many descriptors at once.
+        backlog=128,
         timeout_keep_alive=30,
         # A client that keeps its connection open must not hold up stop() for long.
         timeout_graceful_shutdown=5,
@@ -112,4 +192,6 @@ def serve_api(
             sock.close()
             raise ProctorError("the API server did not start (see the log above)")
         time.sleep(0.01)
-    return ApiServer(server, thread, sock, "https" if certfile else "http")
+    api = ApiServer(server, thread, sock, "https" if certfile else "http")
+    api.gate = gate
+    return api
