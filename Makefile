@@ -32,6 +32,7 @@ bench: setup
 	$(PY) bench/broker_proxy.py
 	$(PY) bench/evidence.py
 	$(PY) bench/api.py
+	$(PY) bench/fair.py
 
 # The adversarial suite at full size: faults, the 32-run load, fuzzing, escapes.
 # `make test` runs the same tests at bounded sizes.
