@@ -225,7 +225,10 @@ def broker_figures(samples: int) -> list[str]:
                 grown = rss() - before
                 lat = measure(victim_call, samples)
             lines.append(
-                row(f"8 stalled 64 MiB uploads (64 MiB sent; RSS +{grown >> 20} MiB)", lat)
+                row(
+                    f"8 stalled uploads, streamed to disk (64 MiB sent; RSS +{grown >> 20} MiB)",
+                    lat,
+                )
             )
             with idle_connections(attacker):
                 lines.append(
