@@ -590,3 +590,40 @@ def test_idle_api_connections_of_one_address_are_bounded_refused_and_counted(
         assert refused, "the refused connections are not on the record"
         assert sum(e["details"]["over_source"] for e in refused) >= 800 - 64
         assert len(refused) <= 5
+
+
+# -- the fair pool itself --------------------------------------------------------------
+
+
+def test_the_fair_pool_bounds_runs_and_tenants_and_serves_tenants_in_turn() -> None:
+    import asyncio
+
+    from proctor.broker._fair import FairPool
+
+    pool = FairPool(workers=6, per_tenant=4, per_run=2)
+    gate = threading.Event()
+    seen: list[tuple[int, dict[str, int]]] = []
+    order: list[str] = []
+
+    def job(name: str) -> str:
+        seen.append(pool.busy())
+        gate.wait(10)
+        order.append(name)
+        return name
+
+    async def scenario() -> None:
+        flood = [asyncio.create_task(pool.run("a", f"a{i % 3}", job, f"a{i}")) for i in range(20)]
+        await asyncio.sleep(0.2)
+        assert pool.busy() == (4, {"a": 4})  # the tenant's share, not the pool
+        # A cancelled waiter gives up its place and takes nothing with it.
+        flood[-1].cancel()
+        other = asyncio.create_task(pool.run("b", "b0", job, "b0"))
+        await asyncio.sleep(0.2)
+        assert pool.busy() == (5, {"a": 4, "b": 1})  # b had a worker at once
+        gate.set()
+        done = await asyncio.gather(*flood[:-1], other)
+        assert sorted(done) == sorted([f"a{i}" for i in range(19)] + ["b0"])
+        assert pool.busy() == (0, {})
+
+    asyncio.run(scenario())
+    assert all(busy <= 6 and counts.get("a", 0) <= 4 for busy, counts in seen)
