@@ -627,3 +627,74 @@ def test_the_fair_pool_bounds_runs_and_tenants_and_serves_tenants_in_turn() -> N
 
     asyncio.run(scenario())
     assert all(busy <= 6 and counts.get("a", 0) <= 4 for busy, counts in seen)
+
+
+@pytest.mark.postgres
+def test_slow_postgresql_statements_of_one_tenant_do_not_delay_another(
+    two: TwoTenants, pg_server: Any, tmp_path: Path
+) -> None:
+    """The same on PostgreSQL: twelve statements of one tenant's run that each wait
+    on a lock the test holds (up to the 2 s limit) leave the victim near idle."""
+    import psycopg
+
+    from proctor.broker._pg_sql import (
+        close_pg_pools,
+        grant_deployment_role,
+        revoke_deployment_role,
+    )
+
+    name = f"crm_fair_{abs(hash(str(tmp_path))) % 10**9}"
+    dsn = pg_server.create_database(name)
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE customers (id BIGINT PRIMARY KEY, name TEXT)")
+        conn.execute("INSERT INTO customers VALUES (1, 'a'), (2, 'b')")
+    tables = _caps("read")["datasets"]["crm"]["tables"]
+    grant_deployment_role(dsn, "mallory", "job", "crm", tables)
+    attacker = two.attacker.scope
+    scope = RunScope(
+        tenant="mallory",
+        run_id="run-mallory-pg",
+        workload="spiffe://test.local/tenant/mallory/deployment/job/run/run-mallory-pg",
+        deployment="job",
+        artifact=attacker.artifact,
+        approvals=(),
+        environment="production",
+        policies=attacker.policies,
+        ledger=two.ledger,
+        datasets={"crm": DatasetBinding("crm", "postgresql", dsn)},
+        lineage_key=b"k" * 32,
+        statement_timeout=2.0,
+    )
+    channel = two.broker.open_run(scope, ttl=600)
+    try:
+        assert sql(channel, "SELECT id, name FROM customers WHERE id = 1")[0] == 200
+        idle = _idle(two)
+        stop = threading.Event()
+
+        def slow() -> None:
+            while not stop.is_set():
+                sql(channel, "SELECT id, name FROM customers WHERE id = 2")
+
+        flood = [threading.Thread(target=slow) for _ in range(12)]
+        with psycopg.connect(dsn) as holder:
+            holder.execute("LOCK TABLE customers IN ACCESS EXCLUSIVE MODE")
+            try:
+                for t in flood:
+                    t.start()
+                time.sleep(0.3)
+                loaded = [timed(_victim_call, two) for _ in range(SAMPLES)]
+            finally:
+                stop.set()
+                holder.rollback()
+                for t in flood:
+                    t.join()
+        print(
+            f"PostgreSQL flood: victim idle {idle * 1e3:.1f} ms, "
+            f"under flood {p50(loaded) * 1e3:.1f} ms"
+        )
+        assert p50(loaded) < RATIO * idle, (idle, loaded)
+    finally:
+        two.broker.close_run(scope.run_id)
+        close_pg_pools(scope)
+        revoke_deployment_role(dsn, "mallory", "job", "crm")
+        pg_server.drop_database(name)
