@@ -457,8 +457,11 @@ def check_runs_closed(node: Node, *, final: bool) -> dict[str, int]:
         assert ends[0]["details"]["status"] == rec.status
         assert mine[-1] is ends[0], f"run {rec.id}: an event was recorded after its run.end"
         if rec.status == "interrupted":
-            assert rec.reason == "supervisor died"
-            assert ends[0]["reason"] == "interrupted: supervisor died"
+            # Killed (closed by a successor), or ended by a clean stop of its serve.
+            assert rec.reason in ("supervisor died", "supervisor stopping")
+            assert ends[0]["reason"] == f"interrupted: {rec.reason}"
+            if rec.reason == "supervisor died":
+                counts["died"] = counts.get("died", 0) + 1
             code = gov.home / "runs" / rec.id / "code"
             assert not code.exists(), f"the interrupted run {rec.id} left its code at {code}"
     return counts
@@ -648,7 +651,7 @@ def test_serve_killed_at_random_moments_leaves_nothing_and_loses_nothing(
             extra = [a for cp in held for a in ("--checkpoint", str(cp))] if log == "acme" else []
             out = run_cli("audit", "verify", "-t", log, *extra, home=gov.home).out
             assert "verified" in out
-        interrupted = counts.get("interrupted", 0)
+        interrupted = counts.get("died", 0)
         assert interrupted >= 1, "no kill caught a run: the test did not test anything"
         assert closed["answers"] > 0 and closed["objects"] > 0
 
@@ -730,7 +733,8 @@ def test_an_owner_killed_at_each_step_of_a_sandbox_leaves_nothing_after_a_reap(
         assert set(places.registry_entries()) == set(mine), "the live owner's entry went"
         assert [p.name for p in places.registry.iterdir()] == mine, "a staged entry was left"
         assert not jail.children(), f"cgroups left: {jail.children()}"
-        assert not jail.members(), f"processes left: {[proc_info(p) for p in jail.members()]}"
+        # The dead owner's wall-clock guard leaves once it sees the cgroup gone (0.2 s).
+        wait_for(lambda: not jail.members(), "the dead owner's processes to be gone")
         assert not [d for d in places.tmp.iterdir() if str(d) not in
                     {e["workdir"] for e in places.registry_entries().values()}], "a workdir was left"  # fmt: skip
         mounts = Path("/proc/self/mountinfo").read_text()
