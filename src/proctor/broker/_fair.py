@@ -25,6 +25,7 @@ share one fair pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import threading
@@ -79,6 +80,21 @@ class FairPool:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="proctor-broker-work")
         self._lock = threading.Lock()
         self._share = _Share(free=workers)
+        self._started = False
+
+    def _start_workers(self) -> None:
+        """Start every worker now, once: a pool that grows a thread at a time under
+        load reads as a leak to whoever counts threads, and costs the first calls."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+            # Each waits for all the others, so each submit starts a thread of its own.
+            barrier = threading.Barrier(self.workers + 1, timeout=30)
+            for _ in range(self.workers):
+                self._executor.submit(barrier.wait)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
 
     def _fits(self, tenant: str, run: str) -> bool:
         s = self._share
@@ -158,6 +174,8 @@ class FairPool:
         self, tenant: str, run: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
         """``fn(*args, **kwargs)`` on a worker, once ``run`` of ``tenant`` has a slot."""
+        if not self._started:
+            self._start_workers()
         await self._acquire(tenant, run)
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         try:
