@@ -341,6 +341,7 @@ def test_idle_connections_of_one_run_are_bounded_refused_and_counted(two: TwoTen
     idle = _idle(two)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 300, hard))
+    started = time.monotonic()
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLDER, str(two.attacker.channel.socket), "400"],
         stdin=subprocess.PIPE,
@@ -368,7 +369,8 @@ def test_idle_connections_of_one_run_are_bounded_refused_and_counted(two: TwoTen
             break
         time.sleep(0.1)
     assert total == expected, refused
-    assert len(refused) <= 3  # a summary per interval, not an event per connection
+    # A summary per second of refusals, not an event per connection.
+    assert len(refused) <= time.monotonic() - started + 2, refused
     assert all(e["decision"] == "deny" for e in refused)
 
 
@@ -563,6 +565,7 @@ def test_idle_api_connections_of_one_address_are_bounded_refused_and_counted(
             idle = _api_idle(victim)
             soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 400, hard))
+            started = time.monotonic()
             holder = subprocess.Popen(
                 [sys.executable, "-c", _TCP_HOLDER, env.server.host, str(env.server.port), "800"],
                 stdin=subprocess.PIPE,
@@ -589,7 +592,8 @@ def test_idle_api_connections_of_one_address_are_bounded_refused_and_counted(
         ]
         assert refused, "the refused connections are not on the record"
         assert sum(e["details"]["over_source"] for e in refused) >= 800 - 64
-        assert len(refused) <= 5
+        # A summary per second of refusals, not an event per connection.
+        assert len(refused) <= time.monotonic() - started + 2, refused
 
 
 # -- the fair pool itself --------------------------------------------------------------
