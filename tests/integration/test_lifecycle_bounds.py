@@ -32,15 +32,19 @@ from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import working
 
 pytestmark = pytest.mark.sandbox
+CALLS = {"sql.select", "file.write"}
 STANDING_RULE = "proctor:broker:run-standing"  # the broker's rule named in the refusal
 ONE = ([b for b in ("bubblewrap", "gvisor") if b in working()] or ["bubblewrap"])[:1]
 
-# Calls until it is stopped; every answer and refusal is printed.
+# SQL and file calls in turn until it is stopped; every answer and refusal is printed.
 LOOPER = """
 import proctor_guest as g
 for i in range(1000000):
     try:
-        g.sql("crm", "SELECT id FROM customers WHERE id <= ?", [1 + i % 5])
+        if i % 2:
+            g.write("reports", f"n/{i}.txt", b"x")
+        else:
+            g.sql("crm", "SELECT id FROM customers WHERE id <= ?", [1 + i % 5])
         print("ANSWER", i, flush=True)
     except Exception as exc:
         print("REFUSED", i, str(exc)[:200], flush=True)
@@ -49,6 +53,9 @@ CAPS = """
 [datasets.crm.tables.customers]
 columns = ["id"]
 access = "read"
+
+[buckets]
+reports = "write"
 """
 
 
@@ -109,7 +116,7 @@ def test_the_first_call_after_a_freeze_stop_or_revocation_is_refused(
               "revoke": "approval.revoke"}[how]  # fmt: skip
     evs = _events(gov)
     (cut,) = [e["seq"] for e in evs if e["action"] == action]
-    calls = [e for e in evs if e.get("run") == record.id and e["action"] == "sql.select"]
+    calls = [e for e in evs if e.get("run") == record.id and e["action"] in CALLS]
     before = [e for e in calls if e["seq"] < cut]
     after = [e for e in calls if e["seq"] > cut]
     assert before and all(e["decision"] == "allow" for e in before)
@@ -120,6 +127,7 @@ def test_the_first_call_after_a_freeze_stop_or_revocation_is_refused(
     why = {"freeze": "the tenant is frozen", "stop": "the deployment is stopped",
            "revoke": "its approvals no longer make the quorum"}[how]  # fmt: skip
     assert after[0]["reason"].startswith(f"refused: {why}")
+    assert {e["action"] for e in before} == CALLS, "SQL and files both answered before"
     assert record.status == "stopped"
 
 
