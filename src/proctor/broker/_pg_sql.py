@@ -58,7 +58,6 @@ login at run end and revokes at undeploy.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as dt
 import decimal
@@ -90,6 +89,7 @@ from proctor.broker._datasets import (
     TimedOut,
     answer,
 )
+from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
@@ -849,7 +849,7 @@ class PostgresConnector:
         try:
             return await answer(scope, stmt, call.dataset, binding, details)
         finally:
-            await asyncio.to_thread(stmt.close)
+            await run_blocking(scope, stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
         # The closed pool stays with the scope (see close_pg_pools); one is made
