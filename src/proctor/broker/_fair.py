@@ -50,6 +50,7 @@ PER_RUN = 4
 
 @dataclass
 class _Waiter:
+    tenant: str
     run: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[None]
@@ -120,8 +121,18 @@ class FairPool:
                 if not counts[name]:
                     del counts[name]
             self._hand_out(wake)
+        self._wake(wake)
+
+    def _wake(self, wake: list[_Waiter], me: _Waiter | None = None) -> None:
         for w in wake:
-            w.loop.call_soon_threadsafe(_wake, w.future)
+            if w is me:
+                w.future.set_result(None)
+                continue
+            try:
+                w.loop.call_soon_threadsafe(_wake, w.future)
+            except RuntimeError:
+                # Its loop is closed: nobody will run the job; the slot goes back.
+                self._give(w.tenant, w.run)
 
     def _hand_out(self, wake: list[_Waiter]) -> None:
         """Give free slots to waiters, one tenant at a time in turn (lock held)."""
@@ -146,16 +157,12 @@ class FairPool:
 
     async def _acquire(self, tenant: str, run: str) -> None:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(run, loop, loop.create_future())
+        waiter = _Waiter(tenant, run, loop, loop.create_future())
         wake: list[_Waiter] = []
         with self._lock:
             self._share.waiting.setdefault(tenant, deque()).append(waiter)
             self._hand_out(wake)
-        for w in wake:
-            if w is waiter:
-                w.future.set_result(None)
-            else:
-                w.loop.call_soon_threadsafe(_wake, w.future)
+        self._wake(wake, waiter)
         try:
             await waiter.future
         except asyncio.CancelledError:
