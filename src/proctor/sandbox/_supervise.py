@@ -28,14 +28,17 @@ from proctor.sandbox._model import Limits, Reason
 _GATE = 'read -r _ || exit 125; exec "$@"'
 _GATE_FAILED = 125
 #: The wall-clock guard: a process of its own session, outside the run's cgroup,
-#: that outlives the owner (a SIGKILL of ``serve`` included) and kills everything
-#: in the run's cgroup once the limit (plus a grace, so the owner's own kill,
-#: recorded as a timeout, comes first) has passed. It leaves as soon as the cgroup
-#: is gone (the run ended, or a successor reaped it). POSIX shell builtins but
-#: ``sleep``: $1 the deadline in /proc/uptime seconds, $2 cgroup.kill or "",
-#: then each cgroup.procs file.
+#: that outlives the owner (a SIGKILL of ``serve`` included). While the owner
+#: lives it blocks, costing nothing, on a pipe only the owner holds open (the
+#: owner enforces the limit itself and ends the guard with the run). At EOF the
+#: owner is gone: from then on it looks every 0.2 s, leaves as soon as the run's
+#: cgroup is gone (a successor reaped it), and once the limit plus a grace has
+#: passed kills everything in the cgroup. POSIX shell builtins but ``sleep``: $1
+#: the deadline in /proc/uptime seconds, $2 cgroup.kill or "", then each
+#: cgroup.procs file.
 _GUARD = r"""
 end=$1; kill_file=$2; shift 2
+while read -r _; do :; done
 while :; do
   [ -e "$1" ] || exit 0
   read -r up _ < /proc/uptime
@@ -141,35 +144,54 @@ def _uptime() -> float:
         return float(f.read().split()[0])
 
 
-def start_guard(cgroup: RunCgroup, seconds: float) -> subprocess.Popen[bytes] | None:
-    """Start the run's wall-clock guard (see ``_GUARD``): ``seconds`` from now, it
-    kills what is left in ``cgroup`` whether or not this process still lives.
-    None if it cannot be started (the owner still enforces the limit itself)."""
+@dataclass
+class Guard:
+    """A run's wall-clock guard (see ``_GUARD``) and the pipe that tells it we live."""
+
+    proc: subprocess.Popen[bytes]
+    alive_fd: int
+
+
+def start_guard(cgroup: RunCgroup, seconds: float) -> Guard | None:
+    """Start the run's wall-clock guard: if this process dies, what is left in
+    ``cgroup`` is killed ``seconds`` from now. None if it cannot be started
+    (this process still enforces the limit itself while it lives)."""
     procs = [str(d / "cgroup.procs") for d in cgroup.directories]
     if not procs:
         return None
     kill_file = str(cgroup.v2 / "cgroup.kill") if cgroup.v2 is not None else ""
     try:
         end = math.ceil(_uptime() + max(0.0, seconds))
-        return subprocess.Popen(
+        # Not inheritable: only this process holds the write end, so its death
+        # (however it comes) is the guard's EOF.
+        read_fd, alive_fd = os.pipe()
+    except (OSError, ValueError):
+        return None
+    try:
+        proc = subprocess.Popen(
             ["/bin/sh", "-c", _GUARD, "proctor-guard", str(end), kill_file, *procs],
-            stdin=subprocess.DEVNULL,
+            stdin=read_fd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
             start_new_session=True,
         )
-    except (OSError, ValueError):
+    except OSError:
+        os.close(alive_fd)
         return None
+    finally:
+        os.close(read_fd)
+    return Guard(proc, alive_fd)
 
 
-def stop_guard(guard: subprocess.Popen[bytes] | None) -> None:
-    """End the guard (and its ``sleep``): the run is over and its cgroup empty."""
+def stop_guard(guard: Guard | None) -> None:
+    """End the guard: the run is over and its cgroup empty."""
     if guard is None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(guard.pid, signal.SIGKILL)
-    guard.wait()
+        os.killpg(guard.proc.pid, signal.SIGKILL)
+    guard.proc.wait()
+    os.close(guard.alive_fd)
 
 
 def _shell_code(returncode: int) -> int:
