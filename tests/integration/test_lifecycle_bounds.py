@@ -308,3 +308,43 @@ def test_two_homes_on_one_postgresql_store_have_one_serve(pg_dsn: str, tmp_path:
     finally:
         for s in stores:
             s.close()
+
+
+def test_a_run_that_no_longer_stands_is_refused_every_call_but_keeps_its_evidence(
+    gov: Gov,
+) -> None:
+    """At the scope: every allowed event (egress, SQL, files, secrets, whoami) is
+    refused once the standing says no, and recorded as that refusal; a completion
+    event of a call admitted before (``http.request.end``) is still recorded."""
+    import asyncio
+
+    from proctor.broker import CallDenied, RunScope
+    from proctor.policy import Decision
+
+    rt = gov.rt
+    policies = rt.policies.compiled("acme", "")
+    why: list[str] = []
+    scope = RunScope("acme", "r-scope", "spiffe://proctor.local/tenant/acme/deployment/d/run/r",
+                     "d", None, (), "sandbox", policies, rt.ledger,
+                     standing=lambda _conn: why[0] if why else None)  # fmt: skip
+    allow = Decision(True, ("permit-all",), policies.version)
+
+    async def calls() -> list[str]:
+        out = []
+        for action in ("http.request", "sql.select", "file.write", "broker.whoami"):
+            try:
+                await scope.record(action, "thing/x", allow, reason="ok", details={})
+                out.append("allowed")
+            except CallDenied as exc:
+                out.append(exc.message)
+        await scope.record("http.request.end", "thing/x", allow, reason="closed", details={})
+        return out
+
+    assert asyncio.run(calls()) == ["allowed"] * 4
+    why.append("the tenant is frozen")
+    refused = asyncio.run(calls())
+    assert all(r.endswith("refused: the tenant is frozen") for r in refused), refused
+    evs = [e for e in _events(gov) if e.get("run") == "r-scope"]
+    assert [e["decision"] for e in evs] == ["allow"] * 5 + ["deny"] * 4 + ["allow"]
+    assert {tuple(e["policies"]) for e in evs[5:9]} == {(STANDING_RULE,)}
+    assert evs[-1]["action"] == "http.request.end"
