@@ -21,7 +21,7 @@ is removed: readers never see an object whose write is not in the ledger.
 An upload through the run's socket is decided on its head alone (bucket, key,
 announced length) before a byte of its body is read: a refused upload is never
 read and its connection closes. A permitted one is streamed to the temporary
-file a chunk at a time (a stalled sender holds one chunk, not the object).
+file 256 KiB at a time (a stalled sender holds one piece, not the object).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ _BUCKET_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")  # as governance registers th
 _SEGMENT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,254}$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _CHUNK = 1024 * 1024
+#: What an upload holds in memory at a time: one piece, read, hashed and written.
+_PIECE = 256 * 1024
 
 
 class ObjectNotFound(BrokerError):
@@ -316,11 +318,11 @@ async def read_object(
 
 async def _pieces(data: bytes | BodyStream) -> AsyncIterator[bytes]:
     if isinstance(data, BodyStream):
-        async for chunk in data.chunks(_CHUNK):
+        async for chunk in data.chunks(_PIECE):
             yield chunk
     else:
-        for at in range(0, len(data), _CHUNK):
-            yield data[at : at + _CHUNK]
+        for at in range(0, len(data), _PIECE):
+            yield data[at : at + _PIECE]
 
 
 async def write_object(
