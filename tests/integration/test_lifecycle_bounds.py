@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,46 @@ def test_a_run_that_no_longer_stands_is_refused_every_call_but_keeps_its_evidenc
     assert [e["decision"] for e in evs] == ["allow"] * 5 + ["deny"] * 4 + ["allow"]
     assert {tuple(e["policies"]) for e in evs[5:9]} == {(STANDING_RULE,)}
     assert evs[-1]["action"] == "http.request.end"
+
+
+@pytest.mark.parametrize("backend", ONE)
+def test_serve_leaves_a_service_that_runs_elsewhere_alone_and_takes_it_up_after(
+    gov: Gov, backend: str
+) -> None:
+    """A run of the service started by someone else (`proctor run`, the API) is
+    neither doubled by serve nor counted as a crash; serve keeps it up once it ends."""
+    from proctor.lifecycle import Server
+
+    digest = gov.submit("acme", gov.artifact_dir("svc", SERVICE, '[lifecycle]\nmode = "service"\n'))
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
+                              environment="sandbox", mode="service", instruction="svc",
+                              actor=gov.op)  # fmt: skip
+    up = threading.Event()
+    stop = threading.Event()
+    runs = Runs(gov.rt)
+    with gov.rt.make_broker() as broker:
+        sup = Supervisor(gov.rt, broker, backend)
+        other = threading.Thread(target=lambda: sup.start(
+            "acme", "svc", gov.op, on_stdout=lambda _: up.set(), cancel=stop))  # fmt: skip
+        other.start()
+        server = Server(sup, tick=0.1, backoff=(0.1,), crash_limit=2)
+        try:
+            assert up.wait(120), "the service never came up"
+            for _ in range(5):
+                server.tick()
+            assert len(runs.all("acme", "svc")) == 1, "serve doubled the running service"
+            stop.set()
+            other.join(120)
+            server.tick()  # its run has ended: serve takes the service up
+            deadline = time.monotonic() + 120
+            while not runs.all("acme", "svc", "running"):
+                assert time.monotonic() < deadline, "serve never took the service up"
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            server.stop()
+            server.serve()  # returns at once: stops what the ticks started, lets go
+    assert gov.rt.deployments.get("acme", "svc").status == "active", "counted as a crash"
+    denied = [e for e in _events(gov) if e["action"] == "run.start" and e["decision"] == "deny"]
+    assert denied == []
+    assert [r.status for r in runs.all("acme", "svc")] == ["stopped", "interrupted"]

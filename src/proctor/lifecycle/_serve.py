@@ -32,7 +32,7 @@ from proctor.errors import ProctorError
 from proctor.governance import Deployment, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._lock import ServeLock
-from proctor.lifecycle._supervisor import Supervisor
+from proctor.lifecycle._supervisor import AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 
 log = logging.getLogger("proctor.lifecycle")
@@ -52,6 +52,7 @@ class _Slot:
     last_start: float | None = None
     last: RunRecord | None = None
     attempt: int = 0
+    elsewhere: bool = False  # the last start found a run of it in progress
 
     @property
     def running(self) -> bool:
@@ -152,6 +153,10 @@ class Server:
                     continue
                 if slot.running:
                     continue
+                if self.supervisor.runs.running_one(tenant.name, name) is not None:
+                    # Started by someone else (`proctor run`, the API): one run at a
+                    # time, and its end is no crash of ours. Looked up, not recorded.
+                    continue
                 if dep.mode == "service":
                     self._service(slot, dep, now)
                 elif dep.mode == "schedule":
@@ -168,6 +173,8 @@ class Server:
                 slot.last = self.supervisor.start(
                     slot.tenant, slot.name, self.actor, cancel=slot.cancel, attempt=slot.attempt
                 )
+            except AlreadyRunning:
+                slot.last, slot.elsewhere = None, True  # another start won: not a crash
             except ProctorError:
                 slot.last = None  # refused and recorded by the supervisor
 
@@ -178,6 +185,8 @@ class Server:
         if slot.thread is not None:  # it ran before and has ended
             slot.thread = None
             ok = slot.last is not None and slot.last.status in ("succeeded", "stopped")
+            ok = ok or slot.elsewhere
+            slot.elsewhere = False
             if not ok:
                 slot.failures.append(now)
                 while slot.failures and now - slot.failures[0] > self.crash_window:

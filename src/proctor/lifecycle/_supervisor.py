@@ -97,6 +97,10 @@ class _RunStop(Interrupt):
         return self.reason
 
 
+class AlreadyRunning(RunRefused):
+    """A service or a schedule was started while a run of it is in progress."""
+
+
 #: The reason a run ends with when the ``serve`` that owns it is told to stop.
 SUPERVISOR_STOPPING = "supervisor stopping"
 
@@ -155,13 +159,14 @@ class Supervisor:
         return directory
 
     def _refuse(self, tenant: str, actor: Actor, deployment: str, reason: str,
-                artifact: str | None = None) -> RunRefused:  # fmt: skip
+                artifact: str | None = None,
+                error: type[RunRefused] = RunRefused) -> RunRefused:  # fmt: skip
         self.rt.ledger.append(
             tenant,
             EventDraft(actor, "run.start", f"deployment/{deployment}", decision="deny",
                        reason=reason, deployment=deployment, artifact=artifact),
         )  # fmt: skip
-        return RunRefused(f"run of {deployment} refused: {reason}")
+        return error(f"run of {deployment} refused: {reason}")
 
     def check_startable(
         self, tenant: str, name: str, actor: Actor
@@ -199,7 +204,7 @@ class Supervisor:
                 tenant, actor, name,
                 f"deployment {name} is running already ({running}); a service or a schedule"
                 " has one run at a time",
-                dep.digest,
+                dep.digest, AlreadyRunning,
             )  # fmt: skip
         return dep, artifact, approvals
 
@@ -240,7 +245,9 @@ class Supervisor:
             try:
                 self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
             except RunRefused as exc:  # running already: the refusal is recorded
-                raise self._refuse(tenant, actor, name, exc.message, dep.digest) from None
+                raise self._refuse(
+                    tenant, actor, name, exc.message, dep.digest, AlreadyRunning
+                ) from None
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )
