@@ -702,3 +702,24 @@ def test_slow_postgresql_statements_of_one_tenant_do_not_delay_another(
         close_pg_pools(scope)
         revoke_deployment_role(dsn, "mallory", "job", "crm")
         pg_server.drop_database(name)
+
+
+def test_an_api_connection_that_sends_nothing_is_closed_and_counted(tmp_path: Path) -> None:
+    """Before, a silent connection was held for as long as its client liked."""
+    with _api_env(tmp_path, Limits(first_byte_timeout=0.2)) as api:
+        env = api.env
+        socks = [
+            socket.create_connection(
+                (env.server.host, env.server.port), timeout=5, source_address=("127.0.0.3", 0)
+            )
+            for _ in range(3)
+        ]
+        try:
+            assert [s.recv(100) for s in socks] == [b""] * 3  # closed, nothing answered
+        finally:
+            for sock in socks:
+                sock.close()
+        env.server.stop()
+        refused = [json.loads(e) for e in env.rt.ledger.entries("system")]
+        refused = [e for e in refused if e["action"] == "api.connections.refused"]
+        assert sum(e["details"]["idle"] for e in refused) == 3, refused
