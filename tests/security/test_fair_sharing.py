@@ -723,3 +723,46 @@ def test_an_api_connection_that_sends_nothing_is_closed_and_counted(tmp_path: Pa
         refused = [json.loads(e) for e in env.rt.ledger.entries("system")]
         refused = [e for e in refused if e["action"] == "api.connections.refused"]
         assert sum(e["details"]["idle"] for e in refused) == 3, refused
+
+
+# -- name lookups ---------------------------------------------------------------------
+
+
+def test_slow_name_lookups_of_one_tenant_do_not_hold_another_tenants(
+    two: TwoTenants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A permitted host that resolves slowly holds its tenant's share of the fair pool,
+    not the event loop's shared executor. The lookup itself is the system's
+    ``getaddrinfo`` made to block for one name: no real resolver is slow on loopback."""
+    import asyncio
+
+    from proctor.broker._admission import resolve_as, system_resolver
+
+    gate = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "slow.example":
+            gate.wait(30)
+        return real("127.0.0.1", port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+    async def scenario() -> list[Any]:
+        slow = two.attacker.scope
+        # More lookups than the loop's default executor has threads (min(32, cpus + 4)).
+        flood = [
+            asyncio.create_task(resolve_as(slow, system_resolver, "slow.example", 443))
+            for _ in range((os.cpu_count() or 1) + 8)
+        ]
+        await asyncio.sleep(0.2)
+        try:
+            # Waits on the gate forever if the flood holds every worker it could use.
+            return await asyncio.wait_for(
+                resolve_as(two.victim.scope, system_resolver, "fast.example", 443), 20
+            )
+        finally:
+            gate.set()
+            await asyncio.gather(*flood)
+
+    assert [str(a) for a in asyncio.run(scenario())] == ["127.0.0.1"]

@@ -22,6 +22,7 @@ Order, and why:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ipaddress
 import logging
 import socket
@@ -39,6 +40,7 @@ from proctor.broker._egress import (
     check_address,
     unmap,
 )
+from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
 
@@ -47,13 +49,24 @@ log = logging.getLogger("proctor.broker.egress")
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 
 
+# The run a lookup is made for. A resolver keeps its (name, port) signature; the
+# system one reads the run from here so that its blocking getaddrinfo is a job of
+# that run's share of the fair pool: a tenant whose permitted names resolve slowly
+# then holds only its own workers, not the loop's shared executor.
+_LOOKUP_FOR: contextvars.ContextVar[RunScope | None] = contextvars.ContextVar(
+    "proctor_lookup_for", default=None
+)
+
+
 async def system_resolver(name: str, port: int) -> list[IPAddress]:
     """Every address ``getaddrinfo`` gives for ``name``, in its order, once each."""
-    loop = asyncio.get_running_loop()
+    scope = _LOOKUP_FOR.get()
+    kind = {"type": socket.SOCK_STREAM, "proto": socket.IPPROTO_TCP}
     try:
-        infos = await loop.getaddrinfo(
-            name, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-        )
+        if scope is None:
+            infos = await asyncio.get_running_loop().getaddrinfo(name, port, **kind)
+        else:
+            infos = await run_blocking(scope, socket.getaddrinfo, name, port, **kind)
     except (socket.gaierror, UnicodeError) as exc:
         raise UpstreamFailed(f"could not resolve {name}: {exc}") from exc
     out: list[IPAddress] = []
@@ -91,6 +104,15 @@ class Outcome:
     answer: BrokerError | None = None  # the error still to answer, after the event
     answered: int | None = None  # the status of the proxy's own answer, if it gave one
     completed: bool = False
+
+
+async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) -> list[IPAddress]:
+    """``resolver(name, port)``, made for ``scope``'s run (see ``_LOOKUP_FOR``)."""
+    token = _LOOKUP_FOR.set(scope)
+    try:
+        return await resolver(name, port)
+    finally:
+        _LOOKUP_FOR.reset(token)
 
 
 @dataclass
@@ -139,7 +161,7 @@ async def admit(
         addresses = [host.address]
     else:
         try:
-            addresses = await resolver(host.name, port)
+            addresses = await resolve_as(scope, resolver, host.name, port)
         except UpstreamFailed as exc:
             details["error"] = exc.message
             await scope.record(
