@@ -392,3 +392,44 @@ def test_serve_leaves_a_service_that_runs_elsewhere_alone_and_takes_it_up_after(
     denied = [e for e in _events(gov) if e["action"] == "run.start" and e["decision"] == "deny"]
     assert denied == []
     assert [r.status for r in runs.all("acme", "svc")] == ["stopped", "interrupted"]
+
+
+def test_an_api_server_without_serve_ends_its_runs_before_it_stops(tmp_path: Path) -> None:
+    """The API makes its own supervisor when no `serve` hands it one; stopping the API
+    stops that supervisor's runs, each recorded, before the broker they use goes."""
+    from proctor.client import Client
+    from tests.integration.test_api_support import artifact_dir, build_env
+
+    env = build_env(tmp_path)
+    try:
+        dev = Client(env.url, env.token("acme", "dev"))
+        alice = Client(env.url, env.token("acme", "alice"))
+        body = "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
+        digest = dev.submit_artifact("acme", artifact_dir(tmp_path, "sleeper", body))["digest"]
+        alice.approve("acme", digest, comment="a sleeper", expires_seconds=3600)
+        dev.deploy("acme", digest, "sleeper", environment="production", instruction="test")
+        started = threading.Event()
+        outcome: list[object] = []
+
+        def run() -> None:
+            def seen(text: str) -> None:
+                if "started" in text:
+                    started.set()
+
+            try:
+                outcome.append(dev.run("acme", "sleeper", on_stdout=seen))
+            except Exception as exc:  # the stream is cut when the server stops
+                outcome.append(exc)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        assert started.wait(60), "the run never started"
+        (record,) = Runs(env.rt).all("acme", "sleeper")
+        assert record.status == "running"
+    finally:
+        env.server.stop()
+    runner.join(30)
+    (record,) = Runs(env.rt).all("acme", "sleeper")
+    env.rt.close()
+    assert record.status == "interrupted", record
+    assert record.reason is not None and "supervisor stopping" in record.reason

@@ -86,6 +86,9 @@ class ApiState:
         self.principals.flush()
         with self.lock:
             if self.own_broker is not None:
+                # The API's own supervisor (no `serve` around it): its runs end, recorded,
+                # before the broker they talk through goes away.
+                self.supervisor.shutdown()
                 self.own_broker.stop()
                 self.own_broker = None
                 self.supervisor = None
