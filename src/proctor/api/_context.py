@@ -82,13 +82,18 @@ class ApiState:
                 self.supervisor = Supervisor(self.rt, self.own_broker, self.backend)
             return self.supervisor
 
-    def close(self) -> None:
-        self.principals.flush()
+    def stop_own_runs(self) -> None:
+        """End the runs of the API's own supervisor (there is no `serve` around it),
+        each recorded: a run's stream then ends, and the server need not wait for it."""
         with self.lock:
             if self.own_broker is not None:
-                # The API's own supervisor (no `serve` around it): its runs end, recorded,
-                # before the broker they talk through goes away.
                 self.supervisor.shutdown()
+
+    def close(self) -> None:
+        self.principals.flush()
+        self.stop_own_runs()
+        with self.lock:
+            if self.own_broker is not None:
                 self.own_broker.stop()
                 self.own_broker = None
                 self.supervisor = None

@@ -102,6 +102,11 @@ class ApiServer:
         self.url = f"{scheme}://{shown}:{port}"
 
     def stop(self, timeout: float = 10.0) -> None:
+        state = getattr(self._server.config.app, "state", None)
+        if state is not None and hasattr(state, "proctor"):
+            # Runs first: their streamed answers end, so the graceful shutdown below
+            # does not wait out its timeout on them.
+            state.proctor.stop_own_runs()
         self._server.should_exit = True
         self._thread.join(timeout)
         self._sock.close()
