@@ -4,6 +4,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from proctor.errors import StoreError
+
 Row = tuple[Any, ...]
 
 
@@ -51,3 +53,28 @@ class Store(Protocol):
     def schema_version(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+def apply_migrations(
+    conn: Conn, migrations: Sequence[Sequence[str]], where: str, applied_at: str
+) -> None:
+    """Bring a store at its recorded schema version to the latest of ``migrations``,
+    in the caller's write transaction (one engine's list: version N is item N-1).
+    ``applied_at`` is the engine's SQL for the current UTC time as RFC 3339 text."""
+    row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
+    current = int(row[0]) if row and row[0] is not None else 0
+    latest = len(migrations)
+    if current > latest:
+        raise StoreError(
+            f"the store {where} has schema version {current}, newer than this "
+            f"Proctor understands ({latest})",
+            hint="upgrade Proctor",
+        )
+    for version in range(current + 1, latest + 1):
+        for statement in migrations[version - 1]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO schema_migrations (version, applied_at)"  # noqa: S608
+            f" VALUES (?, {applied_at})",
+            (version,),
+        )

@@ -34,7 +34,7 @@ import psycopg
 from psycopg import ServerCursor
 
 from proctor.errors import NotInitialized, StoreError
-from proctor.store._base import Row
+from proctor.store._base import Row, apply_migrations
 from proctor.store._pg_migrations import POSTGRES_MIGRATIONS
 from proctor.store._pgtext import redact, to_pg_sql
 
@@ -310,23 +310,12 @@ class PostgresStore:
                     "CREATE TABLE schema_migrations ("
                     " version BIGINT PRIMARY KEY, applied_at TEXT NOT NULL)"
                 )
-            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
-            current = int(row[0]) if row and row[0] is not None else 0
-            latest = len(POSTGRES_MIGRATIONS)
-            if current > latest:
-                raise StoreError(
-                    f"the store {self.url} has schema version {current}, newer than this "
-                    f"Proctor understands ({latest})",
-                    hint="upgrade Proctor",
-                )
-            for version in range(current + 1, latest + 1):
-                for statement in POSTGRES_MIGRATIONS[version - 1]:
-                    conn.execute(statement)
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, applied_at) VALUES"
-                    " (?, to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'))",
-                    (version,),
-                )
+            apply_migrations(
+                conn,
+                POSTGRES_MIGRATIONS,
+                self.url,
+                "to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')",
+            )
 
     def close(self) -> None:
         if self._closed:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from proctor.errors import NotInitialized, StoreError
-from proctor.store._base import Row
+from proctor.store._base import Row, apply_migrations
 from proctor.store._migrations import SQLITE_MIGRATIONS
 
 # Wait this long for another process's write lock before giving up. Long enough to
@@ -207,23 +207,9 @@ class SQLiteStore:
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
             )
-            row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
-            current = int(row[0]) if row and row[0] is not None else 0
-            latest = len(SQLITE_MIGRATIONS)
-            if current > latest:
-                raise StoreError(
-                    f"the store {self._path} has schema version {current}, newer than this "
-                    f"Proctor understands ({latest})",
-                    hint="upgrade Proctor",
-                )
-            for version in range(current + 1, latest + 1):
-                for statement in SQLITE_MIGRATIONS[version - 1]:
-                    conn.execute(statement)
-                conn.execute(
-                    "INSERT INTO schema_migrations (version, applied_at)"
-                    " VALUES (?, strftime('%Y-%m-%dT%H:%M:%fZ','now'))",
-                    (version,),
-                )
+            apply_migrations(
+                conn, SQLITE_MIGRATIONS, str(self._path), "strftime('%Y-%m-%dT%H:%M:%fZ','now')"
+            )
 
     def close(self) -> None:
         if self._closed:
