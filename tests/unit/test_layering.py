@@ -126,3 +126,31 @@ def test_the_checker_sees_what_it_must() -> None:
     assert _problem("proctor.client._client", "proctor.governance", "client")
     assert _problem("proctor.cli._x", "proctor.broker", "cli") is None
     assert _problem("proctor.broker._x", "proctor.guest.protocol", "broker") is None
+
+
+def test_a_client_process_loads_no_server_code() -> None:
+    """``import proctor.client`` (and an error answer mapped to its class) must not
+    import the web framework, Cedar, or any server component: measured in a fresh
+    interpreter, as a user's process would load it."""
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, sys\n"
+        "import proctor.client\n"
+        "from proctor.errors import class_of\n"
+        "cls = class_of('run_refused')\n"
+        "print(json.dumps([cls.__name__, sorted(sys.modules)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    name, modules = json.loads(out)
+    assert name == "RunRefused"
+    server = ("fastapi", "starlette", "uvicorn", "cedarpy", "psycopg")
+    server += tuple(
+        f"proctor.{c}" for c in ("sandbox", "broker", "governance", "lifecycle", "api", "runtime")
+    )
+    loaded = sorted(m for m in modules if m.split(".")[0] in server or m.startswith(server))
+    assert loaded == [], f"a client process loaded server code: {loaded}"
