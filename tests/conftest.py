@@ -161,6 +161,15 @@ def home(initialised_home: Path, tmp_path: Path) -> Path:
     return copy_home(initialised_home, tmp_path / "home")
 
 
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real ``proctor demo`` per session (the evidence tests read copies of it)."""
+    home = tmp_path_factory.mktemp("evidence") / "home"
+    subprocess.run([PROCTOR, "demo", "--home", str(home)], check=True, capture_output=True,
+                   timeout=120)  # fmt: skip
+    return home
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test parametrized by sandbox ``backend`` needs that backend: one that does not
     work here is a skip, or on CI a failure, named before the test body runs."""

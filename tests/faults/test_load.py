@@ -8,7 +8,7 @@ server, three in ten designed to be refused. Every call is matched to its
 ledger event by its id (see bench/_soak_workload.py); the runtime is this
 process, so its resources are sampled after each wave.
 
-Bounded here (8 runs x 100 calls x 3 waves); PROCTOR_SOAK=1 runs the full size
+Bounded here (8 runs x 100 calls x 2 waves); PROCTOR_SOAK=1 runs the full size
 (32 x 1,000 x 2), as bench/soak.py does with figures.
 """
 
@@ -30,7 +30,7 @@ def a_backend() -> None:
     any_backend()
 
 
-RUNS, CALLS, WAVES = (32, 1000, 2) if SOAK else (8, 100, 3)
+RUNS, CALLS, WAVES = (32, 1000, 2) if SOAK else (8, 100, 2)
 
 pytestmark = [
     pytest.mark.sandbox,

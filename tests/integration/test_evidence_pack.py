@@ -37,14 +37,6 @@ from tests.conftest import PROCTOR
 ALL = ("2000-01-01T00:00:00.000000Z", "2100-01-01T00:00:00.000000Z")
 
 
-@pytest.fixture(scope="session")
-def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("evidence") / "home"
-    subprocess.run([PROCTOR, "demo", "--home", str(home)], check=True, capture_output=True,
-                   timeout=120)  # fmt: skip
-    return home
-
-
 @pytest.fixture
 def home(demo_home: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "home"

@@ -10,7 +10,6 @@ import base64
 import hashlib
 import json
 import shutil
-import subprocess
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -21,20 +20,17 @@ from proctor.errors import VerificationFailed
 from proctor.evidence import export_pack, verify_pack
 from proctor.ledger import Actor, EventDraft, Signer
 from proctor.runtime import Runtime, init_home
-from tests.conftest import PROCTOR
+from tests.conftest import copy_home
 
 ALL = ("2000-01-01T00:00:00.000000Z", "2100-01-01T00:00:00.000000Z")
 Edit = Callable[[dict[str, bytes]], None]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+def demo(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     """A full pack and a period pack (approval in the context) of the demo."""
     base = tmp_path_factory.mktemp("tamper")
-    home = base / "home"
-    subprocess.run(
-        [PROCTOR, "demo", "--home", str(home)], check=True, capture_output=True, timeout=120
-    )
+    home = copy_home(demo_home, base / "home")
     with Runtime.open(home) as rt:
         export_pack(rt, "acme", *ALL, base / "full.zip")
         evs = [json.loads(e) for e in rt.ledger.entries("acme")]
