@@ -446,13 +446,11 @@ access = "read"
 
 
 def test_a_deployment_naming_a_missing_table_shows_no_dsn_password(
-    tmp_path: Path, pg_server: PostgresServer
+    tmp_path: Path, pg_server: PostgresServer, home: Path
 ) -> None:
     """The issue's observation, through the CLI: the grant's error names the DSN."""
     from tests.conftest import run_cli
 
-    home = tmp_path / "home"
-    run_cli("init", "--home", str(home))
     name = f"crm_cli_{abs(hash(str(tmp_path))) % 10**9}"
     dsn = make_pg_dataset(pg_server, name) + f"?sslmode=disable&password={SECRET}"
     try:
