@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from proctor.client import Client
 from proctor.errors import UsageError
 from proctor.governance import Principal
 from proctor.ledger import Actor
 from proctor.runtime import Runtime, default_home
 
 if TYPE_CHECKING:
+    from proctor.client import Client
     from proctor.lifecycle import Interrupt
 
 console = Console(highlight=False, soft_wrap=True)
@@ -89,6 +89,9 @@ def remote(token: str | None) -> Client | None:
             "--server needs a principal's token (--token or PROCTOR_TOKEN)",
             hint="the API serves principals; the local operator works on the local home",
         )
+    # Here, not at the top: httpx is a tenth of a second a local command does without.
+    from proctor.client import Client
+
     ca = REMOTE["ca"]
     return Client(url, token, verify=ca if ca else True)
 

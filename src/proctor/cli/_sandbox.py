@@ -23,7 +23,6 @@ from proctor.cli._common import (
 )
 from proctor.cli._units import parse_duration, parse_size
 from proctor.errors import UsageError
-from proctor.sandbox import Limits, Reason, SandboxSpec, backends, get_driver
 
 sandbox_app = typer.Typer(
     help="Ephemeral sandboxes for the build loop (recorded, but not governed).",
@@ -34,6 +33,8 @@ sandbox_app = typer.Typer(
 @sandbox_app.command("backends")
 def list_backends() -> None:
     """Which sandbox drivers work on this machine, and why the others do not."""
+    from proctor.sandbox import backends  # here: a command that runs no sandbox does without
+
     table = Table("backend", "works", "why")
     for status in backends():
         works = "[green]yes[/]" if status.available else "[red]no[/]"
@@ -64,7 +65,9 @@ def run(
     home: HomeOpt = None,
 ) -> None:
     """Run CMD in a throwaway sandbox; stream its output; exit with its exit code."""
-    from proctor.lifecycle import Throwaway  # here: the other commands do without it
+    # Here: the other commands do without the sandbox drivers and the lifecycle.
+    from proctor.lifecycle import Throwaway
+    from proctor.sandbox import Limits, Reason, SandboxSpec, get_driver
 
     limits = Limits(
         memory_bytes=parse_size(memory, "--memory"),
