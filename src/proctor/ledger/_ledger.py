@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import queue
@@ -9,7 +8,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    # Only the broker awaits appends; a CLI process never loads asyncio (and ssl) for it.
+    import asyncio
 
 from proctor.errors import (
     AlreadyExists,
@@ -309,6 +312,8 @@ class Ledger:
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
         self._ensure_writer()
+        import asyncio
+
         future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
         self._queue.put(_Pending(log, draft, hook, create=False, future=future))
         return await future
