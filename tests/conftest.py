@@ -103,8 +103,50 @@ def store_url(store_engine: str, tmp_path: Path, request: pytest.FixtureRequest)
     return str(tmp_path / "proctor.db")
 
 
+@pytest.fixture(scope="session")
+def pg_migrated_template(pg_server: object) -> str:
+    """A database migrated to the current schema that nobody may connect to: each
+    ``ledger_env`` store is a copy of it (``CREATE DATABASE ... TEMPLATE``), about
+    100 ms cheaper per test than migrating an empty one. The migrations themselves
+    are tested from an empty database (``store_url``, tests/integration/test_store_migrations.py)."""
+    import psycopg
+
+    from proctor.testing import PostgresServer
+
+    assert isinstance(pg_server, PostgresServer)
+    name = f"proctor_template_{os.getpid()}"
+    open_store(pg_server.create_database(name), create=True).close()
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+    return name
+
+
 @pytest.fixture
-def ledger_env(store_url: str, tmp_path: Path) -> Iterator[LedgerEnv]:
+def migrated_store_url(
+    store_engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """Where a store at the current schema goes: a SQLite file (migrated when opened),
+    or a PostgreSQL database copied from ``pg_migrated_template``."""
+    if store_engine != "postgresql":
+        yield str(tmp_path / "proctor.db")
+        return
+    import psycopg
+
+    from proctor.testing import PostgresServer
+
+    server = request.getfixturevalue("pg_server")
+    assert isinstance(server, PostgresServer)
+    template = request.getfixturevalue("pg_migrated_template")
+    name = f"proctor_test_{os.getpid()}_{next(_db_numbers)}"
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    yield server.dsn(name)
+    server.drop_database(name)
+
+
+@pytest.fixture
+def ledger_env(migrated_store_url: str, tmp_path: Path) -> Iterator[LedgerEnv]:
+    store_url = migrated_store_url
     path = tmp_path / "proctor.db"
     store = open_store(store_url, create=True)
     signer = Signer.generate("test.local")
