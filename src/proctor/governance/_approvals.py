@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from proctor.errors import ApprovalRequired, ControlDenied, NotFound, UsageError
+from proctor.errors import ApprovalRequired, ControlDenied, UsageError
 from proctor.governance._backing import Record
 from proctor.governance._control import ControlPlane
+from proctor.governance._prefixes import find_by_prefix
 from proctor.governance._principals import ROLES, Principal
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.policy import EntityRef
@@ -263,13 +264,12 @@ class Approvals:
         return self._decide(tenant, digest, principal, "reject", None, comment)
 
     def get(self, tenant: str, approval_id: str) -> Approval:
+        """The approval with this id, or the one approval whose id starts with it."""
         with self._store.read() as conn:
-            r = conn.query_one(
-                f"SELECT {_COLUMNS} FROM approvals WHERE id = ? AND tenant = ?",  # noqa: S608
-                (approval_id, tenant),
-            )
-        if r is None:
-            raise NotFound(f"no approval {approval_id!r} in tenant {tenant!r}")
+            r = find_by_prefix(
+                conn, "approvals", _COLUMNS, tenant, approval_id, noun="approval",
+                hint="`proctor approval list` shows them",
+            )  # fmt: skip
         return _row(r)
 
     def revoke(

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from proctor.errors import NotFound, RunRefused
+from proctor.errors import RunRefused
+from proctor.governance._prefixes import find_by_prefix
 from proctor.ledger import utc_now
 from proctor.store import Conn, Store
 
@@ -124,13 +125,12 @@ class Runs:
         return None if row is None else str(row[0])
 
     def get(self, tenant: str, run_id: str) -> RunRecord:
+        """The run with this id, or the one run whose id starts with it."""
         with self._store.read() as conn:
-            r = conn.query_one(
-                f"SELECT {_COLUMNS} FROM runs WHERE id = ? AND tenant = ?",  # noqa: S608
-                (run_id, tenant),
-            )
-        if r is None:
-            raise NotFound(f"no run {run_id!r} in tenant {tenant!r}")
+            r = find_by_prefix(
+                conn, "runs", _COLUMNS, tenant, run_id, noun="run",
+                hint="`proctor runs list` shows them",
+            )  # fmt: skip
         return _row(r)
 
     def all(
