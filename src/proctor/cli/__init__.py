@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
 from rich.markup import escape
 
 from proctor.errors import ProctorError
+
+#: What a corrupted or half-written home raises from below the library's own checks.
+_CORRUPTION = ("sqlite3.DatabaseError", "sqlite3.OperationalError", "tomllib.TOMLDecodeError",
+               "UnicodeDecodeError", "json.decoder.JSONDecodeError")  # fmt: skip
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    # Messages quote user input and TOML keys ("[artifact]"): never markup.
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    if hint:
+        err.print(f"[dim]hint:[/] {escape(hint)}", markup=True)
 
 
 def main() -> None:
@@ -16,12 +29,25 @@ def main() -> None:
     try:
         app()
     except ProctorError as exc:
-        err = Console(stderr=True, highlight=False, soft_wrap=True)
-        # Messages quote user input and TOML keys ("[artifact]"): never markup.
-        err.print(f"[bold red]error:[/] {escape(exc.message)}", markup=True)
-        if exc.hint:
-            err.print(f"[dim]hint:[/] {escape(exc.hint)}", markup=True)
+        _print_error(exc.message, exc.hint)
         sys.exit(exc.exit_code)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        # A person gets one line and what to do; the traceback is for whoever debugs it.
+        if os.environ.get("PROCTOR_DEBUG"):
+            raise
+        kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        name = type(exc).__name__ if type(exc).__module__ == "builtins" else kind
+        message = " ".join(str(exc).split()) or "(no message)"
+        hint = "re-run with PROCTOR_DEBUG=1 for the traceback"
+        if kind in _CORRUPTION or isinstance(exc, (OSError, ValueError)):
+            hint = (
+                "the Proctor home may be damaged or unreadable (its store, key or config): "
+                "restore it from a backup or point --home/PROCTOR_HOME at another; " + hint
+            )
+        _print_error(f"internal error: {name}: {message}", hint)
+        sys.exit(1)
 
 
 __all__ = ["main"]

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 from rich.table import Table
 
 from proctor import __version__
@@ -15,6 +16,29 @@ from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
+
+_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN",
+               "path": "PATH", "file": "FILE", "directory": "DIR"}  # fmt: skip
+_typer_display_type = typer.core.TyperOption.display_type_rich
+
+
+def _metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: Any) -> str | None:
+    """What --help shows after an option. Typer 0.29 shows Python's type names
+    (``<bool>`` after a flag, ``<str>``); people read click's: nothing after a flag,
+    TEXT, PATH, INTEGER, the choices."""
+    if self.metavar is not None:
+        return self.metavar
+    if getattr(self, "is_flag", False) or getattr(self, "count", False):
+        return None
+    label = _typer_display_type(self, ctx) or ""  # type: ignore[arg-type]
+    more = label.endswith("...")
+    inner = label.removesuffix("...").strip("<>")
+    shown = _TYPE_NAMES.get(inner) or (f"[{inner}]" if "|" in inner else inner.upper())
+    return shown + ("..." if more else "")
+
+
+typer.core.TyperOption.display_type_rich = _metavar  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = _metavar  # type: ignore[method-assign,assignment]
 
 app = typer.Typer(
     name="proctor",
@@ -40,6 +64,12 @@ register_governance(app, tenant_app)
 register_evidence(app)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     server: Annotated[
@@ -53,6 +83,15 @@ def root(
     server_ca: Annotated[
         Path | None, typer.Option(help="CA bundle to verify the server's TLS certificate")
     ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print Proctor's version and exit",
+        ),
+    ] = False,
 ) -> None:
     """Proctor: run code on real data under policy, and prove what it did."""
     REMOTE["url"] = server

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from proctor.errors import UsageError
 from proctor.governance import Principal
@@ -157,3 +158,46 @@ def authorize_read(rt: Runtime, token: str | None, tenant: str, action: str) -> 
         tenant,
         event_resource=f"tenant/{tenant}",
     )
+
+
+# ---- the CLI convention (docs/cli.md), shared by every command ---------------------
+
+WideOpt = Annotated[
+    bool,
+    typer.Option("--wide", help="Print tables at their full width instead of the terminal's"),
+]
+
+
+def emit_json_lines(doc: object) -> None:
+    """One object of a live stream (``--json`` on a follow/tail command): one line each,
+    flushed, so a reader sees it as it happens."""
+    sys.stdout.write(json.dumps(doc, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def make_table(*columns: str, ids: tuple[str, ...] = ()) -> Table:
+    """A table for people. Columns named in ``ids`` (ids, digests, tokens, hosts) are
+    never cut: they do not wrap, and on a terminal too narrow for them they fold onto
+    the next line whole, so what a person copies from a table is an id that works.
+    Everyone: build tables with this, print them with ``print_table``."""
+    table = Table()
+    for name in columns:
+        if name in ids:
+            table.add_column(name, no_wrap=True, overflow="fold", min_width=len(name))
+        else:
+            table.add_column(name, overflow="fold", min_width=min(len(name), 8))
+    return table
+
+
+def print_table(table: Table, wide: bool = False) -> None:
+    """Print a table; with ``--wide`` at its natural width whatever the terminal's."""
+    if wide:
+        Console(highlight=False, soft_wrap=True, width=100_000).print(table)
+        return
+    # Rich crops whatever is wider than the terminal: where the id columns alone do
+    # not fit, the table takes the width they need and the terminal wraps the lines.
+    need = console.measure(table, options=console.options.update_width(100_000)).minimum
+    if need > console.width:
+        Console(highlight=False, soft_wrap=True, width=need).print(table)
+    else:
+        console.print(table)
