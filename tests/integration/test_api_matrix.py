@@ -12,10 +12,13 @@ import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from proctor.governance import Runs
+from proctor.ledger import utc_now
 from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env
 
 ALLOWED = {
@@ -24,7 +27,7 @@ ALLOWED = {
     "approver": {"tenant.read", "artifact.read", "deployment.read", "run.read",
                  "approval.grant", "approval.reject"},
     "auditor": {"tenant.read", "artifact.read", "deployment.read", "run.read", "audit.read",
-                "policy.read"},
+                "policy.read", "run.events.read"},
 }  # fmt: skip
 WHO = {"developer": "dev", "approver": "alice", "auditor": "aud", "admin": "root"}
 
@@ -60,6 +63,11 @@ ACTIONS: dict[str, Call] = {
     ),
     "run.read": lambda h, t, f: h.get(f"/tenants/{t}/runs"),
     "audit.read": lambda h, t, f: h.get(f"/tenants/{t}/events", params={"limit": 1}),
+    # A run whose deployment no role created: a developer reads only their own runs'
+    # events (tests/e2e/test_developer_view.py has the developer's own run).
+    "run.events.read": lambda h, t, f: h.get(
+        f"/tenants/{t}/events", params={"run": f"r-matrix-{t}", "limit": 1}
+    ),
     "policy.read": lambda h, t, f: h.get(f"/tenants/{t}/policy"),
     "policy.set": lambda h, t, f: h.put(f"/tenants/{t}/quorum", json={"required": 1}),
     "approval.grant": lambda h, t, f: h.post(
@@ -90,9 +98,18 @@ def matrix_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiEn
         # Submitted by the operator, so that no role is its author (no SoD forbid).
         digest = env.rt.artifacts.submit(t, directory, env.rt.operator).digest
         env.rt.principals.create(t, "spare", "user", ["auditor"], env.rt.operator)
+        with env.rt.store.write() as conn:
+            Runs.insert(conn, _run_row(t, f"r-matrix-{t}"), "matrix")
     yield env, Fx(digest, _tar(directory), itertools.count())
     env.server.stop()
     env.rt.close()
+
+
+def _run_row(tenant: str, run_id: str) -> tuple[Any, ...]:
+    """A finished run's values in RunRecord's field order."""
+    return (run_id, tenant, "ops", 1, "sha256:" + "0" * 64, "sandbox",
+            f"spiffe://proctor.local/tenant/{tenant}/deployment/ops/run/{run_id}", "[]",
+            "bubblewrap", None, "succeeded", None, 0, 1, "{}", None, utc_now(), utc_now())  # fmt: skip
 
 
 def _allowed(role: str, action: str) -> bool:

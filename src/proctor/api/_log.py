@@ -5,6 +5,7 @@ log. Reading a log is ``audit.read`` and, like every request, recorded."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -12,18 +13,23 @@ import re
 import shutil
 import tarfile
 import tempfile
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
 
 from proctor.api._context import Ctx, current
 from proctor.api._errors import ERROR_RESPONSES, not_found
 from proctor.api._models import CheckpointOut, ConsistencyOut, InclusionOut, VerifyOut
 from proctor.api._routes import parse_time
 from proctor.errors import UsageError
-from proctor.ledger import EventDraft
+from proctor.ledger import EventDraft, EventFilter, Ledger, query_events
+from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["audit"])
 CtxDep = Annotated[Ctx, Depends(current)]
@@ -33,10 +39,54 @@ _HASH = 32
 # tile/<L>/<N>[.p/<W>] with N as x001/x234/067; entries bundles use "entries" for L.
 _TILE_RE = re.compile(r"^(entries|[0-9]{1,2})/((?:x[0-9]{3}/)*[0-9]{3})(?:\.p/([0-9]{1,3}))?$")
 _MAX_EVENTS = 10_000
+_FOLLOW_POLL = 0.2  # seconds between reads of a quiet log
 
 
 def _read(ctx: Ctx, tenant: str) -> None:
     ctx.authorize("audit.read", tenant, f"log/{tenant}")
+
+
+RunQ = Annotated[
+    str | None,
+    Query(min_length=1, max_length=200, description="Only this run's events (any unique prefix)"),
+]
+ActionQ = Annotated[str | None, Query(min_length=1, max_length=200, description="Only this action")]
+DecisionQ = Annotated[
+    str | None, Query(pattern="^(allow|deny)$", description="Only allowed or denied calls")
+]
+
+
+def _authorize_events(ctx: Ctx, tenant: str, run: str | None) -> str | None:
+    """Decide a read of the log (``audit.read``) or of one run's events
+    (``run.events.read``: an auditor, or the developer who created the run's
+    deployment); returns the run's full id. Either way decided and recorded."""
+    if run is None:
+        _read(ctx, tenant)
+        return None
+    if ctx.principal.tenant != tenant:
+        # Refused and recorded before any run of another tenant is looked up.
+        every = EntityRef.workload(f"spiffe://{ctx.rt.config.trust_domain}/tenant/{tenant}/*")
+        ctx.authorize(
+            "run.events.read", tenant, f"run/{run}", every, {"principal_is_creator": False}
+        )
+    from proctor.governance import run_events_context
+    from proctor.lifecycle import Runs
+
+    record = Runs(ctx.rt).get(tenant, run)
+    context = run_events_context(ctx.rt.deployments, ctx.principal, record)
+    ctx.authorize(
+        "run.events.read", tenant, f"run/{record.id}", EntityRef.workload(record.workload), context
+    )
+    return record.id
+
+
+def _filter(
+    run: str | None, action: str | None, decision: str | None,
+    since: str | None, until: str | None,
+) -> EventFilter:  # fmt: skip
+    lo = parse_time(since, "since") if since else None
+    hi = parse_time(until, "until") if until else None
+    return EventFilter(run=run, action=action, decision=decision, since=lo, until=hi)
 
 
 @router.get(
@@ -56,32 +106,102 @@ def events(
     limit: Annotated[int, Query(ge=1, le=_MAX_EVENTS)] = 1000,
     since: Annotated[str | None, Query(max_length=40, description="ISO 8601, inclusive")] = None,
     until: Annotated[str | None, Query(max_length=40, description="ISO 8601, exclusive")] = None,
+    run: RunQ = None,
+    action: ActionQ = None,
+    decision: DecisionQ = None,
+    newest: Annotated[
+        bool, Query(description="The newest ``limit`` matches instead of a page from ``start``")
+    ] = False,
 ) -> Response:
-    """A page of the log's events, the canonical bytes exactly as hashed. The header
-    ``X-Next-Start`` gives ``start`` for the next page when there may be more."""
-    _read(ctx, tenant)
+    """A page of the log's events, the canonical bytes exactly as hashed, filtered by
+    run, action, decision and time (the filters combine). The header ``X-Next-Start``
+    gives ``start`` for the next page when there may be more. A developer may read
+    the events of a run of a deployment they created (``run=``), nothing else."""
+    flt = _filter(run, action, decision, since, until)
+    run_id = _authorize_events(ctx, tenant, run)
+    if run_id is not None:
+        flt = replace(flt, run=run_id)
     ledger = ctx.rt.ledger
-    out: list[bytes] = []
-    last = start - 1
-    if since is None and until is None:
-        for data in ledger.entries(tenant, start, start + limit):
-            out.append(data)
-        last = start + len(out) - 1
+    if newest:
+        out = query_events(ledger, tenant, flt, limit=limit, newest=True, start=start)
+        return Response(b"".join(d + b"\n" for d in out), media_type="application/x-ndjson")
+    # One page of sequence numbers at most is scanned per call (a filtered read of a
+    # long log is paged by the client through X-Next-Start, never held whole).
+    end = start + _MAX_EVENTS
+    out = query_events(ledger, tenant, flt, limit=limit, newest=False, start=start, end=end)
+    size = ledger.head(tenant).size
+    if len(out) >= limit:
+        nxt: int | None = int(json.loads(out[-1])["seq"]) + 1
+    elif end < size and not (flt.until is not None and _past(ledger, tenant, end, flt.until)):
+        nxt = end
     else:
-        lo = parse_time(since, "since") if since else None
-        hi = parse_time(until, "until") if until else None
-        # Consumed in this one call: a store read must not outlive its thread.
-        for data in ledger.events_between(tenant, lo, hi):
-            seq = int(json.loads(data)["seq"])
-            if seq < start:
-                continue
-            out.append(data)
-            last = seq
-            if len(out) >= limit:
-                break
-    headers = {"X-Next-Start": str(last + 1)} if len(out) >= limit else {}
+        nxt = None
+    headers = {"X-Next-Start": str(nxt)} if nxt is not None else {}
     body = b"".join(d + b"\n" for d in out)
     return Response(body, media_type="application/x-ndjson", headers=headers)
+
+
+def _past(ledger: Ledger, tenant: str, seq: int, until: str) -> bool:
+    for data in ledger.entries(tenant, seq, seq + 1):
+        return str(json.loads(data)["time"]) >= until
+    return True
+
+
+@router.get(
+    "/tenants/{tenant}/events/follow",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            "description": "Events as hashed (RFC 8785), one per line, as they are appended",
+        }
+    },
+)
+async def follow_events(
+    ctx: CtxDep,
+    tenant: str,
+    start: Annotated[
+        int | None, Query(ge=0, le=2**62, description="First sequence number [default: the end]")
+    ] = None,
+    run: RunQ = None,
+    action: ActionQ = None,
+    decision: DecisionQ = None,
+) -> StreamingResponse:
+    """The log's events as they are appended, kept open until the client leaves;
+    filtered and decided like ``events``. A principal may follow a few logs at once
+    (429 beyond)."""
+    flt = _filter(run, action, decision, None, None)
+    run_id = await run_in_threadpool(_authorize_events, ctx, tenant, run)
+    if run_id is not None:
+        flt = replace(flt, run=run_id)
+    ledger = ctx.rt.ledger
+    first = start if start is not None else (await run_in_threadpool(ledger.head, tenant)).size
+    release = ctx.state.principals.follow(ctx.principal)
+
+    def page(lo: int) -> tuple[list[bytes], int]:
+        size = ledger.head(tenant).size
+        hi = min(size, lo + _MAX_EVENTS)
+        return query_events(ledger, tenant, flt, newest=False, start=lo, end=hi), max(lo, hi)
+
+    async def tail() -> AsyncIterator[bytes]:
+        # Waits with awaits between polls: a follow holds no worker thread while
+        # the log is quiet, only for each short read.
+        nxt = first
+        try:
+            while True:
+                out, nxt = await run_in_threadpool(page, nxt)
+                for data in out:
+                    yield data + b"\n"
+                if not out:
+                    await asyncio.sleep(_FOLLOW_POLL)
+        finally:
+            release()
+
+    body = tail()
+    # A stream never started (the client left first) runs no finally: the follow
+    # is given back when the generator is collected.
+    weakref.finalize(body, release)
+    return StreamingResponse(body, media_type="application/x-ndjson")
 
 
 @router.get("/tenants/{tenant}/checkpoints", response_model=list[CheckpointOut])

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from proctor.cli._common import (
@@ -13,6 +18,7 @@ from proctor.cli._common import (
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    acting,
     authorize_read,
     console,
     open_runtime,
@@ -21,7 +27,18 @@ from proctor.cli._common import (
 )
 from proctor.errors import UsageError, VerificationFailed
 from proctor.governance import unbacked_rows
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier, verify_export
+from proctor.ledger import (
+    SYSTEM_LOG,
+    Actor,
+    EventDraft,
+    EventFilter,
+    Verifier,
+    iter_events,
+    query_events,
+    verify_export,
+)
+from proctor.policy import DATA_PLANE_ACTIONS
+from proctor.runtime import Runtime
 
 audit_app = typer.Typer(
     help="The audit ledger: events, checkpoints, proofs, verification.", no_args_is_help=True
@@ -32,49 +49,195 @@ def _emit_json(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
 
 
+RunFilterOpt = Annotated[
+    str | None, typer.Option("--run", help="Only this run's events (any unique prefix of its id)")
+]
+ActionFilterOpt = Annotated[
+    str | None, typer.Option("--action", help="Only this action (e.g. http.request, sql.select)")
+]
+DecisionFilterOpt = Annotated[
+    str | None, typer.Option("--decision", help="Only 'allow' or only 'deny'")
+]
+
+
+def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | None) -> str | None:
+    """Decide a read of ``tenant``'s log, or of one run's events (an auditor, or the
+    developer who created the run's deployment); returns the run's full id."""
+    _, principal = acting(rt, token)
+    if run is None:
+        log = rt.log_name(tenant)
+        if token is not None and log == SYSTEM_LOG:
+            raise UsageError("the system log is the operator's; principals read their tenant's")
+        authorize_read(rt, token, log, "audit.read")
+        return None
+    if rt.log_name(tenant) == SYSTEM_LOG:
+        raise UsageError("runs belong to tenants; the system log has none")
+    from proctor.governance import run_events_context
+    from proctor.lifecycle import Runs
+    from proctor.policy import EntityRef
+
+    if principal is not None and principal.tenant != tenant:
+        # Refused and recorded before any run of another tenant is looked up.
+        rt.control.authorize(
+            principal,
+            "run.events.read",
+            EntityRef.workload(f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/*"),
+            tenant,
+            event_resource=f"run/{run}",
+            context={"principal_is_creator": False},
+        )
+    record = Runs(rt).get(tenant, run)
+    if principal is not None:
+        rt.control.authorize(
+            principal,
+            "run.events.read",
+            EntityRef.workload(record.workload),
+            tenant,
+            event_resource=f"run/{record.id}",
+            context=run_events_context(rt.deployments, principal, record),
+        )
+    return record.id
+
+
+def _event_row(table: Table, ev: dict[str, Any]) -> None:
+    decision = ev["decision"]
+    style = "green" if decision == "allow" else "bold red"
+    table.add_row(
+        str(ev["seq"]),
+        ev["time"],
+        escape(f"{ev['actor']['type']}:{ev['actor']['id']}"),
+        escape(ev["action"]),
+        escape(ev["resource"]),
+        f"[{style}]{decision}[/]",
+        escape(ev["reason"]),
+    )
+
+
+def _events_table() -> Table:
+    table = Table("seq", "time", "actor", "action", "resource", "decision", "reason")
+    for col in table.columns:
+        col.overflow = "fold"
+    return table
+
+
 @audit_app.command("events")
 def events(
     tenant: TenantOpt,
     since: Annotated[str | None, typer.Option(help="ISO 8601 start (inclusive)")] = None,
     until: Annotated[str | None, typer.Option(help="ISO 8601 end (exclusive)")] = None,
+    run: RunFilterOpt = None,
+    action: ActionFilterOpt = None,
+    decision: DecisionFilterOpt = None,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="At most N events: the newest N, or the first N with --from-start"
+        ),
+    ] = None,
+    from_start: Annotated[
+        bool, typer.Option("--from-start", help="With --limit, keep the oldest N instead")
+    ] = False,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """List a log's events; with --json, the canonical bytes exactly as hashed."""
+    """List a log's events, filtered (the filters combine); with --json, JSON Lines:
+    each event's canonical bytes exactly as hashed."""
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
+    flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end)
     if (client := remote(token)) is not None:
+        kw: dict[str, Any] = {"since": start, "until": end, "run": run, "action": action,
+                              "decision": decision}  # fmt: skip
+        if limit is not None and not from_start:
+            found: Iterable[bytes] = client.events(tenant, limit=limit, newest=True, **kw)
+        else:
+            found = itertools.islice(client.iter_events(tenant, **kw), limit)
+        _print_events(found, as_json)
+        return
+    with open_runtime(home) as rt:
+        run_id = authorize_events(rt, token, tenant, run)
+        if run_id is not None:
+            flt = replace(flt, run=run_id)
+        log = rt.log_name(tenant)
+        if limit is not None:
+            found = query_events(rt.ledger, log, flt, limit=limit, newest=not from_start)
+        else:
+            found = iter_events(rt.ledger, log, flt)
+        _print_events(found, as_json)
+
+
+def _print_events(found: Iterable[bytes], as_json: bool) -> None:
+    if as_json:
         out = sys.stdout.buffer
-        for data in client.iter_events(tenant, since=start, until=end):
+        for data in found:
             out.write(data + b"\n")
         out.flush()
         return
-    with open_runtime(home) as rt:
-        log = rt.log_name(tenant)
-        if token is not None and log == SYSTEM_LOG:
-            raise UsageError("the system log is the operator's; principals read their tenant's")
-        authorize_read(rt, token, log, "audit.read")
-        if as_json:
-            out = sys.stdout.buffer
-            for data in rt.ledger.events_between(log, start, end):
-                out.write(data + b"\n")
-            out.flush()
-            return
-        table = Table("seq", "time", "actor", "action", "resource", "decision", "reason")
-        for data in rt.ledger.events_between(log, start, end):
-            ev = json.loads(data)
-            decision = ev["decision"]
-            style = "green" if decision == "allow" else "bold red"
-            table.add_row(
-                str(ev["seq"]),
-                ev["time"],
-                f"{ev['actor']['type']}:{ev['actor']['id']}",
-                ev["action"],
-                ev["resource"],
-                f"[{style}]{decision}[/]",
-                ev["reason"],
-            )
+    table = _events_table()
+    for data in found:
+        _event_row(table, json.loads(data))
     console.print(table)
+
+
+@audit_app.command("tail")
+def tail(
+    tenant: TenantOpt,
+    run: RunFilterOpt = None,
+    action: ActionFilterOpt = None,
+    decision: DecisionFilterOpt = None,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Follow a log: print each new event as it is appended, until Ctrl-C; with
+    --json, JSON Lines (each event's canonical bytes)."""
+    flt = EventFilter(run=run, action=action, decision=decision)
+    try:
+        if (client := remote(token)) is not None:
+            for data in client.follow_events(tenant, run=run, action=action, decision=decision):
+                _print_live(data, as_json)
+            return
+        with open_runtime(home) as rt:
+            run_id = authorize_events(rt, token, tenant, run)
+            if run_id is not None:
+                flt = replace(flt, run=run_id)
+            log = rt.log_name(tenant)
+            nxt = rt.ledger.head(log).size
+            # Ready: a reader (or a test) knows from here on every append is shown.
+            print(f"following {log} from event {nxt}", file=sys.stderr, flush=True)
+            while True:
+                size = rt.ledger.head(log).size
+                if size > nxt:
+                    for data in iter_events(rt.ledger, log, flt, start=nxt, end=size):
+                        _print_live(data, as_json)
+                    nxt = size
+                else:
+                    time.sleep(_TAIL_POLL)
+    except KeyboardInterrupt:
+        return
+
+
+_TAIL_POLL = 0.2  # seconds between reads of a quiet log
+
+
+def _print_live(data: bytes, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.buffer.write(data + b"\n")
+        sys.stdout.buffer.flush()
+        return
+    ev = json.loads(data)
+    style = "green" if ev["decision"] == "allow" else "bold red"
+    head = escape(
+        f"{ev['seq']} {ev['time']} {ev['actor']['type']}:{ev['actor']['id']} {ev['action']}"
+        f" {ev['resource']}"
+    )
+    console.print(
+        f"{head} [{style}]{ev['decision']}[/] {escape(ev['reason'])}",
+        soft_wrap=True,
+        highlight=False,
+        markup=True,
+    )
+    sys.stdout.flush()
 
 
 @audit_app.command("checkpoint")
@@ -211,3 +374,75 @@ def export(
             ),
         )
     console.print(f"exported {head.size} events of {head.origin} to {out}")
+
+
+@dataclass
+class RunCalls:
+    """A run's calls out of its sandbox: the broker's decision events of the run,
+    refusals first. At most ``limit`` of each kind are kept; the rest are counted."""
+
+    denied: list[dict[str, Any]] = field(default_factory=list)
+    allowed: list[dict[str, Any]] = field(default_factory=list)
+    total: dict[str, int] = field(default_factory=lambda: {"allow": 0, "deny": 0})
+
+    @classmethod
+    def collect(cls, found: Iterable[bytes], limit: int) -> RunCalls:
+        calls = cls()
+        for data in found:
+            ev = json.loads(data)
+            action = str(ev.get("action", ""))
+            if action not in DATA_PLANE_ACTIONS and not action.startswith("broker."):
+                continue  # the run's start and end, completions: not decisions
+            kind = "deny" if ev.get("decision") == "deny" else "allow"
+            calls.total[kind] += 1
+            kept = calls.denied if kind == "deny" else calls.allowed
+            if len(kept) < limit:
+                kept.append(ev)
+        return calls
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [_call_json(ev) for ev in (*self.denied, *self.allowed)]
+
+    def print(self, run: dict[str, Any]) -> None:
+        console.print(
+            f"run [bold]{escape(run['id'])}[/] of {escape(run['deployment'])} v{run['version']}"
+            f" ({escape(run['environment'])}): {escape(run['status'])}"
+            + (f" ({escape(run['reason'])})" if run.get("reason") else "")
+            + ("" if run.get("exit_code") is None else f", exit {run['exit_code']}"),
+            soft_wrap=True,
+        )
+        console.print(
+            f"calls: {self.total['deny']} refused, {self.total['allow']} allowed", highlight=False
+        )
+        if not (self.denied or self.allowed):
+            return
+        table = Table("seq", "action", "resource", "decision", "reason / policies")
+        for col in table.columns:
+            col.overflow = "fold"
+        for ev in (*self.denied, *self.allowed):
+            call = _call_json(ev)
+            style = "green" if call["decision"] == "allow" else "bold red"
+            why = call["reason"] if call["decision"] == "deny" else ", ".join(call["policies"])
+            table.add_row(
+                str(call["seq"]),
+                escape(call["action"]),
+                escape(call["resource"]),
+                f"[{style}]{call['decision']}[/]",
+                escape(why or call["reason"]),
+            )
+        console.print(table)
+        for kind, kept in (("deny", self.denied), ("allow", self.allowed)):
+            if self.total[kind] > len(kept):
+                console.print(f"({self.total[kind] - len(kept)} more {kind} not shown: --limit)")
+
+
+def _call_json(ev: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "seq": ev["seq"],
+        "time": ev["time"],
+        "action": ev["action"],
+        "resource": ev["resource"],
+        "decision": ev["decision"],
+        "reason": ev["reason"],
+        "policies": list(ev.get("policies") or []),
+    }

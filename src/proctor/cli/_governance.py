@@ -412,33 +412,49 @@ def runs_list(
 
 @runs_app.command("show")
 def runs_show(
-    run_id: str,
+    run_id: Annotated[str, typer.Argument(help="The run's id (any unique prefix)")],
     tenant: TenantOpt,
     logs: Annotated[bool, typer.Option(help="Print the run's output too")] = False,
+    limit: Annotated[
+        int, typer.Option(min=1, help="Show at most N refused and N allowed calls")
+    ] = 200,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
+    """A run: its record, and the calls it made out of its sandbox (each broker
+    decision in the ledger) with the decision and its reason, refusals first."""
+    from proctor.cli._audit import RunCalls, authorize_events
+    from proctor.ledger import EventFilter, iter_events
     from proctor.lifecycle import Runs
 
+    out: dict[str, str] = {}
     if (client := remote(token)) is not None:
-        emit_json(client.get_run(tenant, run_id))
+        doc = client.get_run(tenant, run_id)
+        calls = RunCalls.collect(client.iter_events(tenant, run=doc["id"]), limit)
         if logs:
             for stream in ("stdout", "stderr"):
-                sys.stdout.write(f"--- {stream}\n")
-                for chunk in client.run_logs(tenant, run_id, stream=stream):
-                    sys.stdout.write(chunk.decode(errors="replace"))
+                chunks = client.run_logs(tenant, doc["id"], stream=stream)
+                out[stream] = b"".join(chunks).decode(errors="replace")
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "run.read")
+            record = Runs(rt).get(tenant, run_id)
+            authorize_events(rt, token, tenant, record.id)
+            found = iter_events(rt.ledger, tenant, EventFilter(run=record.id))
+            calls = RunCalls.collect(found, limit)
+            run_dir = rt.home / "runs" / record.id
+        doc = record.as_json()
+        if logs:
+            for stream in ("stdout", "stderr"):
+                path = run_dir / f"{stream}.log"
+                out[stream] = path.read_text(errors="replace") if path.exists() else ""
+    if as_json:
+        emit_json({**doc, "calls": calls.as_json(), **({"logs": out} if logs else {})})
         return
-    with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "run.read")
-        record = Runs(rt).get(tenant, run_id)
-        run_dir = rt.home / "runs" / run_id
-    emit_json(record.as_json())
-    if logs:
-        for name in ("stdout.log", "stderr.log"):
-            path = run_dir / name
-            if path.exists():
-                sys.stdout.write(f"--- {name}\n")
-                sys.stdout.write(path.read_text(errors="replace"))
+    calls.print(doc)
+    for stream, text in out.items():
+        sys.stdout.write(f"--- {stream}\n{text}")
 
 
 def serve(

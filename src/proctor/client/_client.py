@@ -354,33 +354,50 @@ class Client:
     def events(
         self, tenant: str, *, start: int = 0, limit: int = 1000,
         since: str | None = None, until: str | None = None,
+        run: str | None = None, action: str | None = None, decision: str | None = None,
+        newest: bool = False,
     ) -> list[bytes]:  # fmt: skip
-        """One page of events, each the canonical bytes exactly as hashed."""
-        params: dict[str, Any] = {"start": start, "limit": limit}
-        if since:
-            params["since"] = since
-        if until:
-            params["until"] = until
+        """One page of events, each the canonical bytes exactly as hashed; the filters
+        combine. With ``newest``, the newest ``limit`` matches instead of a page from
+        ``start``. ``run`` takes any unique prefix of a run id."""
+        params = _event_params(since, until, run, action, decision)
+        params.update(start=start, limit=limit, newest="true" if newest else "false")
         resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
         return [line for line in resp.content.split(b"\n") if line]
 
     def iter_events(
-        self, tenant: str, *, since: str | None = None, until: str | None = None
-    ) -> Iterator[bytes]:
-        """Every event, page after page."""
-        start = 0
+        self, tenant: str, *, since: str | None = None, until: str | None = None,
+        run: str | None = None, action: str | None = None, decision: str | None = None,
+        start: int = 0,
+    ) -> Iterator[bytes]:  # fmt: skip
+        """Every matching event from ``start`` on, page after page."""
+        params = _event_params(since, until, run, action, decision)
         while True:
-            params: dict[str, Any] = {"start": start, "limit": 1000}
-            if since:
-                params["since"] = since
-            if until:
-                params["until"] = until
+            params.update(start=start, limit=1000)
             resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
             yield from (line for line in resp.content.split(b"\n") if line)
             nxt = resp.headers.get("x-next-start")
             if nxt is None:
                 return
             start = int(nxt)
+
+    def follow_events(
+        self, tenant: str, *, start: int | None = None,
+        run: str | None = None, action: str | None = None, decision: str | None = None,
+    ) -> Iterator[bytes]:  # fmt: skip
+        """Matching events as they are appended (from the log's end, or ``start``),
+        one at a time, until the caller stops iterating."""
+        params = _event_params(None, None, run, action, decision)
+        if start is not None:
+            params["start"] = start
+        path = f"{self._t(tenant)}/events/follow"
+        with self._http.stream("GET", path, params=params, timeout=None) as resp:
+            if not resp.is_success:
+                resp.read()
+                self._raise(resp)
+            for line in resp.iter_lines():
+                if line:
+                    yield line.encode()
 
     def checkpoint(self, tenant: str) -> str:
         """The latest signed checkpoint, exactly as signed."""
@@ -426,3 +443,11 @@ class Client:
                 m.name = rel
                 tar.extract(m, dest, filter="data")
         return dest
+
+
+def _event_params(
+    since: str | None, until: str | None, run: str | None, action: str | None,
+    decision: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    given = {"since": since, "until": until, "run": run, "action": action, "decision": decision}
+    return {k: v for k, v in given.items() if v is not None}

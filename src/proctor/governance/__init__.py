@@ -33,7 +33,7 @@ from proctor.governance._backing import (
     submission_problems,
     unbacked_rows,
 )
-from proctor.governance._control import ControlPlane, role_policy
+from proctor.governance._control import ControlPlane, role_policy, run_events_context
 from proctor.governance._deployments import (
     ENVIRONMENTS,
     MODES,
@@ -134,6 +134,7 @@ __all__ = [
     "parse_manifest",
     "require_backed",
     "role_policy",
+    "run_events_context",
     "split_entry",
     "submission_problems",
     "subprocessor_forbid",

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from proctor.errors import ControlDenied
+from proctor.errors import ControlDenied, NotFound
 from proctor.governance._principals import ROLES, Principal
+from proctor.governance._runs import RunRecord
 from proctor.ledger import EventDraft, Ledger
 from proctor.policy import (
     CompiledPolicies,
@@ -26,6 +27,10 @@ from proctor.policy import (
     compile_policies,
     decide,
 )
+
+if TYPE_CHECKING:
+    # Deployments imports approvals, which import this module.
+    from proctor.governance._deployments import Deployments
 
 _ROLE_ACTIONS = {
     "developer": (
@@ -50,6 +55,7 @@ _ROLE_ACTIONS = {
     ),
     "auditor": (
         "audit.read",
+        "run.events.read",
         "evidence.export",
         "artifact.read",
         "deployment.read",
@@ -75,6 +81,15 @@ def role_policy(tenant: str) -> str:
             f'permit(principal in Proctor::Role::"{tenant}/{role}", action in [{acts}],'
             f' resource in Proctor::Tenant::"{tenant}");'
         )
+    # A developer reads the events of the runs of deployments they created, and no
+    # other part of the tenant's log (which holds other people's work).
+    parts.append(
+        f'@id("control:developer-own-run-events")\n'
+        f'permit(principal in Proctor::Role::"{tenant}/developer",'
+        f' action == Proctor::Action::"run.events.read",'
+        f' resource in Proctor::Tenant::"{tenant}")'
+        " when { context.principal_is_creator };"
+    )
     parts.append(
         '@id("control:separation-of-duties")\n'
         'forbid(principal, action == Proctor::Action::"approval.grant", resource)'
@@ -162,3 +177,18 @@ class ControlPlane:
                 f"{principal.id} may not {action} {event_resource}: {why}", decision.policies
             )
         return decision
+
+
+def run_events_context(
+    deployments: Deployments, principal: Principal | None, run: RunRecord
+) -> dict[str, Any]:
+    """The Cedar context of ``run.events.read`` on ``run``: whether ``principal``
+    created the deployment version the run ran (the developer's permit needs it)."""
+    if principal is None:
+        return {"principal_is_creator": False}
+    try:
+        versions = deployments.versions(run.tenant, run.deployment)
+    except NotFound:
+        versions = []  # a throwaway run has no deployment: nobody created it
+    creator = next((d.created_by for d in versions if d.version == run.version), None)
+    return {"principal_is_creator": creator == principal.id}

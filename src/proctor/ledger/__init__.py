@@ -27,11 +27,13 @@ from proctor.ledger._merkle import (
     verify_inclusion,
 )
 from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint, parse_checkpoint
+from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 
 __all__ = [
+    "DECISIONS",
     "SYSTEM_LOG",
     "Actor",
     "Appended",
@@ -39,6 +41,7 @@ __all__ = [
     "ConsistencyProof",
     "Decision",
     "EventDraft",
+    "EventFilter",
     "InclusionProof",
     "Ledger",
     "LogHead",
@@ -48,6 +51,7 @@ __all__ = [
     "Verifier",
     "VerifyReport",
     "canonical_json",
+    "iter_events",
     "leaf_hash",
     "make_receipt",
     "node_hash",
@@ -55,6 +59,7 @@ __all__ = [
     "parse_canonical",
     "parse_checkpoint",
     "path_from_ranges",
+    "query_events",
     "root_from_inclusion",
     "tile_path",
     "utc_now",

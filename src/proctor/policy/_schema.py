@@ -53,6 +53,7 @@ CONTROL_PLANE_ACTIONS: frozenset[str] = frozenset(
         "run.start",
         "run.read",
         "run.stop",
+        "run.events.read",
         "policy.set",
         "policy.read",
         "audit.read",
