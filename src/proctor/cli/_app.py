@@ -5,16 +5,26 @@ from typing import Annotated, Any
 
 import typer
 import typer.core
-from rich.table import Table
 
 from proctor import __version__
 from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
-from proctor.cli._common import REMOTE, HomeOpt, console, open_runtime
+from proctor.cli._common import (
+    REMOTE,
+    HomeOpt,
+    JsonOpt,
+    WideOpt,
+    console,
+    emit_json,
+    make_table,
+    open_runtime,
+    print_table,
+)
 from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
+from proctor.governance import Tenant
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
 
 _TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN",
@@ -99,8 +109,11 @@ def root(
 
 
 @app.command()
-def version() -> None:
+def version(as_json: JsonOpt = False) -> None:
     """Print Proctor's version."""
+    if as_json:
+        emit_json({"version": __version__})
+        return
     console.print(__version__)
 
 
@@ -117,42 +130,66 @@ def init(
             help="postgresql://… (an existing database several nodes share) [default: SQLite]",
         ),
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Create a Proctor home: store, signing key, system log."""
     target = home or default_home()
     config = init_home(target, trust_domain, store)
     with open_runtime(target) as rt:
         vkey = rt.ledger.vkey()
+    if as_json:
+        emit_json({"home": str(target), "trust_domain": config.trust_domain, "vkey": vkey})
+        return
     console.print(f"initialised [bold]{target}[/] (trust domain {config.trust_domain})")
     console.print(f"verifier key: {vkey}")
 
 
+def _tenant_json(t: Tenant, events: int) -> dict[str, object]:
+    return {"name": t.name, "status": t.status, "created_at": t.created_at,
+            "created_by": t.created_by, "events": events}  # fmt: skip
+
+
 @tenant_app.command("create")
-def tenant_create(name: str, home: HomeOpt = None) -> None:
+def tenant_create(
+    name: Annotated[str, typer.Argument(help="The tenant's name (lowercase, digits, '-')")],
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
     """Create a tenant and its audit log."""
     with open_runtime(home) as rt:
         tenant = rt.tenants.create(name, rt.operator)
         origin = rt.ledger.origin(tenant.name)
+        size = rt.ledger.head(tenant.name).size
+    if as_json:
+        emit_json({**_tenant_json(tenant, size), "origin": origin})
+        return
     console.print(f"created tenant [bold]{tenant.name}[/] (log {origin})")
 
 
 @tenant_app.command("list")
-def tenant_list(home: HomeOpt = None) -> None:
+def tenant_list(as_json: JsonOpt = False, wide: WideOpt = False, home: HomeOpt = None) -> None:
     """List tenants."""
     with open_runtime(home) as rt:
         tenants = rt.tenants.list()
         sizes = {t.name: rt.ledger.head(t.name).size for t in tenants}
-    table = Table("tenant", "status", "events", "created", "by")
+    if as_json:
+        emit_json([_tenant_json(t, sizes[t.name]) for t in tenants])
+        return
+    table = make_table("tenant", "status", "events", "created", "by", ids=("tenant",))
     for t in tenants:
         table.add_row(t.name, t.status, str(sizes[t.name]), t.created_at, t.created_by)
-    console.print(table)
+    print_table(table, wide)
 
 
 @key_app.command("show")
-def key_show(home: HomeOpt = None) -> None:
+def key_show(as_json: JsonOpt = False, home: HomeOpt = None) -> None:
     """Print the verifier key line (C2SP signed-note vkey)."""
     with open_runtime(home) as rt:
-        console.print(rt.ledger.vkey())
+        vkey = rt.ledger.vkey()
+    if as_json:
+        emit_json({"vkey": vkey})
+        return
+    console.print(vkey)
 
 
 @app.command()

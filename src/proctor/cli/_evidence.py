@@ -9,19 +9,22 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from proctor.cli._common import (
     HomeOpt,
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    WideOpt,
     acting,
     authorize_read,
     console,
+    make_table,
     open_runtime,
     parse_time,
+    print_table,
 )
 from proctor.errors import UsageError
 from proctor.governance import Subprocessors
@@ -47,11 +50,16 @@ def _emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _write(doc: Any, out: Path | None) -> None:
+def _write(doc: Any, out: Path | None, as_json: bool = False) -> None:
+    """The document on stdout (it is JSON already), or into --out; there, --json
+    says where it went as a JSON object."""
     if out is None:
         _emit(doc)
         return
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    if as_json:
+        _emit({"written": str(out)})
+        return
     console.print(f"wrote {escape(str(out))}")
 
 
@@ -61,6 +69,7 @@ def export(
     since: Annotated[str, typer.Option("--from", help="ISO 8601 start (inclusive)")],
     until: Annotated[str, typer.Option("--to", help="ISO 8601 end (exclusive)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The pack to create (.zip)")],
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -73,6 +82,11 @@ def export(
         rt.tenants.get(tenant)
         authorize_read(rt, token, tenant, "evidence.export")
         info = export_pack(rt, tenant, start, end, out)
+    if as_json:
+        _emit({"pack": str(out), "tenant": tenant, "events": info.events,
+               "first_seq": info.first_seq, "end_seq": info.end_seq, "context": info.context,
+               "end_size": info.end_size})  # fmt: skip
+        return
     console.print(
         f"exported {info.events} events (seq {info.first_seq} to {info.end_seq - 1}) and "
         f"{info.context} context events of {tenant} to {escape(str(out))}; end checkpoint size "
@@ -90,7 +104,8 @@ def verify(
     from proctor.evidence import verify_pack
 
     if key is None:
-        console.print(
+        # On stderr: stdout is the report's, which --json makes one JSON object.
+        Console(stderr=True, highlight=False).print(
             "[yellow]trusting the pack's own verifier key; pass --key to check it "
             "against the key you hold[/]"
         )
@@ -111,15 +126,21 @@ def verify(
 def report(
     pack: Annotated[Path, typer.Argument(help="An evidence pack (.zip)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the report to")],
+    as_json: JsonOpt = False,
 ) -> None:
     """Extract a pack's report (Markdown, HTML, JSON, chart)."""
     import zipfile
 
     out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
     with zipfile.ZipFile(pack) as zf:
         for name in zf.namelist():
             if name.startswith("report/") and "/" not in name[7:] and name[7:]:
                 (out / name[7:]).write_bytes(zf.read(name))
+                written.append(str(out / name[7:]))
+    if as_json:
+        _emit({"pack": str(pack), "out": str(out), "files": written})
+        return
     console.print(f"report of {escape(str(pack))} written to {escape(str(out))}")
 
 
@@ -127,6 +148,7 @@ def report(
 def dpa_annex_cmd(
     tenant: TenantOpt,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -136,13 +158,14 @@ def dpa_annex_cmd(
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "audit.read")
         doc = dpa_annex(rt, tenant)
-    _write(doc, out)
+    _write(doc, out, as_json)
 
 
 @evidence_app.command("ropa")
 def ropa_cmd(
     tenant: TenantOpt,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -152,7 +175,7 @@ def ropa_cmd(
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "audit.read")
         doc = ropa(rt, tenant)
-    _write(doc, out)
+    _write(doc, out, as_json)
 
 
 @evidence_app.command("sample")
@@ -161,6 +184,7 @@ def sample(
     n: Annotated[int, typer.Option("--n", help="How many production runs")] = 25,
     seed: Annotated[str, typer.Option("--seed", help="Seed: the same seed, the same sample")] = "0",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write JSON here")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -170,7 +194,7 @@ def sample(
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "audit.read")
         doc = sample_runs(rt, tenant, n, seed)
-    _write(doc, out)
+    _write(doc, out, as_json)
 
 
 def lineage_cmd(
@@ -192,7 +216,8 @@ def lineage_cmd(
     if as_json:
         _emit(doc)
         return
-    table = Table("run", "env", "deployment", "first", "last", "approved by", "events", "lineage")
+    table = make_table("run", "env", "deployment", "first", "last", "approved by", "events",
+                       "lineage", ids=("run", "deployment"))  # fmt: skip
     for kind, rows in (("row", doc["read"]), ("table only", doc["possibly"])):
         for r in rows:
             table.add_row(
@@ -205,7 +230,7 @@ def lineage_cmd(
                 ", ".join(str(s) for s in r["events"][:10]),
                 kind,
             )
-    console.print(table)
+    print_table(table)
 
 
 @receipt_app.command("verify")
@@ -242,6 +267,7 @@ def sp_add(
     host: Annotated[
         list[str], typer.Option("--host", help="A host it serves (host[:port], *.domain)")
     ],
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -261,6 +287,9 @@ def sp_add(
         sp = Subprocessors(rt.store, rt.ledger).add(
             tenant, name, purpose=purpose, location=location, hosts=host, actor=actor
         )
+    if as_json:
+        _emit(sp.as_json())
+        return
     console.print(
         f"registered subprocessor [bold]{escape(sp.name)}[/] for {escape(', '.join(sp.hosts))}"
     )
@@ -268,7 +297,11 @@ def sp_add(
 
 @subprocessor_app.command("list")
 def sp_list(
-    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
 ) -> None:
     """List the tenant's subprocessors."""
     with open_runtime(home) as rt:
@@ -277,16 +310,18 @@ def sp_list(
     if as_json:
         _emit([s.as_json() for s in rows])
         return
-    table = Table("name", "purpose", "location", "hosts", "since", "by")
+    table = make_table("name", "purpose", "location", "hosts", "since", "by",
+                       ids=("name", "hosts"))  # fmt: skip
     for s in rows:
         table.add_row(s.name, s.purpose, s.location, ", ".join(s.hosts), s.created_at, s.created_by)
-    console.print(table)
+    print_table(table, wide)
 
 
 @subprocessor_app.command("remove")
 def sp_remove(
     tenant: TenantOpt,
     name: Annotated[str, typer.Argument(help="The subprocessor's name")],
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -304,6 +339,9 @@ def sp_remove(
                 event_resource=f"subprocessor/{name}",
             )
         Subprocessors(rt.store, rt.ledger).remove(tenant, name, actor)
+    if as_json:
+        _emit({"tenant": tenant, "name": name, "removed": True})
+        return
     console.print(f"removed subprocessor [bold]{escape(name)}[/]")
 
 

@@ -15,13 +15,16 @@ from proctor.cli._common import (
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    WideOpt,
     acting,
     authorize_read,
     console,
     emit_json,
     exit_if_interrupted,
+    make_table,
     open_runtime,
     parse_time,
+    print_table,
     remote,
     stop_on_signals,
 )
@@ -57,6 +60,7 @@ def principal_create(
     name: str,
     role: Annotated[list[str], typer.Option("--role", help=f"One of {', '.join(ROLES)}")],
     service: Annotated[bool, typer.Option(help="A service account, not a person")] = False,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -68,26 +72,54 @@ def principal_create(
                    f"principal/{tenant}/{name}")  # fmt: skip
         p, secret = rt.principals.create(tenant, name, "service" if service else "user", role,
                                          actor)  # fmt: skip
+    if as_json:
+        # The token is in the object, so that nobody scrapes it from a sentence.
+        emit_json({**_principal_json(p), "token": secret})
+        return
     console.print(f"created {p.kind} [bold]{p.id}[/] with roles {', '.join(p.roles)}")
     console.print("token (shown once; keep it safe):")
     sys.stdout.write(secret + "\n")
 
 
+def _principal_json(p: Principal) -> dict[str, Any]:
+    return {"id": p.id, "tenant": p.tenant, "name": p.name, "kind": p.kind,
+            "roles": list(p.roles), "disabled": p.disabled}  # fmt: skip
+
+
 @principal_app.command("list")
-def principal_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+def principal_list(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """List a tenant's principals and their roles (never their tokens)."""
     with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.principals.list(tenant)
-    table = Table("principal", "kind", "roles", "disabled")
+    if as_json:
+        emit_json([_principal_json(p) for p in rows])
+        return
+    table = make_table("principal", "kind", "roles", "disabled", ids=("principal",))
     for p in rows:
         table.add_row(p.name, p.kind, ", ".join(p.roles), "yes" if p.disabled else "")
-    console.print(table)
+    print_table(table, wide)
 
 
 @principal_app.command("rotate")
-def principal_rotate(tenant: TenantOpt, name: str, home: HomeOpt = None) -> None:
+def principal_rotate(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="The principal's name")],
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
     """Issue a new token (the old one stops working)."""
     with open_runtime(home) as rt:
         secret = rt.principals.rotate(tenant, name, rt.operator)
+    if as_json:
+        emit_json({"id": f"{tenant}/{name}", "tenant": tenant, "name": name, "token": secret})
+        return
     sys.stdout.write(secret + "\n")
 
 
@@ -240,10 +272,12 @@ def deploy(
     instruction: Annotated[str, typer.Option(help="The documented instruction")] = "",
     reference: Annotated[str, typer.Option(help="A ticket or change reference")] = "",
     rollback: Annotated[str | None, typer.Option(help="Deployment to roll back")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """Deploy an approved artifact (production needs a quorum), or --rollback NAME."""
+    # Through the API the answer is already the deployment's JSON object.
     if (client := remote(token)) is not None:
         if rollback is not None:
             emit_json(client.rollback(tenant, rollback))
@@ -293,17 +327,25 @@ def deploy(
                 every_seconds=parse_duration(every, "--every") if every else None,
                 instruction=instruction, reference=reference, actor=actor,
             )  # fmt: skip
+    if as_json:
+        emit_json(dep.as_json())
+        return
     approved = f", approved by {', '.join(dep.approvals)}" if dep.approvals else ""
     console.print(
-        f"deployed [bold]{dep.name}[/] v{dep.version}: {dep.digest[:19]}… to "
+        f"deployed [bold]{dep.name}[/] v{dep.version}: {dep.digest} to "
         f"{dep.environment} as a {dep.mode}{approved}"
     )
 
 
 @deployment_app.command("list")
 def deployment_list(
-    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
 ) -> None:
+    """The deployments in force: each one's current version, artifact and approvals."""
     if (client := remote(token)) is not None:
         emit_json(client.deployments(tenant))
         return
@@ -313,21 +355,55 @@ def deployment_list(
     if as_json:
         emit_json([d.as_json() for d in rows])
         return
-    table = Table("deployment", "v", "env", "mode", "status", "artifact", "approvals")
+    table = make_table("deployment", "v", "env", "mode", "status", "artifact", "approvals",
+                       ids=("deployment", "artifact", "approvals"))  # fmt: skip
     for d in rows:
-        table.add_row(d.name, str(d.version), d.environment, d.mode, d.status, d.digest[:19],
+        table.add_row(d.name, str(d.version), d.environment, d.mode, d.status, d.digest,
                       ", ".join(d.approvals))  # fmt: skip
-    console.print(table)
+    print_table(table, wide)
+
+
+@deployment_app.command("versions")
+def deployment_versions(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="Deployment name")],
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Every version of a deployment, oldest first (what --rollback goes back to)."""
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "deployment.read")
+        rows = rt.deployments.versions(tenant, name)
+    if as_json:
+        emit_json([d.as_json() for d in rows])
+        return
+    table = make_table("v", "env", "mode", "status", "artifact", "approvals", "created", "by",
+                       ids=("artifact", "approvals"))  # fmt: skip
+    for d in rows:
+        table.add_row(str(d.version), d.environment, d.mode, d.status, d.digest,
+                      ", ".join(d.approvals), d.created_at, d.created_by)  # fmt: skip
+    print_table(table, wide)
 
 
 @deployment_app.command("stop")
-def deployment_stop(tenant: TenantOpt, name: str, token: TokenOpt = None,
-                    home: HomeOpt = None) -> None:  # fmt: skip
+def deployment_stop(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="Deployment name")],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Stop a deployment: its runs are stopped and no new one starts."""
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name), tenant,
                    f"deployment/{name}")  # fmt: skip
         rt.undeploy(tenant, name, actor, "stopped by request")
+    if as_json:
+        emit_json({"tenant": tenant, "name": name, "status": "stopped"})
+        return
     console.print(f"deployment {name} stopped")
 
 
@@ -338,20 +414,28 @@ def run(
     name: str,
     tenant: TenantOpt,
     backend: Annotated[str | None, typer.Option(help="gvisor or bubblewrap")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Run a job deployment now; stream its output; exit with its exit code."""
+    """Run a job deployment now; stream its output; exit with its exit code.
+
+    With --json the job's own output (stdout and stderr) streams to stderr, and stdout
+    carries one JSON object at the end: the run record (id, status, reason, exit_code)."""
     from proctor.lifecycle import Supervisor
 
+    # With --json stdout is the JSON object's alone: the job's stdout moves to stderr.
+    job_out = sys.stderr if as_json else sys.stdout
     if (client := remote(token)) is not None:
         doc = client.run(
             tenant, name,
-            on_stdout=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+            on_stdout=lambda text: (job_out.write(text), job_out.flush()),
             on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
         )  # fmt: skip
         print(f"run {doc['id']}: {doc['status']} ({doc['reason']}, exit {doc['exit_code']})",
               file=sys.stderr)  # fmt: skip
+        if as_json:
+            emit_json(doc)
         code = doc.get("exit_code")
         raise typer.Exit(code if isinstance(code, int) else 1)
 
@@ -364,7 +448,7 @@ def run(
                    f"deployment/{name}")  # fmt: skip
         with rt.make_broker() as broker:
             sup = Supervisor(rt, broker, backend)
-            out, err = sys.stdout.buffer, sys.stderr.buffer
+            out, err = job_out.buffer, sys.stderr.buffer
 
             def to_out(data: bytes) -> None:
                 out.write(data)
@@ -380,6 +464,8 @@ def run(
         code = 128 + stop.signum if stop.signum is not None else record.exit_code
         print(f"run {record.id}: {record.status} ({record.reason}, exit {code})",
               file=sys.stderr)  # fmt: skip
+    if as_json:
+        emit_json({**record.as_json(), "exit_code": code})
     raise typer.Exit(code if code is not None else 1)
 
 
@@ -388,9 +474,11 @@ def runs_list(
     tenant: TenantOpt,
     deployment: Annotated[str | None, typer.Option(help="Only this deployment")] = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
+    """A tenant's runs, newest last, with status, reason and exit code."""
     from proctor.lifecycle import Runs
 
     if (client := remote(token)) is not None:
@@ -402,12 +490,13 @@ def runs_list(
     if as_json:
         emit_json([r.as_json() for r in rows])
         return
-    table = Table("run", "deployment", "v", "env", "status", "reason", "exit", "started", "ended")
+    table = make_table("run", "deployment", "v", "env", "status", "reason", "exit", "started",
+                       "ended", ids=("run", "deployment"))  # fmt: skip
     for r in rows:
         table.add_row(r.id, r.deployment, str(r.version), r.environment, r.status,
                       r.reason or "", "" if r.exit_code is None else str(r.exit_code),
                       r.started_at, r.ended_at or "")  # fmt: skip
-    console.print(table)
+    print_table(table, wide)
 
 
 @runs_app.command("show")
@@ -502,24 +591,37 @@ def serve(
 # -- tenants: freeze, history, egress ---------------------------------------------
 
 
-def freeze(name: str, unfreeze: bool, token: str | None, home: Path | None) -> None:
+def freeze(name: str, unfreeze: bool, token: str | None, home: Path | None,
+           as_json: bool = False) -> None:  # fmt: skip
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         action = "tenant.unfreeze" if unfreeze else "tenant.freeze"
         _authorize(rt, principal, action, EntityRef.tenant(name), name, f"tenant/{name}")
         t = rt.tenants.set_frozen(name, not unfreeze, actor)
+    if as_json:
+        emit_json(_tenant_json(t))
+        return
     console.print(f"tenant {t.name} is {t.status}")
+
+
+def _tenant_json(t: Any) -> dict[str, Any]:
+    return {"name": t.name, "status": t.status, "created_at": t.created_at,
+            "created_by": t.created_by}  # fmt: skip
 
 
 @egress_app.command("allow-range")
 def egress_allow_range(
     tenant: TenantOpt,
     cidr: Annotated[str, typer.Argument(help="e.g. 127.0.0.1/32")],
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Let runs reach a special-purpose range (loopback, private) the proxy refuses by default."""
     with open_runtime(home) as rt:
         ranges = rt.allow_egress_range(tenant, cidr, rt.operator)
+    if as_json:
+        emit_json({"tenant": tenant, "ranges": list(ranges)})
+        return
     console.print(f"{tenant} may reach: {', '.join(ranges)}")
 
 
@@ -529,22 +631,32 @@ def egress_sandbox_allow(
     host: Annotated[
         str, typer.Argument(help="host[:port] or *.domain[:port], e.g. mock.test:8443")
     ],
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Mark a host for sandbox use: sandbox runs may reach it, and no other."""
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         entry = rt.resources.allow_sandbox_host(tenant, host, rt.operator)
+    if as_json:
+        emit_json({"tenant": tenant, "host": entry})
+        return
     console.print(f"sandbox runs of {tenant} may reach {entry}")
 
 
 @egress_app.command("sandbox-hosts")
-def egress_sandbox_hosts(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
+def egress_sandbox_hosts(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
     """The hosts sandbox runs may reach (none: sandbox runs have no egress)."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "tenant.read")
-        for entry in rt.resources.sandbox_hosts(tenant):
-            console.print(entry)
+        hosts = list(rt.resources.sandbox_hosts(tenant))
+    if as_json:
+        emit_json([{"tenant": tenant, "host": entry} for entry in hosts])
+        return
+    for entry in hosts:
+        console.print(entry)
 
 
 def history(
@@ -579,19 +691,24 @@ def history(
 def _print_history(report: dict[str, Any]) -> None:
     console.print(f"[bold]{report['tenant']}[/] at {report['at']}"
                   f" (policy {report['policy_version'][:19]}…)")  # fmt: skip
-    table = Table("deployment", "v", "env", "mode", "artifact", "approved by", "instruction")
+    table = make_table("deployment", "v", "env", "mode", "artifact", "approved by",
+                       "instruction", ids=("deployment", "artifact"))  # fmt: skip
     for d in report["deployments"]:
         table.add_row(
-            d["name"], str(d["version"]), d["environment"], d["mode"], d["artifact"][:19],
+            d["name"], str(d["version"]), d["environment"], d["mode"], d["artifact"],
             ", ".join(d["approved_by"]), d["instruction"],
         )  # fmt: skip
-    console.print(table)
-    table = Table("run", "deployment", "status", "started", "ended", "data", "hosts", "denied")
+    print_table(table)
+    table = make_table("run", "deployment", "status", "started", "ended", "data", "hosts",
+                       "denied", ids=("run", "deployment"))  # fmt: skip
     for r in report["runs"]:
         table.add_row(r["id"], r["deployment"], r["status"], r["started_at"],
                       r["ended_at"] or "", ", ".join(r["data"]), ", ".join(r["hosts"]),
                       str(r["denied"]))  # fmt: skip
-    console.print(table)
+    print_table(table)
+
+
+TenantArg = Annotated[str, typer.Argument(help="Tenant name")]
 
 
 def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
@@ -609,10 +726,13 @@ def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
     app.command()(history)
 
     @tenant_app.command("freeze")
-    def tenant_freeze(name: str, token: TokenOpt = None, home: HomeOpt = None) -> None:
+    def tenant_freeze(name: TenantArg, as_json: JsonOpt = False, token: TokenOpt = None,
+                      home: HomeOpt = None) -> None:  # fmt: skip
         """Stop every run of the tenant and refuse every call until unfreeze."""
-        freeze(name, False, token, home)
+        freeze(name, False, token, home, as_json)
 
     @tenant_app.command("unfreeze")
-    def tenant_unfreeze(name: str, token: TokenOpt = None, home: HomeOpt = None) -> None:
-        freeze(name, True, token, home)
+    def tenant_unfreeze(name: TenantArg, as_json: JsonOpt = False, token: TokenOpt = None,
+                        home: HomeOpt = None) -> None:  # fmt: skip
+        """Let the tenant's runs and calls go on again."""
+        freeze(name, True, token, home, as_json)

@@ -6,19 +6,22 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from proctor.cli._common import (
     HomeOpt,
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    WideOpt,
     authorize_read,
     console,
+    emit_json,
+    make_table,
     open_runtime,
+    print_table,
 )
 from proctor.errors import UsageError
 from proctor.policy import evaluate_request
@@ -47,6 +50,7 @@ def _read_source(source: str) -> str:
 def policy_set(
     tenant: TenantOpt,
     source: Annotated[str, typer.Argument(help="A .cedar file, or - for standard input")],
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Validate and set the tenant's policy set; recorded with its version."""
@@ -54,6 +58,10 @@ def policy_set(
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         pv = rt.policies.set(tenant, text, rt.operator)
+    if as_json:
+        emit_json({"tenant": tenant, "version": pv.version, "seq": pv.seq, "set_at": pv.set_at,
+                   "set_by": pv.set_by})  # fmt: skip
+        return
     console.print(f"policy of [bold]{tenant}[/] set: version {pv.version}")
 
 
@@ -61,17 +69,28 @@ def policy_set(
 def policy_show(
     tenant: TenantOpt,
     history: Annotated[bool, typer.Option(help="List every version")] = False,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Print the tenant's current policy text (or its history)."""
     with open_runtime(home) as rt:
         if history:
-            table = Table("#", "version", "set at", "by")
-            for pv in rt.policies.history(tenant):
+            versions = rt.policies.history(tenant)
+            if as_json:
+                emit_json([{"tenant": tenant, "seq": pv.seq, "version": pv.version,
+                            "set_at": pv.set_at, "set_by": pv.set_by}
+                           for pv in versions])  # fmt: skip
+                return
+            table = make_table("#", "version", "set at", "by", ids=("version",))
+            for pv in versions:
                 table.add_row(str(pv.seq), pv.version, pv.set_at, pv.set_by)
-            console.print(table)
+            print_table(table, wide)
             return
         pv = rt.policies.current(tenant)
+    if as_json:
+        emit_json({"tenant": tenant, "version": pv.version, "text": pv.text})
+        return
     sys.stdout.write(f"// version {pv.version}\n{pv.text}")
     if pv.text and not pv.text.endswith("\n"):
         sys.stdout.write("\n")
@@ -104,7 +123,7 @@ def policy_test(
 @dataset_app.command("add")
 def dataset_add(
     tenant: TenantOpt,
-    name: str,
+    name: Annotated[str, typer.Argument(help="The dataset's name, as manifests name it")],
     sqlite: Annotated[Path | None, typer.Option(help="Path of a SQLite database file")] = None,
     postgres_env: Annotated[
         str | None,
@@ -116,6 +135,7 @@ def dataset_add(
     twin_of: Annotated[
         str | None, typer.Option(help="The real dataset this synthetic one stands in for")
     ] = None,
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Register a dataset; only the runtime will know where it is."""
@@ -134,24 +154,43 @@ def dataset_add(
         ds = rt.resources.add_dataset(
             tenant, name, where, rt.operator, synthetic=synthetic, twin_of=twin_of
         )
+    if as_json:
+        emit_json(_dataset_json(ds))
+        return
     console.print(f"dataset [bold]{ds.name}[/] registered in {tenant}")
 
 
+def _dataset_json(ds: Any) -> dict[str, Any]:
+    # Not its location: a path or a DSN is the runtime's to know (a DSN may hold a password).
+    return {"tenant": ds.tenant, "name": ds.name, "kind": ds.kind, "synthetic": ds.synthetic,
+            "twin_of": ds.twin_of}  # fmt: skip
+
+
 @dataset_app.command("list")
-def dataset_list(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
+def dataset_list(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """A tenant's datasets: name, kind, and whether each is synthetic (never where they are)."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.resources.datasets(tenant)
-    table = Table("dataset", "kind", "synthetic", "twin of")
+    if as_json:
+        emit_json([_dataset_json(ds) for ds in rows])
+        return
+    table = make_table("dataset", "kind", "synthetic", "twin of", ids=("dataset", "twin of"))
     for ds in rows:
         table.add_row(ds.name, ds.kind, "yes" if ds.synthetic else "no", ds.twin_of or "")
-    console.print(table)
+    print_table(table, wide)
 
 
 @secret_app.command("set")
 def secret_set(
     tenant: TenantOpt,
-    name: str,
+    name: Annotated[str, typer.Argument(help="The secret's name, as manifests name it")],
     host: Annotated[list[str], typer.Option("--host", help="A host the secret is sent to")],
     from_env: Annotated[
         str | None, typer.Option(help="Read the value from this environment variable")
@@ -164,6 +203,7 @@ def secret_set(
         str | None,
         typer.Option(help="A test secret: sandbox runs of code naming this real one get it"),
     ] = None,
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Store a secret, sealed; its value comes from stdin (or --from-env), never argv."""
@@ -185,30 +225,66 @@ def secret_set(
             template=template,
             twin_of=twin_of,
         )
+    if as_json:
+        emit_json(_secret_json(secret))
+        return
     console.print(f"secret [bold]{secret.name}[/] set for {', '.join(secret.hosts)}")
 
 
+def _secret_json(s: Any) -> dict[str, Any]:
+    # Never the value: it is sealed, and only the broker opens it, at injection.
+    return {"tenant": s.tenant, "name": s.name, "hosts": list(s.hosts), "header": s.header,
+            "template": s.template, "twin_of": s.twin_of}  # fmt: skip
+
+
 @secret_app.command("list")
-def secret_list(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
+def secret_list(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """A tenant's secrets: where each is sent and in which header (never the value)."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "tenant.read")
         rows = rt.resources.secrets(tenant)
-    table = Table("secret", "hosts", "header", "test twin of")
+    if as_json:
+        emit_json([_secret_json(s) for s in rows])
+        return
+    table = make_table("secret", "hosts", "header", "test twin of", ids=("secret", "hosts"))
     for s in rows:
         table.add_row(s.name, ", ".join(s.hosts), s.header, s.twin_of or "")
-    console.print(table)
+    print_table(table, wide)
 
 
 @bucket_app.command("add")
-def bucket_add(tenant: TenantOpt, name: str, home: HomeOpt = None) -> None:
+def bucket_add(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="The bucket's name, as manifests name it")],
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """Create a bucket runs may read and write through the broker."""
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         rt.resources.add_bucket(tenant, name, rt.operator)
+    if as_json:
+        emit_json({"tenant": tenant, "name": name})
+        return
     console.print(f"bucket [bold]{name}[/] created in {tenant}")
 
 
 @bucket_app.command("list")
-def bucket_list(tenant: TenantOpt, home: HomeOpt = None) -> None:
+def bucket_list(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
+    """A tenant's buckets."""
     with open_runtime(home) as rt:
-        for name in rt.resources.buckets(tenant):
-            console.print(name)
+        authorize_read(rt, token, tenant, "tenant.read")
+        names = list(rt.resources.buckets(tenant))
+    if as_json:
+        emit_json([{"tenant": tenant, "name": name} for name in names])
+        return
+    for name in names:
+        console.print(name)

@@ -12,13 +12,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from proctor.cli._common import (
     HomeOpt,
-    console,
+    JsonOpt,
+    WideOpt,
+    emit_json,
     exit_if_interrupted,
+    make_table,
     open_runtime,
+    print_table,
     stop_on_signals,
 )
 from proctor.cli._units import parse_duration, parse_size
@@ -31,15 +34,19 @@ sandbox_app = typer.Typer(
 
 
 @sandbox_app.command("backends")
-def list_backends() -> None:
+def list_backends(as_json: JsonOpt = False, wide: WideOpt = False) -> None:
     """Which sandbox drivers work on this machine, and why the others do not."""
     from proctor.sandbox import backends  # here: a command that runs no sandbox does without
 
-    table = Table("backend", "works", "why")
-    for status in backends():
+    found = backends()
+    if as_json:
+        emit_json([{"name": s.name, "available": s.available, "reason": s.reason} for s in found])
+        return
+    table = make_table("backend", "works", "why")
+    for status in found:
         works = "[green]yes[/]" if status.available else "[red]no[/]"
         table.add_row(status.name, works, status.reason)
-    console.print(table)
+    print_table(table, wide)
 
 
 @sandbox_app.command(
@@ -62,6 +69,13 @@ def run(
     env: Annotated[
         list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE for the guest")
     ] = None,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="One JSON object on stdout at the end; the program's output goes to stderr",
+        ),
+    ] = False,
     home: HomeOpt = None,
 ) -> None:
     """Run CMD in a throwaway sandbox; stream its output; exit with its exit code."""
@@ -97,7 +111,8 @@ def run(
     # end, rather than killing this process and leaving the sandbox running.
     with stop_on_signals() as stop, open_runtime(home) as rt:
         throwaway = Throwaway.start(rt, driver, spec, directory)
-        out = sys.stdout.buffer
+        # With --json stdout is the JSON object's alone: the program's stdout moves to stderr.
+        out = sys.stderr.buffer if as_json else sys.stdout.buffer
         err = sys.stderr.buffer
 
         def to_out(data: bytes) -> None:
@@ -116,4 +131,11 @@ def run(
     if result.reason is not Reason.EXIT:
         console_err = f"sandbox: stopped by {result.reason.value} (exit {result.exit_code})"
         print(console_err, file=sys.stderr)
+    if as_json:
+        emit_json({"run": result.run_id, "backend": result.backend,
+                   "exit_code": result.exit_code, "reason": result.reason.value,
+                   "duration_seconds": result.duration_seconds,
+                   "stdout_bytes": result.stdout_bytes, "stderr_bytes": result.stderr_bytes,
+                   "truncated": result.truncated,
+                   "memory_peak_bytes": result.memory_peak_bytes})  # fmt: skip
     raise typer.Exit(result.exit_code)
