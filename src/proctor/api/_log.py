@@ -201,7 +201,11 @@ async def follow_events(
     # A stream never started (the client left first) runs no finally: the follow
     # is given back when the generator is collected.
     weakref.finalize(body, release)
-    return StreamingResponse(body, media_type="application/x-ndjson")
+    # X-Start: the first event the stream can show (a caller knows from when on it
+    # misses nothing).
+    return StreamingResponse(
+        body, media_type="application/x-ndjson", headers={"X-Start": str(first)}
+    )
 
 
 @router.get("/tenants/{tenant}/checkpoints", response_model=list[CheckpointOut])

@@ -21,7 +21,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from proctor.broker._egress import UpstreamFailed
-from proctor.broker._scope import BadCall, BrokerError
+from proctor.broker._scope import REQUEST_EVENTS, BadCall, BrokerError
 
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
@@ -265,17 +265,47 @@ async def respond_json(writer: asyncio.StreamWriter, status: int, doc: Any) -> N
 def error_bytes(
     exc: BrokerError, status: int | None = None, extra: Iterable[tuple[str, str]] = ()
 ) -> bytes:
-    """The JSON error response for ``exc`` (with ``status`` instead of its own)."""
+    """The JSON error response for ``exc`` (with ``status`` instead of its own).
+
+    When this request's refusal was recorded, the answer names its event: ``seq`` and
+    ``reason`` in the body, the ``X-Proctor-Refusal`` header, and the status line's
+    reason phrase, the one part of a refused CONNECT that HTTP clients show (Python's
+    ``Tunnel connection failed: 403 …``, curl's ``CONNECT tunnel failed``)."""
     code = status or exc.status
-    body = json.dumps(exc.as_json(), sort_keys=True).encode()
+    doc = exc.as_json()
+    phrase = HTTPStatus(code).phrase
+    headers = list(extra)
+    counter = REQUEST_EVENTS.get()
+    refusal = counter.refusal if counter is not None and code not in (429, 503) else None
+    if refusal is not None:
+        seq, reason = refusal
+        text = refusal_text(reason)
+        doc.update(seq=seq, reason=reason)
+        phrase = f"{phrase} (proctor refusal seq={seq}: {text})"
+        headers.append((REFUSAL_HEADER, f'seq={seq}; reason="{text}"'))
+    body = json.dumps(doc, sort_keys=True).encode()
     head = [
-        f"HTTP/1.1 {code} {HTTPStatus(code).phrase}",
+        f"HTTP/1.1 {code} {phrase}",
         "Content-Type: application/json",
         f"Content-Length: {len(body)}",
         "Connection: close",
-        *(f"{k}: {v}" for k, v in extra),
+        *(f"{k}: {v}" for k, v in headers),
     ]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+#: Names the ledger event of a refusal: ``seq=<n>; reason="<text>"``.
+REFUSAL_HEADER = "X-Proctor-Refusal"
+_REFUSAL_MAX = 300
+
+
+def refusal_text(reason: str) -> str:
+    """``reason`` fit for a header value, a status line and a quoted string: printable
+    ASCII only (no CR, LF or other control that could split a head), no quote or
+    backslash, at most a few hundred characters. The reason is the ledger's own
+    (policy ids, the resource, the broker's rule), never an upstream's bytes."""
+    text = "".join(c if " " <= c <= "~" and c not in '"\\' else "?" for c in reason)
+    return text if len(text) <= _REFUSAL_MAX else text[: _REFUSAL_MAX - 3] + "..."
 
 
 # -- framing --------------------------------------------------------------------

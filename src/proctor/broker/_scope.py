@@ -71,6 +71,9 @@ class RequestEvents:
     answered: the server records a refusal itself only when its handler did not."""
 
     count: int = 0
+    #: The last refusal recorded for this request, (its event's seq, its reason):
+    #: the answer to the guest names it, so a person can find it in the ledger.
+    refusal: tuple[int, str] | None = None
 
 
 #: Set by the server for each request (one per connection task; worker threads
@@ -342,6 +345,8 @@ class RunScope:
         counter = REQUEST_EVENTS.get()
         if counter is not None:
             counter.count += 1
+            if draft.decision == "deny":
+                counter.refusal = (appended.seq, reason)
         return appended
 
     async def record_refusal(

@@ -194,7 +194,14 @@ def tail(
     flt = EventFilter(run=run, action=action, decision=decision)
     try:
         if (client := remote(token)) is not None:
-            for data in client.follow_events(tenant, run=run, action=action, decision=decision):
+
+            def opened(start: int) -> None:
+                print(f"following {tenant} from event {start}", file=sys.stderr, flush=True)
+
+            found = client.follow_events(
+                tenant, run=run, action=action, decision=decision, on_open=opened
+            )
+            for data in found:
                 _print_live(data, as_json)
             return
         with open_runtime(home) as rt:

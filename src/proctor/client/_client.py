@@ -384,9 +384,11 @@ class Client:
     def follow_events(
         self, tenant: str, *, start: int | None = None,
         run: str | None = None, action: str | None = None, decision: str | None = None,
+        on_open: Callable[[int], None] | None = None,
     ) -> Iterator[bytes]:  # fmt: skip
         """Matching events as they are appended (from the log's end, or ``start``),
-        one at a time, until the caller stops iterating."""
+        one at a time, until the caller stops iterating. ``on_open`` is called with
+        the first sequence number the stream covers, once it is open."""
         params = _event_params(None, None, run, action, decision)
         if start is not None:
             params["start"] = start
@@ -395,6 +397,8 @@ class Client:
             if not resp.is_success:
                 resp.read()
                 self._raise(resp)
+            if on_open is not None:
+                on_open(int(resp.headers.get("x-start", "0")))
             for line in resp.iter_lines():
                 if line:
                     yield line.encode()

@@ -11,12 +11,25 @@ from .protocol import SOCKET_ENV, SOCKET_PATH, TOKEN_ENV, TOKEN_HEADER
 
 
 class GuestError(Exception):
-    """A broker call failed. ``code`` is the broker's stable error code."""
+    """A broker call failed. ``code`` is the broker's stable error code; for a refusal
+    the broker recorded, ``seq`` is its event in the tenant's ledger and ``reason`` the
+    reason recorded there (``proctor audit events --run R --decision deny`` shows it)."""
 
-    def __init__(self, message: str, code: str = "error", policies: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str = "error",
+        policies: tuple[str, ...] = (),
+        seq: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        if seq is not None:
+            message = f"{message} [ledger event seq={seq}]"
         super().__init__(message)
         self.code = code
         self.policies = policies
+        self.seq = seq
+        self.reason = reason
 
 
 class Denied(GuestError):
@@ -69,19 +82,18 @@ def _call(method: str, path: str, body: bytes | None = None, timeout: float = 60
         conn.close()
     if resp.status == 200:
         return data
+    seq: int | None = None
+    reason: str | None = None
     try:
         err = json.loads(data)
         message, code = str(err["message"]), str(err["error"])
         policies = tuple(str(p) for p in err.get("policies", []))
+        if isinstance(err.get("seq"), int):
+            seq, reason = int(err["seq"]), str(err.get("reason", ""))
     except (ValueError, KeyError, TypeError):
         message, code, policies = data.decode(errors="replace"), f"http_{resp.status}", ()
-    if resp.status == 403:
-        raise Denied(message, code, policies)
-    if resp.status == 503:
-        raise NotRecorded(message, code, policies)
-    if resp.status == 429:
-        raise RateLimited(message, code, policies)
-    raise GuestError(message, code, policies)
+    kind = {403: Denied, 503: NotRecorded, 429: RateLimited}.get(resp.status, GuestError)
+    raise kind(message, code, policies, seq, reason)
 
 
 def sql(dataset: str, query: str, params: list[Any] | dict[str, Any] | None = None) -> Any:
