@@ -93,6 +93,13 @@ def view(tmp_path_factory: pytest.TempPathFactory) -> Iterator[View]:
     (run,) = Runs(gov.rt).all("acme", "job")
     stdout = (gov.home / "runs" / run.id / "stdout.log").read_text()
     guest = json.loads(stdout.strip().splitlines()[-1])
+    # A second run whose id shares the first one's first 8 characters: a prefix of 8
+    # is ambiguous, one of 9 is not.
+    twin = run.id[:8] + "zz" + run.id[10:]
+    with gov.rt.store.write() as conn:
+        Runs.insert(conn, (twin, "acme", "other", 1, run.digest, "sandbox",
+                           run.workload + "-twin", "[]", run.backend, None, "succeeded", None,
+                           0, 1, "{}", None, run.started_at, run.ended_at), "twin")  # fmt: skip
     server = serve_api(gov.rt, "127.0.0.1", 0)
     yield View(gov, server.url, run.id, guest)
     server.stop()
@@ -132,7 +139,7 @@ def test_the_guest_sees_each_refusal_with_its_ledger_event(view: View) -> None:
 def test_the_developer_finds_the_refusals_with_the_cli(view: View) -> None:
     gov, run_id = view.gov, view.run_id
     seqs = {view.guest["sql"]["seq"], view.guest["http"]["body"]["seq"]}
-    prefix = run_id[:8]
+    prefix = run_id[:9]
     # audit events: the filters combine; the run is given as a prefix.
     out = cli(gov, "audit", "events", "-t", "acme", "--run", prefix, "--decision", "deny",
               "--json", who="dev").raw.splitlines()  # fmt: skip
@@ -161,6 +168,7 @@ def test_the_developer_finds_the_refusals_with_the_cli(view: View) -> None:
         (("--since", "2030-01-01", "--until", "2020-01-01"), "is not before"),
         (("--limit", "0"), "--limit"),
         (("--run", "r-nosuchrun"), "r-nosuchrun"),
+        (("--run", run_id[:8]), "is ambiguous: 2 run ids"),
     ):
         res = cli(gov, "audit", "events", "-t", "acme", *args, check=False)
         assert res.code != 0 and words in res.out + res.err, (args, res.out, res.err)
@@ -195,6 +203,9 @@ def test_a_developer_reads_only_their_own_runs_events(view: View) -> None:
     # An auditor reads every run's events, and the whole log.
     assert len(aud.events("acme", run=run_id, decision="deny")) == 3
     assert aud.events("acme", limit=1, newest=True)
+    with pytest.raises(ProctorError) as ambiguous:
+        aud.events("acme", run=run_id[:8])
+    assert "is ambiguous" in ambiguous.value.message
     with pytest.raises(ProctorError) as bad:
         aud.events("acme", decision="maybe")
     assert bad.value.code == "invalid_request", bad.value.code
