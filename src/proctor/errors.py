@@ -157,6 +157,15 @@ class ProductionName(ProctorError):
     status = 409
 
 
+class NotReady(ProctorError):
+    """The tenant lacks what a manifest names: an unregistered dataset, or egress to a
+    host no registered subprocessor covers. The hint is the command that fixes it."""
+
+    exit_code = 5
+    code = "not_ready"
+    status = 409
+
+
 class RunRefused(ProctorError):
     """The run may not start now: frozen tenant, inactive deployment, no quorum."""
 
@@ -172,6 +181,7 @@ ANSWERED: tuple[type[ProctorError], ...] = (
     ControlDenied,
     ApprovalRequired,
     SyntheticOnly,
+    NotReady,
     NotApproved,
     ProductionName,
     RunRefused,

@@ -195,10 +195,19 @@ def key_show(as_json: JsonOpt = False, home: HomeOpt = None) -> None:
 @app.command()
 def demo(
     home: Annotated[
-        Path | None, typer.Option("--home", help="Home for the demo [default: a new temp dir]")
+        Path | None,
+        typer.Option(
+            "--home",
+            help="Home for the demo, a new or empty directory; every file the demo writes "
+            "stays inside it [default: a new temp dir]",
+        ),
     ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option("--replace", help="Delete an earlier demo's home at --home and start again"),
+    ] = False,
 ) -> None:
     """Run the main job end to end and print the story."""
     from proctor.cli._demo import run_demo
 
-    run_demo(home)
+    run_demo(home, replace)

@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from proctor.cli._common import console
-from proctor.errors import ProctorError, VerificationFailed
+from proctor.errors import ProctorError, UsageError, VerificationFailed
 from proctor.ledger import Verifier, utc_now, verify_export
 from proctor.lifecycle import Supervisor, what_ran
 from proctor.runtime import Runtime, init_home
@@ -43,6 +43,7 @@ LAST = ["Lovelace", "Turing", "Hopper", "Torvalds", "Dijkstra", "Liskov", "Thomp
 def make_customers(path: Path, n: int, seed: int) -> None:
     """A customer database made on the fly: name, email, country, plan, monthly revenue."""
     rng = random.Random(seed)
+    path.unlink(missing_ok=True)
     db = sqlite3.connect(path)
     db.execute(
         "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT NOT NULL, email TEXT NOT NULL,"
@@ -100,10 +101,38 @@ def _out(prefix: str) -> Any:
     return sink
 
 
-def run_demo(home: Path | None) -> None:
+#: Marks a directory as a demo's home: only such a directory is ever replaced.
+_MARKER = ".proctor-demo"
+
+
+def _prepare(home: Path, replace: bool) -> None:
+    """The demo's home is a new or empty directory, or an earlier demo's with
+    --replace: it never writes into, nor deletes, anything else."""
+    if not home.exists() or not any(home.iterdir()):
+        return
+    if not (home / "demo" / _MARKER).is_file():
+        raise UsageError(
+            f"{home} is not empty, and not the home of an earlier demo",
+            hint="give --home a new or empty directory",
+        )
+    if not replace:
+        raise UsageError(
+            f"{home} holds an earlier demo",
+            hint=f"run: proctor demo --home {home} --replace (deletes it and starts again), "
+            "or give --home a new directory",
+        )
+    shutil.rmtree(home)
+
+
+def run_demo(home: Path | None, replace: bool = False) -> None:
     home = home or Path(tempfile.mkdtemp(prefix="proctor-demo-")) / "home"
-    work = home.parent
+    _prepare(home, replace)
+    # Everything the demo writes beside the home's own files (the customer databases,
+    # the artifact's copy, the exports, the pack) stays inside it: two demos in sibling
+    # directories share nothing.
+    work = home / "demo"
     work.mkdir(parents=True, exist_ok=True)
+    (work / _MARKER).write_text("written by proctor demo; --replace may delete this home\n")
     # The story reads best wide; a pipe (make demo | less) gets 120 columns too.
     console.width = max(console.width, 120)
     console.rule("[bold]Proctor: a churn report an AI wrote, run on real customer data")
@@ -236,12 +265,12 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
     report_v = rt.ledger.verify("acme")
     console.print(f"   proctor audit verify: [green]ok[/], {report_v.size} events, "
                   f"{report_v.checkpoints} signed checkpoints")  # fmt: skip
-    export = home.parent / "acme-log"
+    export = work / "acme-log"
     rt.ledger.export("acme", export)
     vkey = rt.ledger.vkey()
     verify_export(export, Verifier.parse(vkey))
     console.print(f"   export {export} verified offline with {vkey[:40]}…: [green]ok[/]")
-    tampered = home.parent / "acme-log-tampered"
+    tampered = work / "acme-log-tampered"
     shutil.copytree(export, tampered)
     raw_events = (tampered / "events.jsonl").read_bytes().split(b"\n")
     for i, event in enumerate(raw_events):
@@ -272,7 +301,7 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
     _step(11, "evidence for the auditor: a pack for today, verified offline; the run's receipt")
     from proctor.evidence import export_pack, verify_pack, verify_receipt
 
-    pack = home.parent / "acme-evidence.zip"
+    pack = work / "acme-evidence.zip"
     start = answer["at"][:10] + "T00:00:00.000000Z"
     export_pack(rt, "acme", start, utc_now(), pack)
     checked = verify_pack(pack, vkey)

@@ -19,11 +19,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from proctor.errors import NotApproved, NotFound, ProductionName, UsageError
+from proctor.errors import NotApproved, NotFound, NotReady, ProductionName, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
 from proctor.governance._environments import check_synthetic
 from proctor.governance._manifest import Manifest
 from proctor.governance._resources import Resources
+from proctor.governance._subprocessors import Subprocessor, Subprocessors, covers, split_entry
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
@@ -71,6 +72,82 @@ def _row(r: tuple[Any, ...]) -> Deployment:
         None if r[6] is None else float(r[6]), str(r[7]), str(r[8]),
         tuple(json.loads(r[9])), str(r[10]), str(r[11]), str(r[12]),
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something a manifest names that the tenant lacks, and the command that fixes it."""
+
+    message: str
+    fix: str
+
+
+def _egress_covered(entry: str, register: list[Subprocessor]) -> bool:
+    """Whether some subprocessor covers every host the manifest's entry may reach: a
+    name, or for ``*.domain`` every name below it (the same wildcard or a wider one)."""
+    name, port = split_entry(entry)
+    for sp in register:
+        for h in sp.hosts:
+            if not name.startswith("*."):
+                if covers(h, name, port):
+                    return True
+                continue
+            sp_name, sp_port = split_entry(h)
+            if (
+                sp_port == port
+                and sp_name.startswith("*.")
+                and (name == sp_name or name.endswith(sp_name[1:]))
+            ):
+                return True
+    return False
+
+
+def readiness(
+    resources: Resources,
+    subprocessors: Subprocessors,
+    tenant: str,
+    capabilities: dict[str, Any],
+    environment: str = "production",
+) -> list[Finding]:
+    """What a run of these capabilities would be refused for because of the tenant's
+    set-up rather than its code: datasets not registered, and (in production, where
+    egress goes only to registered subprocessors) hosts no subprocessor covers. Found
+    at deploy (refused) and at submit (warned), not at the first run."""
+    found: list[Finding] = []
+    registered = {d.name for d in resources.datasets(tenant)}
+    for name in sorted(capabilities.get("datasets", {})):
+        if name not in registered:
+            found.append(Finding(
+                f"the manifest reads dataset {name!r}, which is not registered in {tenant}",
+                f"proctor dataset add -t {tenant} {name} --sqlite PATH"
+                " (or --postgres-env VAR)",
+            ))  # fmt: skip
+    if environment == "production":
+        register = subprocessors.list(tenant)
+        for entry in capabilities.get("egress", []):
+            if not _egress_covered(entry, register):
+                found.append(Finding(
+                    f"egress to {entry} is not covered by any registered subprocessor of"
+                    f" {tenant} (GDPR Art. 28(2)): every call there would be refused",
+                    f"proctor subprocessor add -t {tenant} NAME --purpose '...'"
+                    f" --location '...' --host {entry}",
+                ))  # fmt: skip
+    return found
+
+
+def check_readiness(
+    resources: Resources,
+    subprocessors: Subprocessors,
+    tenant: str,
+    capabilities: dict[str, Any],
+    environment: str,
+) -> None:
+    found = readiness(resources, subprocessors, tenant, capabilities, environment)
+    if found:
+        raise NotReady(
+            "; ".join(f.message for f in found),
+            hint="run: " + "; then: ".join(f.fix for f in found),
+        )
 
 
 class Deployments:
@@ -163,6 +240,10 @@ class Deployments:
             approvals = [a.id for a in self._approvals.require_quorum(tenant, artifact)]
         else:
             self.check_synthetic(tenant, artifact)
+        # After the approval checks, whose refusals come first: a set-up the tenant
+        # lacks is refused here, with the command that fixes it, not at the first run.
+        check_readiness(self._resources, Subprocessors(self._store, self._ledger), tenant,
+                        dict(artifact.capabilities), environment)  # fmt: skip
         created_at = utc_now()
         holder: list[Deployment] = []
 
