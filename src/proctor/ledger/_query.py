@@ -109,6 +109,9 @@ def iter_events(
 ) -> Iterator[bytes]:
     """The matching events' bytes from ``start`` on, oldest first, page by page."""
     lo = start
+    if flt.since is not None:
+        # Straight to the first event in the window, by the time index.
+        lo = max(lo, _first_since(ledger, log, flt.since))
     while end is None or lo < end:
         hi = lo + _PAGE if end is None else min(lo + _PAGE, end)
         n = 0
@@ -122,3 +125,17 @@ def iter_events(
         if n < hi - lo:
             return
         lo = hi
+
+
+def _first_since(ledger: Ledger, log: str, since: str) -> int:
+    """The first seq whose time is at least ``since``: a binary search, one event read
+    per step (times never go backwards in a log)."""
+    lo, hi = 0, ledger.head(log).size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        data = next(iter(list(ledger.entries(log, mid, mid + 1))), None)
+        if data is not None and str(json.loads(data).get("time", "")) < since:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
