@@ -85,20 +85,20 @@ def test_approval_rules_are_enforced_and_a_changed_byte_needs_a_new_approval(
     assert res.code == 5 and "0 valid approval(s)" in res.err
     # The author may not approve (carol holds both roles: policy forbids it).
     own = submit(gov, who="carol", main=JOB + "\n# carol's\n")
-    res = cli(gov, "approve", own, "-t", "acme", who="carol", check=False)
+    res = cli(gov, "approve", own, "-t", "acme", "--yes", who="carol", check=False)
     assert res.code == 5 and "separation-of-duties" in res.err
     # A developer has no approving role; another tenant's approver is not ours.
-    assert cli(gov, "approve", digest, "-t", "acme", who="dev", check=False).code == 5
-    res = cli(gov, "approve", digest, "-t", "acme", who="globex-alice", check=False)
-    assert res.code == 5 and "globex/alice may not approval.grant" in res.err
+    assert cli(gov, "approve", digest, "-t", "acme", "--yes", who="dev", check=False).code == 5
+    res = cli(gov, "approve", digest, "-t", "acme", "--yes", who="globex-alice", check=False)
+    assert res.code == 5 and "globex/alice may not artifact.read" in res.err
     # Without a token nobody approves: the operator is not a tenant principal.
-    assert "must come from a tenant principal" in cli(gov, "approve", digest, "-t", "acme",
+    assert "must come from a tenant principal" in cli(gov, "approve", digest, "-t", "acme", "--yes",
                                                       check=False).err  # fmt: skip
     # Expired: an approval of one second no longer counts.
-    cli(gov, "approve", digest, "-t", "acme", "--expires", "1s", who="alice")
+    cli(gov, "approve", digest, "-t", "acme", "--yes", "--expires", "1s", who="alice")
     time.sleep(1.2)
     assert deploy(gov, digest, check=False).code == 5
-    cli(gov, "approve", digest, "-t", "acme", who="bob")
+    cli(gov, "approve", digest, "-t", "acme", "--yes", who="bob")
     out = deploy(gov, digest).out
     assert "approved by apr_" in out
     res = cli(gov, "run", "job", "-t", "acme", "--backend", backend, who="dev", check=False)
@@ -120,7 +120,7 @@ def test_rollback_goes_back_to_the_previous_approved_version(gov: Gov) -> None:
     first = submit(gov)
     second = submit(gov, main=JOB + "\nprint('v2')\n")
     for d in (first, second):
-        cli(gov, "approve", d, "-t", "acme", who="alice")
+        cli(gov, "approve", d, "-t", "acme", "--yes", who="alice")
         deploy(gov, d)
     cli(gov, "deploy", "-t", "acme", "--rollback", "job", who="dev")
     versions = gov.rt.deployments.versions("acme", "job")
@@ -245,13 +245,13 @@ def test_freeze_stops_everything_until_unfreeze(gov: Gov, backend: str) -> None:
 @pytest.mark.parametrize("backend", ONE)
 def test_history_at_a_past_time_gives_that_time(gov: Gov, backend: str) -> None:
     first = submit(gov)
-    cli(gov, "approve", first, "-t", "acme", who="alice")
+    cli(gov, "approve", first, "-t", "acme", "--yes", who="alice")
     deploy(gov, first)
     cli(gov, "run", "job", "-t", "acme", "--backend", backend, who="dev")
     then = gov.rt.deployments.get("acme", "job").created_at
     time.sleep(0.05)
     second = submit(gov, main=JOB + "\nprint('v2')\n")
-    cli(gov, "approve", second, "-t", "acme", who="bob")
+    cli(gov, "approve", second, "-t", "acme", "--yes", who="bob")
     deploy(gov, second)
     past = json.loads(cli(gov, "history", "-t", "acme", "--at", then, "--json",
                           "--window", "0s").out)  # fmt: skip
@@ -265,7 +265,7 @@ def test_history_at_a_past_time_gives_that_time(gov: Gov, backend: str) -> None:
 
 def test_nothing_of_one_tenant_is_visible_or_usable_from_another(gov: Gov) -> None:
     digest = submit(gov)
-    cli(gov, "approve", digest, "-t", "acme", who="alice")
+    cli(gov, "approve", digest, "-t", "acme", "--yes", who="alice")
     deploy(gov, digest)
     for args in (
         ["artifact", "show", digest, "-t", "acme"],
@@ -276,7 +276,7 @@ def test_nothing_of_one_tenant_is_visible_or_usable_from_another(gov: Gov) -> No
         ["secret", "list", "-t", "acme"],
         ["deployment", "list", "-t", "acme"],
         ["run", "job", "-t", "acme"],
-        ["approve", digest, "-t", "acme"],
+        ["approve", digest, "-t", "acme", "--yes"],
     ):
         res = cli(gov, *args, who="globex-root", check=False)
         assert res.code == 5, (args, res.err)
@@ -309,7 +309,7 @@ def test_sandbox_runs_of_a_digest_are_shown_beside_its_approvals(gov: Gov, backe
     run_id = Runs(gov.rt).of_artifact("acme", digest)[0].id
     listing = cli(gov, "approval", "list", "-t", "acme", "--digest", digest, who="alice").out
     assert run_id in listing and "succeeded" in listing
-    approved = cli(gov, "approve", digest, "-t", "acme", who="alice").out
+    approved = cli(gov, "approve", digest, "-t", "acme", "--yes", who="alice").out
     assert run_id in approved
 
 
@@ -350,8 +350,8 @@ def test_the_cli_works_through_the_api_with_server(gov: Gov, backend: str) -> No
         art = gov.artifact_dir("job", JOB, CAPS)
         digest = json.loads(remote("artifact", "submit", str(art), "-t", "acme", "--json",
                                    who="dev").out)["digest"]  # fmt: skip
-        assert remote("approve", digest, "-t", "acme", who="dev", check=False).code == 5
-        remote("approve", digest, "-t", "acme", who="alice")
+        assert remote("approve", digest, "-t", "acme", "--yes", who="dev", check=False).code == 5
+        remote("approve", digest, "-t", "acme", "--yes", who="alice")
         remote("deploy", digest, "-t", "acme", "--name", "job", "--env", "production",
                "--instruction", "over the API", who="dev")  # fmt: skip
         res = remote("run", "job", "-t", "acme", who="dev")

@@ -69,7 +69,7 @@ def test_runtime_on_postgresql_with_a_postgresql_dataset(
         f.chmod(0o644)
     digest = json.loads(run_cli("artifact", "submit", str(art), "-t", "acme", "--json",
                                 "--token", dev, home=home).out)["digest"]  # fmt: skip
-    run_cli("approve", digest, "-t", "acme", "--token", alice, home=home)
+    run_cli("approve", digest, "-t", "acme", "--yes", "--token", alice, home=home)
     run_cli("deploy", digest, "-t", "acme", "--name", "pgjob", "--env", "production",
             "--instruction", "count", "--token", dev, home=home)  # fmt: skip
     res = run_cli("run", "pgjob", "-t", "acme", "--backend", BACKEND, "--token", dev, home=home)

@@ -471,7 +471,7 @@ def test_a_deployment_naming_a_missing_table_shows_no_dsn_password(
         (art / "proctor.toml").write_text(MISSING_TABLE_MANIFEST)
         digest = json.loads(run_cli("artifact", "submit", str(art), "-t", "acme", "--json",
                                     "--token", dev, home=home).out)["digest"]  # fmt: skip
-        run_cli("approve", digest, "-t", "acme", "--token", alice, home=home)
+        run_cli("approve", digest, "-t", "acme", "--yes", "--token", alice, home=home)
         run_cli("deploy", digest, "-t", "acme", "--name", "pgjob", "--env", "production",
                 "--instruction", "count", "--token", dev, home=home)  # fmt: skip
         res = run_cli("run", "pgjob", "-t", "acme", "--backend", "bubblewrap", "--token", dev,

@@ -64,7 +64,7 @@ def test_an_approver_the_author_created_is_refused_and_recorded(gov: Gov) -> Non
 def test_the_cli_refuses_a_puppet_up_front(gov: Gov) -> None:
     _create(gov, "puppet", ["approver"], gov.principal("root").actor)
     artifact = _artifact(gov, "root")
-    res = run_cli("approve", artifact.digest, "-t", "acme", "--token", gov.token("puppet"),
+    res = run_cli("approve", artifact.digest, "-t", "acme", "--yes", "--token", gov.token("puppet"),
                   home=gov.home, check=False)  # fmt: skip
     assert res.code == 5, res.out + res.err
     assert "independent" in res.err and "acme/root" in res.err

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proctor import __version__
-from proctor.api import _log, _routes
+from proctor.api import _artifact_routes, _log, _routes
 from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
@@ -187,6 +187,7 @@ def create_app(
         return KeyOut(verifier_key=rt.ledger.vkey(), trust_domain=rt.config.trust_domain)
 
     app.include_router(_routes.router)
+    app.include_router(_artifact_routes.router)
     app.include_router(_log.router)
     app.add_middleware(_Guard, limits=limits)
 

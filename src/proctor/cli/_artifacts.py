@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -16,14 +19,18 @@ from proctor.cli._common import (
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    WideOpt,
     acting,
     authorize_read,
     console,
     emit_json,
+    make_table,
     open_runtime,
+    print_table,
     remote,
 )
-from proctor.governance import Artifact, ArtifactDiff, Artifacts
+from proctor.errors import UsageError
+from proctor.governance import Artifact, Artifacts
 from proctor.runtime import Runtime
 
 artifact_app = typer.Typer(
@@ -170,96 +177,81 @@ def artifact_show(
 
 @artifact_app.command("list")
 def artifact_list(
-    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
 ) -> None:
     """The tenant's artifacts, oldest first."""
     if (client := remote(token)) is not None:
-        emit_json(client.artifacts(tenant))
-        return
-    with open_runtime(home) as rt:
-        rt.tenants.get(tenant)
-        rows = _artifacts(rt, token, tenant, "artifact.read").list(tenant)
+        rows: list[dict[str, Any]] = client.artifacts(tenant)
+    else:
+        with open_runtime(home) as rt:
+            rt.tenants.get(tenant)
+            rows = [
+                a.to_json() for a in _artifacts(rt, token, tenant, "artifact.read").list(tenant)
+            ]
     if as_json:
-        for a in rows:
-            _json(a.to_json())
+        emit_json(rows)
         return
-    table = Table()
-    for column in ("digest", "name", "files", "size", "submitted", "by"):
-        table.add_column(column, no_wrap=True)
-    # The purpose is the long one: it gives way first, cut rather than wrapped.
-    table.add_column("purpose", no_wrap=True, overflow="ellipsis", max_width=32)
+    table = make_table("digest", "name", "files", "size", "submitted", "by", "purpose",
+                       ids=("digest",))  # fmt: skip
     for a in rows:
-        table.add_row(
-            a.digest[:19],
-            escape(a.name),
-            str(a.file_count),
-            _size(a.size),
-            a.submitted_at[:19],
-            escape(a.author),
-            escape(a.purpose),
-        )
-    console.print(table)
+        table.add_row(a["digest"], escape(a["name"]), str(a["file_count"]),
+                      _size(a["size"]), a["submitted_at"][:19], escape(a["author"]),
+                      escape(a["purpose"]))  # fmt: skip
+    print_table(table, wide)
 
 
-def _print_diff(d: ArtifactDiff) -> None:
-    console.print(f"[bold]old[/] {d.old.digest} ({escape(d.old.name)}, {d.old.submitted_at})")
-    console.print(f"[bold]new[/] {d.new.digest} ({escape(d.new.name)}, {d.new.submitted_at})")
+def print_diff(d: dict[str, Any]) -> None:
+    """The review view of a diff (its JSON form, so that a local home and ``--server``
+    print alike): the capability changes in words first, then every file with its content."""
+    console.print(f"[bold]old[/] {d['old']}")
+    console.print(f"[bold]new[/] {d['new']}")
     console.print()
-    if d.same_capabilities and not d.capabilities:
+    caps = d["capabilities"]
+    if d["same_capabilities"] and not caps:
         console.print("[bold]manifest[/]: unchanged")
     else:
-        verdict = "[bold red]widened: the new version may do more[/]" if d.widens else "not widened"
-        console.print(f"[bold]manifest[/]: {len(d.capabilities)} change(s), {verdict}")
-        for c in d.capabilities:
-            sign = {"added": "+", "removed": "-", "changed": "~"}[c.change]
-            style = "red" if c.widens else "green" if c.change == "removed" else "yellow"
-            if c.change == "changed":
-                what = f"{escape(c.old or '')} -> {escape(c.new or '')}"
-            else:
-                what = escape((c.new if c.change == "added" else c.old) or "")
-            mark = "  [bold red](widens)[/]" if c.widens else ""
-            console.print(f"  [{style}]{sign} {c.area} {escape(c.subject)}[/]: {what}{mark}")
+        verdict = (
+            "[bold red]widened: the new version may do more[/]" if d["widens"] else "not widened"
+        )
+        console.print(f"[bold]manifest[/]: {len(caps)} change(s), {verdict}")
+        for c in caps:
+            sign = {"added": "+", "removed": "-", "changed": "~"}[c["change"]]
+            style = "red" if c["widens"] else "green" if c["change"] == "removed" else "yellow"
+            mark = "  [bold red](widens)[/]" if c["widens"] else ""
+            console.print(f"  [{style}]{sign} {escape(c['text'])}[/]{mark}")
     console.print()
-    if not d.files:
+    files = d["files"]
+    if not files:
         console.print("[bold]code[/]: unchanged")
         return
-    console.print(f"[bold]code[/]: {len(d.files)} file(s) changed")
-    for f in d.files:
-        old, new = f.old, f.new
-        detail = ""
-        if old is not None and new is not None:
-            if old.link is not None or new.link is not None:
-                detail = f"link {old.link or '(file)'} -> {new.link or '(file)'}"
-            elif old.sha256 == new.sha256:
-                detail = f"mode {old.mode:04o} -> {new.mode:04o}"
-            else:
-                detail = f"{old.size} -> {new.size} bytes"
-                if old.mode != new.mode:
-                    detail += f", mode {old.mode:04o} -> {new.mode:04o}"
-        elif new is not None:
-            detail = f"link -> {new.link}" if new.link else f"{new.size} bytes"
-        elif old is not None:
-            detail = f"link -> {old.link}" if old.link else f"{old.size} bytes"
-        if f.binary:
-            detail += ", binary"
-        console.print(f"  {f.change:8} {escape(f.path)} ({escape(detail)})")
-    for f in d.files:
-        if f.diff:
-            console.print()
-            for line in f.diff.splitlines():
-                style = (
-                    "bold"
-                    if line.startswith(("---", "+++"))
-                    else "green"
-                    if line.startswith("+")
-                    else "red"
-                    if line.startswith("-")
-                    else "cyan"
-                    if line.startswith("@@")
-                    else ""
-                )
-                text = escape(line)
-                console.print(f"[{style}]{text}[/]" if style else text)
+    counts = {k: sum(f["change"] == k for f in files) for k in ("modified", "added", "removed")}
+    console.print(
+        f"[bold]code[/]: {counts['modified']} changed, {counts['added']} added,"
+        f" {counts['removed']} removed"
+    )
+    for f in files:
+        console.print(f"  {f['change']:8} {escape(f['path'])} ({escape(f['summary'])})")
+    for f in files:
+        console.print()
+        console.print(f"[bold]{f['change']} {escape(f['path'])}[/]: {escape(f['summary'])}")
+        for line in (f["diff"] or "").splitlines():
+            style = (
+                "bold"
+                if line.startswith(("---", "+++"))
+                else "green"
+                if line.startswith("+")
+                else "red"
+                if line.startswith("-")
+                else "cyan"
+                if line.startswith("@@")
+                else ""
+            )
+            text = escape(line)
+            console.print(f"[{style}]{text}[/]" if style else text)
 
 
 @artifact_app.command("diff")
@@ -271,13 +263,146 @@ def artifact_diff(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """What changed: capabilities first (what an approver must see), then the code."""
+    """What changed: the capability changes in words first (what an approver must see),
+    then every changed, added and removed file with its content (a unified diff for
+    text; size and sha256 for binary)."""
     if (client := remote(token)) is not None:
-        emit_json(client.diff(tenant, old, new))
-        return
-    with open_runtime(home) as rt:
-        d = _artifacts(rt, token, tenant, "artifact.read").diff(tenant, old, new)
+        doc = client.diff(tenant, old, new)
+    else:
+        with open_runtime(home) as rt:
+            doc = _artifacts(rt, token, tenant, "artifact.read").diff(tenant, old, new).to_json()
     if as_json:
-        _json(d.to_json())
+        emit_json(doc)
         return
-    _print_diff(d)
+    print_diff(doc)
+
+
+PathArg = Annotated[
+    str, typer.Argument(help="A file's path as `artifact show --files` lists it, e.g. lib/util.py")
+]
+
+
+@artifact_app.command("cat")
+def artifact_cat(
+    tenant: TenantOpt,
+    digest: DigestArg,
+    path: PathArg,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Write the exact bytes of one file of the artifact to stdout (binary-safe)."""
+    if (client := remote(token)) is not None:
+        data = client.artifact_file(tenant, digest, path)
+    else:
+        with open_runtime(home) as rt:
+            data = _artifacts(rt, token, tenant, "artifact.read").read_file(tenant, digest, path)
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+@artifact_app.command("download")
+def artifact_download(
+    tenant: TenantOpt,
+    digest: DigestArg,
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="The tar file to write (replaced if it exists)")
+    ],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Write the artifact's exact tree as a tar: submitting what it extracts to gives
+    the same digest."""
+    if output.is_dir():
+        raise UsageError(
+            f"{output} is a directory", hint="give the tar file's name, e.g. -o job.tar"
+        )
+    tmp = output.with_name(f".{output.name}.{secrets.token_hex(4)}.part")
+    try:
+        with tmp.open("wb") as out:
+            if (client := remote(token)) is not None:
+                full = client.download_artifact(tenant, digest, out)
+            else:
+                with open_runtime(home) as rt:
+                    arts = _artifacts(rt, token, tenant, "artifact.read")
+                    full = arts.write_tar(tenant, digest, out).digest
+        size = tmp.stat().st_size
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if as_json:
+        emit_json({"digest": full, "path": str(output), "bytes": size})
+        return
+    console.print(f"wrote {escape(str(output))} ({_size(size)}), the tree of {full}")
+
+
+@artifact_app.command("review")
+def artifact_review(
+    tenant: TenantOpt,
+    digest: DigestArg,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """What `proctor approve` shows before it asks: the capabilities in words, the
+    purpose, the files, and what the sandbox runs of this digest did (calls, refusals)."""
+    doc = review(tenant, digest, token, home)
+    if as_json:
+        emit_json(doc)
+        return
+    print_review(doc)
+
+
+def review(tenant: str, digest: str, token: str | None, home: Path | None) -> dict[str, Any]:
+    """The review of one artifact, from the local home or through ``--server``."""
+    if (client := remote(token)) is not None:
+        doc: dict[str, Any] = client.review(tenant, digest)
+        return doc
+    with open_runtime(home) as rt:
+        arts = _artifacts(rt, token, tenant, "artifact.read")
+        doc = arts.review(tenant, digest)
+        doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(tenant, doc["digest"])]
+    return doc
+
+
+def print_review(doc: dict[str, Any], out: Console | None = None) -> None:
+    """The review for people; ``out`` is stderr when stdout carries JSON."""
+    c = out or console
+    c.print(f"[bold]{escape(doc['name'])}[/] {doc['digest']}")
+    c.print(f"  purpose:    {escape(doc['purpose'])}")
+    c.print(f"  entrypoint: {escape(' '.join(doc['manifest']['entrypoint']))}")
+    c.print(f"  author:     {escape(doc['author'])}, submitted {doc['submitted_at']}")
+    c.print("  the code may use:")
+    for line in doc["capabilities_words"]:
+        c.print(f"    - {escape(line)}")
+    c.print(f"  files ({len(doc['files'])}, {_size(doc['size'])}):")
+    for f in doc["files"]:
+        if f.get("link") is not None:
+            c.print(f"    link {escape(f['path'])} -> {escape(f['link'])}")
+        else:
+            c.print(f"    {f['mode']:04o} {f['size']:>9} {escape(f['path'])}  sha256 {f['sha256']}")
+    c.print(f"  read them: proctor artifact cat -t {escape(doc['tenant'])} {doc['digest']} PATH")
+    runs = doc["sandbox_runs"]
+    if not runs:
+        c.print("  [yellow]no sandbox run of this digest yet[/]: nothing was observed")
+    for r in runs:
+        exit_code = "" if r["exit_code"] is None else f", exit {r['exit_code']}"
+        c.print(
+            f"  sandbox run {r['id']} ({r['status']}{exit_code}, {r['started_at']}):"
+            f" {r['calls']} call(s), {r['refused']} refused"
+        )
+        for e in r["events"]:
+            style = "red" if e["decision"] == "deny" else "green"
+            c.print(
+                f"    [{style}]{e['decision']:5}[/] #{e['seq']} {escape(e['action'])}"
+                f" {escape(e['resource'])}: {escape(e['reason'])}"
+            )
+        if r["calls"] > len(r["events"]):
+            c.print(f"    … {r['calls'] - len(r['events'])} more: proctor audit events -t"
+                    f" {escape(doc['tenant'])} --run {r['id']}")  # fmt: skip
+    for a in doc.get("approvals", []):
+        c.print(
+            f"  {a['decision']} {a['id']} by {escape(a['principal'])} at {a['created_at']}"
+            + (" (revoked)" if a.get("revoked_at") else "")
+        )

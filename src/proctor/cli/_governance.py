@@ -137,86 +137,165 @@ def _principal(rt: Runtime, token: str | None, what: str) -> Principal:
 
 
 def approve(
-    digest: str,
+    digest: Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix of the hex")],
     tenant: TenantOpt,
     expires: Annotated[str, typer.Option(help="How long it stands, e.g. 30d")] = "30d",
     comment: Annotated[str, typer.Option(help="What you checked")] = "",
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Approve without asking (after reading the review)")
+    ] = False,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Approve an artifact: its digest, capabilities and purpose, until it expires."""
+    """Approve an artifact: its digest, capabilities and purpose, until it expires.
+    Shows what it approves first (capabilities in words, purpose, files, what its
+    sandbox runs did), then asks, unless --yes."""
     from datetime import timedelta
 
+    from rich.console import Console
+
+    from proctor.cli._artifacts import print_review, review
+
     lifetime = timedelta(seconds=parse_duration(expires, "--expires"))
-    if (client := remote(token)) is not None:
-        emit_json(client.approve(tenant, digest, expires_seconds=int(lifetime.total_seconds()),
-                                 comment=comment))  # fmt: skip
+    client = remote(token)
+    if client is None:
+        with open_runtime(home) as rt:
+            _principal(rt, token, "an approval")
+    doc = review(tenant, digest, token, home)
+    # The review is for the person; with --json, stdout carries only the approval.
+    print_review(doc, Console(stderr=True, highlight=False, soft_wrap=True) if as_json else None)
+    full = doc["digest"]
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(
+                "approve asks for confirmation, and stdin is not a terminal",
+                hint="read the review above (`proctor artifact review`), then pass --yes",
+            )
+        if not typer.confirm(f"Approve {full} for {expires}?", err=True):
+            raise UsageError(f"{full} was not approved", hint="nothing was recorded")
+    if client is not None:
+        a = client.approve(tenant, full, expires_seconds=int(lifetime.total_seconds()),
+                           comment=comment)  # fmt: skip
+    else:
+        with open_runtime(home) as rt:
+            principal = _principal(rt, token, "an approval")
+            a = rt.approvals.grant(tenant, full, principal, expires=lifetime,
+                                   comment=comment).as_json()  # fmt: skip
+    if as_json:
+        emit_json(a)
         return
-    with open_runtime(home) as rt:
-        principal = _principal(rt, token, "an approval")
-        full = rt.artifacts.get(tenant, digest).digest
-        a = rt.approvals.grant(tenant, full, principal, expires=lifetime, comment=comment)
-    console.print(f"approval [bold]{a.id}[/] of {a.digest} by {a.principal}, until {a.expires_at}")
-    _print_build_loop(home, tenant, a.digest)
+    console.print(f"approval [bold]{a['id']}[/] of {a['digest']} by {a['principal']},"
+                  f" until {a['expires_at']}")  # fmt: skip
 
 
 def reject(
-    digest: str,
+    digest: Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix of the hex")],
     tenant: TenantOpt,
     comment: Annotated[str, typer.Option(help="Why")] = "",
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """Reject an artifact: production runs of it are blocked until this is revoked."""
     if (client := remote(token)) is not None:
-        emit_json(client.reject(tenant, digest, comment))
+        a = client.reject(tenant, digest, comment)
+    else:
+        with open_runtime(home) as rt:
+            principal = _principal(rt, token, "a rejection")
+            full = rt.artifacts.get(tenant, digest).digest
+            a = rt.approvals.reject(tenant, full, principal, comment).as_json()
+    if as_json:
+        emit_json(a)
         return
-    with open_runtime(home) as rt:
-        principal = _principal(rt, token, "a rejection")
-        full = rt.artifacts.get(tenant, digest).digest
-        a = rt.approvals.reject(tenant, full, principal, comment)
-    console.print(f"rejection [bold]{a.id}[/] of {a.digest} by {a.principal}")
+    console.print(f"rejection [bold]{a['id']}[/] of {a['digest']} by {a['principal']}")
+
+
+ApprovalIdArg = Annotated[str, typer.Argument(help="The approval's id (any unique prefix)")]
 
 
 @approval_app.command("revoke")
 def approval_revoke(
-    approval_id: str, tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None
+    approval_id: ApprovalIdArg,
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
 ) -> None:
     """Revoke an approval: the next run is refused, a running service is stopped."""
     if (client := remote(token)) is not None:
-        emit_json(client.revoke(tenant, approval_id))
+        a = client.revoke(tenant, approval_id)
+    else:
+        with open_runtime(home) as rt:
+            actor, principal = acting(rt, token)
+            a = rt.approvals.revoke(tenant, approval_id, actor, principal).as_json()
+    if as_json:
+        emit_json(a)
         return
-    with open_runtime(home) as rt:
-        actor, principal = acting(rt, token)
-        a = rt.approvals.revoke(tenant, approval_id, actor, principal)
-    console.print(f"approval {a.id} revoked at {a.revoked_at}")
+    console.print(f"approval {a['id']} revoked at {a['revoked_at']}")
+
+
+@approval_app.command("show")
+def approval_show(
+    approval_id: ApprovalIdArg,
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """One approval or rejection: who, of which digest, when, until when, revoked or not."""
+    if (client := remote(token)) is not None:
+        a = client.approval(tenant, approval_id)
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "artifact.read")
+            a = rt.approvals.get(tenant, approval_id).as_json()
+    if as_json:
+        emit_json(a)
+        return
+    for key in ("id", "decision", "digest", "principal", "roles", "created_at", "expires_at",
+                "revoked_at", "revoked_by", "comment"):  # fmt: skip
+        if key in a:
+            value = ", ".join(a[key]) if isinstance(a[key], list) else a[key]
+            console.print(f"{key + ':':12} {'' if value is None else value}")
 
 
 @approval_app.command("list")
 def approval_list(
     tenant: TenantOpt,
-    digest: Annotated[str, typer.Option(help="Artifact digest")],
+    digest: Annotated[
+        str | None,
+        typer.Option(help="Only this artifact's (a digest or a unique prefix) [default: all]"),
+    ] = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """An artifact's approvals and rejections, beside its sandbox runs."""
+    """Approvals and rejections, oldest first: of one artifact (beside its sandbox runs),
+    or of every artifact of the tenant."""
     if (client := remote(token)) is not None:
-        emit_json(client.approvals(tenant, digest))
-        return
-    with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "artifact.read")
-        full = rt.artifacts.get(tenant, digest).digest
-        rows = rt.approvals.for_artifact(tenant, full)
+        rows: list[dict[str, Any]] = client.approvals(tenant, digest)
+        full = rows[0]["digest"] if rows and digest else None
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "artifact.read")
+            rt.tenants.get(tenant)
+            full = rt.artifacts.get(tenant, digest).digest if digest else None
+            digests = [full] if full else [a.digest for a in rt.artifacts.list(tenant)]
+            found = [a for d in digests for a in rt.approvals.for_artifact(tenant, d)]
+        rows = [a.as_json() for a in sorted(found, key=lambda a: (a.created_at, a.id))]
     if as_json:
-        emit_json([a.as_json() for a in rows])
+        emit_json(rows)
         return
-    table = Table("approval", "decision", "by", "at", "expires", "revoked")
+    table = make_table("approval", "decision", "artifact", "by", "at", "expires", "revoked",
+                       ids=("approval", "artifact"))  # fmt: skip
     for a in rows:
-        table.add_row(a.id, a.decision, a.principal, a.created_at, a.expires_at or "",
-                      a.revoked_at or "")  # fmt: skip
-    console.print(table)
-    _print_build_loop(home, tenant, full)
+        table.add_row(a["id"], a["decision"], a["digest"], a["principal"], a["created_at"],
+                      a["expires_at"] or "", a["revoked_at"] or "")  # fmt: skip
+    print_table(table, wide)
+    if full and remote(token) is None:
+        _print_build_loop(home, tenant, full)
 
 
 def _print_build_loop(home: Path | None, tenant: str, digest: str) -> None:

@@ -16,7 +16,7 @@ import ssl
 import tarfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import httpx
@@ -247,7 +247,34 @@ class Client:
     def diff(self, tenant: str, old: str, new: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(old)}/diff/{_seg(new)}")
 
-    def approvals(self, tenant: str, digest: str) -> Json:
+    def artifact_file(self, tenant: str, digest: str, path: str) -> bytes:
+        """The exact bytes of one file of the artifact (``path`` as the artifact lists it)."""
+        url = f"{self._t(tenant)}/artifacts/{_seg(digest)}/files/{_file_path(path)}"
+        return self._request("GET", url).content
+
+    def download_artifact(self, tenant: str, digest: str, out: BinaryIO) -> str:
+        """Write the artifact's exact tree as a tar to ``out``; returns its full digest."""
+        url = f"{self._t(tenant)}/artifacts/{_seg(digest)}/tar"
+        try:
+            with self._http.stream("GET", url) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    self._raise(resp)
+                for chunk in resp.iter_bytes():
+                    out.write(chunk)
+                return str(resp.headers.get("x-proctor-digest", digest))
+        except httpx.HTTPError as exc:
+            raise ProctorError(f"cannot reach {self.url}: {exc}") from exc
+
+    def review(self, tenant: str, digest: str) -> Json:
+        """What an approver sees before approving: capabilities in words, purpose, files,
+        the sandbox runs of this digest with their calls and refusals, the approvals."""
+        return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(digest)}/review")
+
+    def approvals(self, tenant: str, digest: str | None = None) -> Json:
+        """Approvals and rejections, oldest first: of one artifact, or of the tenant's all."""
+        if digest is None:
+            return self._json("GET", f"{self._t(tenant)}/approvals")
         return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(digest)}/approvals")
 
     def approve(
@@ -455,3 +482,9 @@ def _event_params(
 ) -> dict[str, Any]:  # fmt: skip
     given = {"since": since, "until": until, "run": run, "action": action, "decision": decision}
     return {k: v for k, v in given.items() if v is not None}
+
+def _file_path(path: str) -> str:
+    """An artifact path in a URL, each segment quoted; "." and ".." are escaped so that
+    no client or proxy folds them away: the server sees them, and refuses them."""
+    parts = [quote(p, safe="") for p in path.split("/")]
+    return "/".join(p.replace(".", "%2E") if p in (".", "..") else p for p in parts)

@@ -276,6 +276,8 @@ class Approvals:
         self, tenant: str, approval_id: str, actor: Actor, principal: Principal | None = None
     ) -> Approval:
         approval = self.get(tenant, approval_id)
+        # From here on the full id: what was given may be a prefix of it.
+        approval_id = approval.id
         if approval.revoked_at is not None:
             raise UsageError(f"approval {approval_id} was revoked already")
         if principal is not None:

@@ -128,6 +128,25 @@ class FileChange:
     binary: bool = False
     diff: str | None = None
 
+    @property
+    def summary(self) -> str:
+        """One line for people: sizes and hashes where the content is not shown as text."""
+        old, new = self.old, self.new
+        if (old is not None and old.link is not None) or (new is not None and new.link is not None):
+            return f"link {_entry(old)} -> {_entry(new)}"
+        if old is not None and new is not None and old.sha256 == new.sha256:
+            return f"mode {old.mode:04o} -> {new.mode:04o}"
+        sizes = " -> ".join(f"{f.size} bytes" for f in (old, new) if f is not None)
+        hashes = " -> ".join(f.sha256[:16] + "…" for f in (old, new) if f is not None)
+        mode = ""
+        if old is not None and new is not None and old.mode != new.mode:
+            mode = f", mode {old.mode:04o} -> {new.mode:04o}"
+        if self.binary:
+            return f"binary, {sizes}, sha256 {hashes}{mode}"
+        if self.diff is None:
+            return f"too large to show as text, {sizes}, sha256 {hashes}{mode}"
+        return f"text, {sizes}{mode}"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path,
@@ -136,7 +155,14 @@ class FileChange:
             "new": self.new.to_json() if self.new else None,
             "binary": self.binary,
             "diff": self.diff,
+            "summary": self.summary,
         }
+
+
+def _entry(f: ArtifactFile | None) -> str:
+    if f is None:
+        return "(none)"
+    return f"to {f.link}" if f.link is not None else f"(file, {f.size} bytes)"
 
 
 @dataclass(frozen=True)
@@ -156,6 +182,8 @@ class CapabilityChange:
     old: str | None
     new: str | None
     widens: bool
+    #: The change in words, e.g. "adds egress to api.example.com:443".
+    text: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -165,6 +193,7 @@ class CapabilityChange:
             "old": self.old,
             "new": self.new,
             "widens": self.widens,
+            "text": self.text,
         }
 
 
@@ -699,9 +728,11 @@ class Artifacts:
                 hint="`proctor artifact list` shows them",
             )
         if len(rows) > 1:
-            shown = ", ".join(str(r[1])[:19] for r in rows[:5])
+            shown = ", ".join(str(r[1]) for r in rows[:5])
+            count = "more than 5" if len(rows) > 5 else str(len(rows))
             raise UsageError(
-                f"{digest!r} matches several artifacts in tenant {tenant!r}: {shown}",
+                f"{digest!r} is ambiguous: {count} artifacts in tenant {tenant!r} start with it"
+                f" ({shown}{', …' if len(rows) > 5 else ''})",
                 hint="give more digits of the digest",
             )
         return self._from_row(rows[0])
@@ -735,13 +766,110 @@ class Artifacts:
         ]
 
     def read_file(self, tenant: str, digest: str, path: str) -> bytes:
-        """One file's content, verified against its hash."""
-        for f in self.files(tenant, digest):
+        """One file's exact bytes, verified against its hash. ``path`` is the path as
+        the artifact lists it; nothing is resolved against a filesystem."""
+        if (
+            not path
+            or path.startswith("/")
+            or any(part in ("", ".", "..") for part in path.split("/"))
+            or not path.isprintable()
+        ):
+            raise UsageError(
+                f"{path!r} is not a path inside the artifact",
+                hint="give a path as `proctor artifact show --files` lists it, e.g. main.py",
+            )
+        artifact = self.get(tenant, digest)
+        for f in self.stored_files(artifact.digest):
             if f.path == path:
                 if f.link is not None:
-                    raise UsageError(f"{path} is a symlink to {f.link}")
+                    raise UsageError(
+                        f"{path} is a symlink to {f.link}", hint="read the file it points to"
+                    )
                 return self._blobs.read(f)
-        raise NotFound(f"no file {path!r} in artifact {digest}")
+        raise NotFound(
+            f"no file {path!r} in artifact {artifact.digest}",
+            hint=f"proctor artifact show -t {tenant} {artifact.digest} --files",
+        )
+
+    def write_tar(self, tenant: str, digest: str, out: BinaryIO) -> Artifact:
+        """The artifact's exact tree as a tar on ``out``: submitting what it extracts to
+        gives the same digest. Checked as ``materialize`` checks (the digest recomputed
+        from the stored rows, every blob against its hash) before a byte is written;
+        owners, times and names of users are fixed, so the same digest gives the same tar."""
+        artifact = self.get(tenant, digest)
+        files = self.stored_files(artifact.digest)
+        _check_tree(files)
+        if artifact_digest(files, artifact.manifest) != artifact.digest:
+            raise VerificationFailed(
+                f"artifact {artifact.digest}: its stored files and manifest no longer hash"
+                " to its digest; the store was changed",
+                hint=f"proctor audit verify --tenant {tenant}",
+            )
+        import tarfile
+
+        dirs = sorted({"/".join(f.path.split("/")[:i])
+                       for f in files for i in range(1, f.path.count("/") + 1)})  # fmt: skip
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for d in dirs:
+                tar.addfile(_tar_info(d, tarfile.DIRTYPE, 0o755))
+            for f in files:
+                if f.link is not None:
+                    info = _tar_info(f.path, tarfile.SYMTYPE, 0o777)
+                    info.linkname = f.link
+                    tar.addfile(info)
+                    continue
+                data = self._blobs.read(f)
+                info = _tar_info(f.path, tarfile.REGTYPE, f.mode)
+                info.size = len(data)
+                tar.addfile(info, _BytesReader(data))
+        return artifact
+
+    def review(self, tenant: str, digest: str, *, calls_per_run: int = 50) -> dict[str, Any]:
+        """What an approver sees before approving: the manifest in words, the files, and
+        what each sandbox run of this very digest did (its calls from the ledger,
+        refusals first)."""
+        from proctor.governance._runs import Runs
+
+        artifact = self.get(tenant, digest)
+        files = self.stored_files(artifact.digest)
+        runs = [r for r in Runs(self._store).of_artifact(tenant, artifact.digest)
+                if r.environment == "sandbox"]  # fmt: skip
+        calls = self._run_calls(tenant, [r.id for r in runs], runs[0].started_at if runs else "")
+        shown = []
+        for r in runs:
+            mine = sorted(calls.get(r.id, []), key=lambda e: (e["decision"] != "deny", e["seq"]))
+            shown.append({
+                "id": r.id, "deployment": r.deployment, "status": r.status,
+                "exit_code": r.exit_code, "started_at": r.started_at, "ended_at": r.ended_at,
+                "calls": len(mine), "refused": sum(e["decision"] == "deny" for e in mine),
+                "events": mine[:calls_per_run],
+            })  # fmt: skip
+        return {
+            **artifact.to_json(),
+            "capabilities": artifact.capabilities,
+            "capabilities_words": capability_words(artifact.capabilities),
+            "files": [f.to_json() for f in files],
+            "sandbox_runs": shown,
+        }
+
+    def _run_calls(
+        self, tenant: str, run_ids: builtins.list[str], since: str
+    ) -> dict[str, builtins.list[dict[str, Any]]]:
+        """The calls out of each run (not its own start and end), read once from the log."""
+        out: dict[str, builtins.list[dict[str, Any]]] = {}
+        if not run_ids:
+            return out
+        wanted = set(run_ids)
+        for raw in self._ledger.events_between(tenant, since=since):
+            ev = json.loads(raw)
+            run = ev.get("run")
+            if run not in wanted or str(ev.get("action", "")).startswith("run."):
+                continue
+            out.setdefault(run, []).append({
+                "seq": ev["seq"], "time": ev["time"], "action": ev["action"],
+                "resource": ev["resource"], "decision": ev["decision"], "reason": ev["reason"],
+            })  # fmt: skip
+        return out
 
     # -- materialize ---------------------------------------------------------
 
@@ -864,6 +992,32 @@ def _check_tree(files: builtins.list[ArtifactFile]) -> None:
                 raise VerificationFailed(f"stored artifact path {f.path!r} goes through a link")
 
 
+def _tar_info(name: str, kind: bytes, mode: int) -> Any:
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+class _BytesReader:
+    """A read-only file over bytes, for ``tarfile.addfile``."""
+
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._pos + n)
+        chunk = bytes(self._view[self._pos : end])
+        self._pos = end
+        return chunk
+
+
 class _FileSet:
     """The paths an entrypoint may name: files, and links that resolve to one."""
 
@@ -903,53 +1057,104 @@ _GRANTS = {"read": {"read"}, "write": {"write"}, "read-write": {"read", "write"}
 
 
 def manifest_changes(a: Manifest, b: Manifest) -> list[CapabilityChange]:
-    """The manifest lines that differ, each marked whether it lets the code do more."""
+    """The manifest lines that differ, each marked whether it lets the code do more,
+    and said in words ("adds egress to api.example.com:443")."""
     out: list[CapabilityChange] = []
 
-    def add(area: str, subject: str, old: Any, new: Any, widens: bool) -> None:
+    def add(area: str, subject: str, old: Any, new: Any, widens: bool, text: str) -> None:
         change = "added" if old is None else "removed" if new is None else "changed"
-        out.append(CapabilityChange(area, subject, change, _show(old), _show(new), widens))
+        out.append(CapabilityChange(area, subject, change, _show(old), _show(new), widens, text))
 
     if a.name != b.name:
-        add("name", "name", a.name, b.name, False)
+        add("name", "name", a.name, b.name, False, f"renames the job from {a.name} to {b.name}")
     if a.purpose != b.purpose:
         # A new purpose is new processing, whatever the code: review it as such.
-        add("purpose", "purpose", a.purpose, b.purpose, True)
+        add(
+            "purpose",
+            "purpose",
+            a.purpose,
+            b.purpose,
+            True,
+            f"changes the purpose from {a.purpose!r} to {b.purpose!r}",
+        )
     if a.entrypoint != b.entrypoint:
-        add("entrypoint", "entrypoint", list(a.entrypoint), list(b.entrypoint), False)
+        add(
+            "entrypoint",
+            "entrypoint",
+            list(a.entrypoint),
+            list(b.entrypoint),
+            False,
+            f"changes the entrypoint from {' '.join(a.entrypoint)} to {' '.join(b.entrypoint)}",
+        )
 
     da, db = a.capabilities["datasets"], b.capabilities["datasets"]
     for ds in sorted(da.keys() | db.keys()):
         ta = da.get(ds, {}).get("tables", {})
         tb = db.get(ds, {}).get("tables", {})
         if ds not in da:
-            add("dataset", ds, None, ds, True)
+            add("dataset", ds, None, ds, True, f"adds dataset {ds}")
         elif ds not in db:
-            add("dataset", ds, ds, None, False)
+            add("dataset", ds, ds, None, False, f"drops dataset {ds}")
         for table in sorted(ta.keys() | tb.keys()):
             subject = f"{ds}.{table}"
             ga, gb = ta.get(table), tb.get(table)
             if ga is None:
-                add("table", subject, None, _grant(gb), True)
+                add(
+                    "table",
+                    subject,
+                    None,
+                    _grant(gb),
+                    True,
+                    f"adds {_ACCESS[gb['access']]} of {subject} ({', '.join(gb['columns'])})",
+                )
                 continue
             if gb is None:
-                add("table", subject, _grant(ga), None, False)
+                add(
+                    "table",
+                    subject,
+                    _grant(ga),
+                    None,
+                    False,
+                    f"drops {_ACCESS[ga['access']]} of {subject} ({', '.join(ga['columns'])})",
+                )
                 continue
             if ga["access"] != gb["access"]:
                 widens = not _GRANTS[gb["access"]] <= _GRANTS[ga["access"]]
-                add("access", subject, ga["access"], gb["access"], widens)
+                add(
+                    "access",
+                    subject,
+                    ga["access"],
+                    gb["access"],
+                    widens,
+                    f"changes access to {subject} from {_ACCESS[ga['access']]}"
+                    f" to {_ACCESS[gb['access']]}",
+                )
             ca, cb = set(ga["columns"]), set(gb["columns"])
             for column in sorted(cb - ca):
-                add("column", f"{subject}.{column}", None, column, True)
+                add(
+                    "column",
+                    f"{subject}.{column}",
+                    None,
+                    column,
+                    True,
+                    f"adds {_ACCESS[gb['access']]} of {subject}.{column}",
+                )
             for column in sorted(ca - cb):
-                add("column", f"{subject}.{column}", column, None, False)
+                add(
+                    "column",
+                    f"{subject}.{column}",
+                    column,
+                    None,
+                    False,
+                    f"drops {_ACCESS[ga['access']]} of {subject}.{column}",
+                )
 
-    for area, key in (("egress", "egress"), ("secret", "secrets")):
+    for area, key, noun in (("egress", "egress", "egress to"), ("secret", "secrets", "secret")):
         sa, sb = set(a.capabilities[key]), set(b.capabilities[key])
         for item in sorted(sb - sa):
-            add(area, item, None, item, True)
+            add(area, item, None, item, True, f"adds {noun} {item}")
         for item in sorted(sa - sb):
-            add(area, item, item, None, False)
+            add(area, item, item, None, False, f"drops {noun} {item}")
 
     ba, bb = a.capabilities["buckets"], b.capabilities["buckets"]
     for name in sorted(ba.keys() | bb.keys()):
@@ -957,7 +1162,13 @@ def manifest_changes(a: Manifest, b: Manifest) -> list[CapabilityChange]:
         if old == new:
             continue
         widens = new is not None and (old is None or not _GRANTS[new] <= _GRANTS[old])
-        add("bucket", name, old, new, widens)
+        if old is None:
+            text = f"adds {_ACCESS[new]} of bucket {name}"
+        elif new is None:
+            text = f"drops {_ACCESS[old]} of bucket {name}"
+        else:
+            text = f"changes access to bucket {name} from {_ACCESS[old]} to {_ACCESS[new]}"
+        add("bucket", name, old, new, widens, text)
 
     la, lb = a.limits.to_json(), b.limits.to_json()
     for key in sorted(la.keys() | lb.keys()):
@@ -965,14 +1176,47 @@ def manifest_changes(a: Manifest, b: Manifest) -> list[CapabilityChange]:
         if old_l != new_l:
             # An unset limit is the runtime's default, which the manifest cannot compare.
             widens = old_l is not None and new_l is not None and new_l > old_l
-            add("limit", key, old_l, new_l, widens)
+            if old_l is None:
+                text = f"sets the {key} limit to {new_l} (was the runtime's default)"
+            elif new_l is None:
+                text = f"drops the {key} limit of {old_l} (the runtime's default applies)"
+            else:
+                verb = "raises" if new_l > old_l else "lowers"
+                text = f"{verb} the {key} limit from {old_l} to {new_l}"
+            add("limit", key, old_l, new_l, widens, text)
 
     ya, yb = a.lifecycle.to_json(), b.lifecycle.to_json()
     for key in sorted(ya.keys() | yb.keys()):
         if ya.get(key) != yb.get(key):
             widens = key == "mode" and ya.get(key) == "job"
-            add("lifecycle", key, ya.get(key), yb.get(key), widens)
+            if ya.get(key) is None:
+                text = f"sets the lifecycle {key} to {yb.get(key)}"
+            elif yb.get(key) is None:
+                text = f"drops the lifecycle {key} {ya.get(key)}"
+            else:
+                text = f"changes the lifecycle {key} from {ya.get(key)} to {yb.get(key)}"
+            add("lifecycle", key, ya.get(key), yb.get(key), widens, text)
     return out
+
+
+#: What an access grants, in words.
+_ACCESS = {"read": "read", "write": "write", "read-write": "read and write"}
+
+
+def capability_words(capabilities: dict[str, Any]) -> list[str]:
+    """What the code may do outside its sandbox, one sentence each, for an approver."""
+    lines: list[str] = []
+    for ds, spec in sorted(capabilities["datasets"].items()):
+        for table, grant in sorted(spec["tables"].items()):
+            lines.append(
+                f"{_ACCESS[grant['access']]} of {ds}.{table}"
+                f" (columns {', '.join(grant['columns'])})"
+            )
+    lines += [f"egress to {host}" for host in capabilities["egress"]]
+    lines += [f"the secret {name} injected into its calls" for name in capabilities["secrets"]]
+    lines += [f"{_ACCESS[access]} of bucket {name}"
+              for name, access in sorted(capabilities["buckets"].items())]  # fmt: skip
+    return lines or ["nothing: the code can reach nothing outside its sandbox"]
 
 
 def _grant(grant: dict[str, Any]) -> str:
