@@ -3,6 +3,8 @@ handlers that turn every failure into the one error shape."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,12 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proctor import __version__
-from proctor.api import _artifact_routes, _log, _routes
+from proctor.api import _artifact_routes, _log, _operator_routes, _routes
 from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
 from proctor.api._models import HealthOut, KeyOut
 from proctor.errors import ProctorError
+from proctor.lifecycle import REQUEST, log_event
 from proctor.runtime import Runtime
 
 Scope = MutableMapping[str, Any]
@@ -26,6 +29,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_access = logging.getLogger("proctor.api.access")
 
 _STATUS_CODES = {
     400: "invalid_request", 401: "unauthenticated", 403: "forbidden", 404: "not_found",
@@ -49,12 +54,36 @@ class _Guard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         rid = request_id_for(headers.get("x-request-id"))
-        scope.setdefault("state", {})["request_id"] = rid
-        upload = scope["method"] == "POST" and scope["path"].endswith("/artifacts")
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        # The log line's context: what this request leads to (a run's start and end, in
+        # the run's thread) carries the request id too.
+        token = REQUEST.set({"request_id": rid})
+        started = time.monotonic()
+        try:
+            await self._serve(scope, receive, send, headers, rid)
+        finally:
+            REQUEST.reset(token)
+            # Only the path: no query string (a caller may put anything there), no header.
+            elapsed = round((time.monotonic() - started) * 1000, 1)
+            log_event(
+                _access, "api.request", method=scope["method"], path=scope["path"][:512],
+                status=state.get("status", 500), duration_ms=elapsed, request_id=rid,
+                actor=state.get("actor"),
+            )  # fmt: skip
+
+    async def _serve(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], rid: str
+    ) -> None:
+        upload = (scope["method"] == "POST" and scope["path"].endswith("/artifacts")) or (
+            # A bucket object's body is bytes, not JSON: the route counts its own.
+            scope["method"] == "PUT" and "/objects/" in scope["path"]
+        )
         limit = self._limits.artifact_upload if upload else self._limits.json_body
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
+                scope["state"]["status"] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [
                     *message["headers"], (b"x-request-id", rid.encode()),
@@ -189,6 +218,7 @@ def create_app(
     app.include_router(_routes.router)
     app.include_router(_artifact_routes.router)
     app.include_router(_log.router)
+    app.include_router(_operator_routes.router)
     app.add_middleware(_Guard, limits=limits)
 
     return app

@@ -196,6 +196,7 @@ def current(
     """The FastAPI dependency every authenticated route takes."""
     state: ApiState = request.app.state.proctor
     principal = state.auth.authenticate(request.headers.get("authorization"))
+    request.state.actor = principal.id  # for serve's log line of the request
     # Before the request is decided (and recorded): over its budget it costs no event.
     state.principals.admit(principal)
     return Ctx(

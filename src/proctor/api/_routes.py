@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import shutil
 import tempfile
@@ -621,7 +622,9 @@ async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
             put(None)
 
     # The run outlives a client that hangs up: it is recorded to the end either way.
-    threading.Thread(target=body, name=f"api-run-{name}", daemon=True).start()
+    # In the request's context: the run's log lines carry its request id.
+    threading.Thread(target=contextvars.copy_context().run, args=(body,), name=f"api-run-{name}",
+                     daemon=True).start()  # fmt: skip
 
     async def stream() -> AsyncIterator[bytes]:
         while (line := await lines.get()) is not None:

@@ -133,10 +133,13 @@ def serve_api(
     backend: str | None = None,
     log_level: str = "warning",
     worker_threads: int = 40,
+    json_log: bool = False,
 ) -> ApiServer:
     """Start serving the API over ``rt`` in a background thread and return once it
     accepts connections. TLS when ``certfile`` and ``keyfile`` are given (both or
-    neither). The socket is bound here, so a port in use fails now, in the caller."""
+    neither). The socket is bound here, so a port in use fails now, in the caller.
+    ``json_log``: uvicorn keeps the log handlers ``proctor serve`` set up (JSON lines)
+    instead of installing its own."""
     if (certfile is None) != (keyfile is None):
         raise UsageError("TLS needs both a certificate and its key")
     app = create_app(
@@ -172,6 +175,7 @@ def serve_api(
     config = uvicorn.Config(
         app,
         log_level=log_level,
+        log_config=None if json_log else uvicorn.config.LOGGING_CONFIG,
         ssl_certfile=str(certfile) if certfile else None,
         ssl_keyfile=str(keyfile) if keyfile else None,
         access_log=False,

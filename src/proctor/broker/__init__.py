@@ -17,7 +17,6 @@ from proctor.broker._datasets import DatasetConnector, StatementTimeout
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
 from proctor.broker._factory import broker_socket_root, make_broker, reap_broker_sockets
 from proctor.broker._files import (
-    MAX_OBJECT_BYTES,
     ObjectNotFound,
     ObjectTooLarge,
     read_object,
@@ -39,6 +38,7 @@ from proctor.broker._scope import (
     SecretBinding,
 )
 from proctor.broker._server import Broker, Handlers, RunChannel
+from proctor.governance import MAX_OBJECT_BYTES
 
 __all__ = [
     "MAX_OBJECT_BYTES",

@@ -26,31 +26,27 @@ file 256 KiB at a time (a stalled sender holds one piece, not the object).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
-import os
-import re
-import secrets
-import stat
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from proctor.broker._fair import run_blocking
 from proctor.broker._http import BodyStream
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
+from proctor.governance import (
+    MAX_KEY_LENGTH,
+    MAX_OBJECT_BYTES,
+    bucket_problem,
+    key_problem,
+)
+from proctor.governance import ObjectMissing as _Missing
+from proctor.governance import ObjectTooBig as _TooLarge
+from proctor.governance import ObjectUnsafe as _Unsafe
+from proctor.governance import read_object_file as _read
+from proctor.governance import stage_object as _stage
 from proctor.policy import Decision, Entity, EntityRef
 
-#: Largest object a run may read or write, by default.
-MAX_OBJECT_BYTES = 64 * 1024 * 1024
-MAX_KEY_LENGTH = 1024
-_MAX_DEPTH = 32
-_BUCKET_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")  # as governance registers them
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,254}$")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_CHUNK = 1024 * 1024
 #: What an upload holds in memory at a time: one piece, read, hashed and written.
 _PIECE = 256 * 1024
 
@@ -69,39 +65,20 @@ class ObjectTooLarge(BadCall):
     status = 413
 
 
-class _Unsafe(Exception):
-    """The path under the bucket is not plain directories and a regular file."""
-
-
-class _Missing(Exception):
-    pass
-
-
-class _TooLarge(Exception):
-    pass
-
-
 def check_key(key: object) -> str:
     """``key`` if it is an acceptable object key; :class:`BadCall` if not."""
-    if not isinstance(key, str) or not key:
-        raise BadCall("files: the key must be a non-empty string")
-    if len(key) > MAX_KEY_LENGTH:
-        raise BadCall(f"files: the key is longer than {MAX_KEY_LENGTH} characters")
-    parts = key.split("/")
-    if len(parts) > _MAX_DEPTH:
-        raise BadCall(f"files: the key is deeper than {_MAX_DEPTH} levels")
-    for part in parts:
-        if not _SEGMENT_RE.match(part):
-            raise BadCall(
-                "files: each part of a key is letters, digits, '.', '_' or '-', "
-                "does not start with '.', and parts are separated by single '/'"
-            )
+    problem = key_problem(key)
+    if problem is not None:
+        raise BadCall(f"files: {problem}")
+    assert isinstance(key, str)
     return key
 
 
 def check_bucket(bucket: object) -> str:
-    if not isinstance(bucket, str) or not _BUCKET_RE.match(bucket):
-        raise BadCall("files: a bucket name is a lowercase letter, then letters, digits or _")
+    problem = bucket_problem(bucket)
+    if problem is not None:
+        raise BadCall(f"files: {problem}")
+    assert isinstance(bucket, str)
     return bucket
 
 
@@ -110,144 +87,6 @@ def _printable(value: object) -> str:
     if isinstance(value, str) and value.isprintable() and len(value) <= MAX_KEY_LENGTH:
         return value
     return "?"
-
-
-# -- the filesystem side (runs in a worker thread) --------------------------------
-
-
-def _open_dirs(root: Path, bucket: str, parents: list[str], *, create: bool) -> int:
-    """A descriptor for the key's directory, walked from the bucket without
-    following a symbolic link at any step."""
-    fd = os.open(root, _DIR_FLAGS)
-    try:
-        for i, name in enumerate([bucket, *parents]):
-            nxt = _open_dir_at(fd, name, create=create and i > 0)  # buckets are registered
-            os.close(fd)
-            fd = nxt
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_dir_at(fd: int, name: str, *, create: bool) -> int:
-    try:
-        try:
-            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-        except FileNotFoundError:
-            if not create:
-                raise _Missing from None
-            with contextlib.suppress(FileExistsError):  # another write made it meanwhile
-                os.mkdir(name, 0o700, dir_fd=fd)
-            return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-    except OSError as exc:
-        # ELOOP: a symbolic link; ENOTDIR: a file where a directory should be.
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise _Unsafe from None
-        raise
-
-
-def _read(root: Path, bucket: str, key: str, max_bytes: int) -> bytes:
-    *parents, name = key.split("/")
-    dir_fd = _open_dirs(root, bucket, parents, create=False)
-    try:
-        try:
-            # O_NONBLOCK: a FIFO planted in a bucket must not hang the broker.
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
-            )
-        except FileNotFoundError:
-            raise _Missing from None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise _Unsafe from None
-            raise
-    finally:
-        os.close(dir_fd)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _Unsafe
-        if st.st_size > max_bytes:
-            raise _TooLarge
-        chunks, total = [], 0
-        while chunk := os.read(fd, _CHUNK):
-            total += len(chunk)
-            if total > max_bytes:  # grew while we read
-                raise _TooLarge
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class _Staged:
-    """A temporary file beside its target: written a piece at a time, fsync'd
-    (:meth:`finish`), then renamed into place once its event is recorded."""
-
-    dir_fd: int
-    temp: str
-    name: str
-    fd: int | None = None
-
-    def write(self, data: bytes) -> None:
-        assert self.fd is not None
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
-
-    def finish(self) -> None:
-        assert self.fd is not None
-        fd, self.fd = self.fd, None
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def commit(self) -> None:
-        try:
-            os.replace(self.temp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-            os.fsync(self.dir_fd)
-        finally:
-            os.close(self.dir_fd)
-
-    def discard(self) -> None:
-        try:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-            os.unlink(self.temp, dir_fd=self.dir_fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(self.dir_fd)
-
-
-def _stage(root: Path, bucket: str, key: str) -> _Staged:
-    """An open, empty temporary file beside the object ``key`` names."""
-    *parents, name = key.split("/")
-    dir_fd = _open_dirs(root, bucket, parents, create=True)
-    try:
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISREG(st.st_mode):
-                raise _Unsafe
-        # Keys never start with '.', so no key can name a temporary file.
-        temp = f".tmp-{secrets.token_hex(8)}"
-        fd = os.open(
-            temp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-    except BaseException:
-        os.close(dir_fd)
-        raise
-    return _Staged(dir_fd, temp, name, fd)
 
 
 # -- the handlers ----------------------------------------------------------------------

@@ -258,6 +258,39 @@ def receipt_verify(
     )
 
 
+@receipt_app.command("get")
+def receipt_get(
+    run_id: Annotated[str, typer.Argument(help="The run's id, or any unique prefix of it")],
+    tenant: TenantOpt,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write the receipt to this file [default: stdout]"),
+    ] = None,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """A production run's signed receipt (C2SP tlog-proof), exactly as written;
+    `proctor receipt verify` checks it offline."""
+    from proctor.cli._common import remote
+
+    if (client := remote(token)) is not None:
+        text = client.run_receipt(tenant, run_id)
+    else:
+        from proctor.lifecycle import run_receipt
+
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "run.read")
+            text = run_receipt(rt, tenant, run_id)
+    if output is None or str(output) == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {output}: {exc.strerror}") from exc
+    console.print(f"receipt written to {output}")
+
+
 @subprocessor_app.command("add")
 def sp_add(
     tenant: TenantOpt,

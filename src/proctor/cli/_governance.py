@@ -331,6 +331,27 @@ def quorum_set(
                   f"{' or '.join(rule.roles)}")  # fmt: skip
 
 
+@quorum_app.command("show")
+def quorum_show(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
+    """How many independent approvals production needs in the tenant, and from which roles."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.quorum(tenant))
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "tenant.read")
+            rt.tenants.get(tenant)
+            rule = rt.approvals.quorum(tenant)
+        doc = {"required": rule.required, "roles": list(rule.roles)}
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"production in {tenant} needs {doc['required']} approval(s) from "
+                  f"{' or '.join(doc['roles'])}")  # fmt: skip
+
+
 # -- deployments -----------------------------------------------------------------
 
 
@@ -650,8 +671,9 @@ def serve(
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
     and the HTTP API (OpenAPI at /openapi.json)."""
-    from proctor.lifecycle import Server, Supervisor
+    from proctor.lifecycle import Server, Supervisor, log_json
 
+    log_json()  # one JSON object per line on stderr: docs/operations.md
     with open_runtime(home) as rt, rt.make_broker() as broker:
         sup = Supervisor(rt, broker, backend)
         server = Server(sup)
@@ -665,6 +687,7 @@ def serve(
                 keyfile=tls_key,
                 oidc=load_oidc_config(oidc_config) if oidc_config else (),
                 supervisor=sup,
+                json_log=True,
             )  # fmt: skip
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())

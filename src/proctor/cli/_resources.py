@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -24,7 +25,9 @@ from proctor.cli._common import (
     print_table,
 )
 from proctor.errors import UsageError
+from proctor.ledger import Actor
 from proctor.policy import evaluate_request
+from proctor.runtime import Runtime
 
 policy_app = typer.Typer(help="A tenant's Cedar policies (deny by default).", no_args_is_help=True)
 dataset_app = typer.Typer(help="Datasets only the runtime can open.", no_args_is_help=True)
@@ -288,3 +291,129 @@ def bucket_list(
         return
     for name in names:
         console.print(name)
+
+
+# -- a bucket's objects: what a job wrote, fetched by a person -----------------------
+
+BucketArg = Annotated[str, typer.Argument(help="The bucket's name", show_default=False)]
+KeyArg = Annotated[
+    str, typer.Argument(help="The object's key, e.g. reports/churn.csv", show_default=False)
+]
+
+
+def _bucket_actor(tenant: str, bucket: str, action: str, what: str, token: str | None,
+                  rt: Runtime) -> Actor:  # fmt: skip
+    """Who acts; a principal is decided by Cedar (refusals recorded), the local
+    operator owns the runtime."""
+    from proctor.cli._common import acting
+    from proctor.governance import bucket_problem
+    from proctor.policy import EntityRef
+
+    actor, principal = acting(rt, token)
+    if principal is not None:
+        problem = bucket_problem(bucket)
+        if problem is not None:
+            raise UsageError(f"bucket {bucket!r}: {problem}")
+        rt.control.authorize(
+            principal, action, EntityRef.bucket(tenant, bucket), tenant, event_resource=what
+        )
+    return actor
+
+
+@bucket_app.command("objects")
+def bucket_objects(
+    tenant: TenantOpt,
+    bucket: BucketArg,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """List a bucket's objects: key, size, SHA-256 and when each was last written."""
+    from proctor.cli._common import remote
+
+    rows: list[dict[str, Any]]
+    if (client := remote(token)) is not None:
+        rows = list(client.bucket_objects(tenant, bucket))
+    else:
+        with open_runtime(home) as rt:
+            rt.tenants.get(tenant)
+            actor = _bucket_actor(tenant, bucket, "bucket.read", f"bucket/{bucket}", token, rt)
+            rows = [o.__dict__ for o in rt.resources.objects(tenant, bucket, actor)]
+    if as_json:
+        emit_json(rows)
+        return
+    table = make_table("key", "size", "sha256", "modified", ids=("key", "sha256"))
+    for o in rows:
+        table.add_row(o["key"], str(o["size"]), o["sha256"], o["modified"])
+    print_table(table, wide)
+
+
+@bucket_app.command("get")
+def bucket_get(
+    tenant: TenantOpt,
+    bucket: BucketArg,
+    key: KeyArg,
+    output: Annotated[
+        str,
+        typer.Option("--output", "-o", help="File to write the exact bytes to ('-': stdout)"),
+    ],
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Fetch an object's exact bytes; the read is recorded with their SHA-256 and size."""
+    from proctor.cli._common import remote
+
+    if (client := remote(token)) is not None:
+        data = client.get_object(tenant, bucket, key)
+    else:
+        with open_runtime(home) as rt:
+            rt.tenants.get(tenant)
+            actor = _bucket_actor(
+                tenant, bucket, "bucket.read", f"bucket/{bucket}/{key}", token, rt
+            )
+            data = rt.resources.get_object(tenant, bucket, key, actor)
+    if output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    try:
+        Path(output).write_bytes(data)
+    except OSError as exc:
+        raise UsageError(f"cannot write {output}: {exc.strerror}") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    console.print(f"{len(data)} bytes written to {output} (sha256 {digest})")
+
+
+@bucket_app.command("put")
+def bucket_put(
+    tenant: TenantOpt,
+    bucket: BucketArg,
+    key: KeyArg,
+    file: Annotated[Path, typer.Argument(help="The file to upload ('-': stdin)")],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Write an object (admins and the local operator); recorded with its SHA-256 and
+    size before it becomes visible to runs."""
+    from proctor.cli._common import remote
+
+    try:
+        data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror}") from exc
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.put_object(tenant, bucket, key, data))
+    else:
+        with open_runtime(home) as rt:
+            rt.tenants.get(tenant)
+            actor = _bucket_actor(
+                tenant, bucket, "bucket.write", f"bucket/{bucket}/{key}", token, rt
+            )
+            doc = rt.resources.put_object(tenant, bucket, key, data, actor).__dict__
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"{doc['size']} bytes written to {bucket}/{doc['key']} (sha256 {doc['sha256']})")

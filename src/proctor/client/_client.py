@@ -228,6 +228,31 @@ class Client:
     def buckets(self, tenant: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/buckets")
 
+    def _object_path(self, tenant: str, bucket: str, key: str) -> str:
+        # Every '/' and '.' escaped: the key reaches the server as given (a '..' in it
+        # is refused there), never resolved away by URL normalisation on the way.
+        escaped = quote(key, safe="").replace(".", "%2E")
+        return f"{self._t(tenant)}/buckets/{_seg(bucket)}/objects/{escaped}"
+
+    def bucket_objects(self, tenant: str, bucket: str) -> Json:
+        """The bucket's objects: ``[{key, size, sha256, modified}]``, sorted by key."""
+        return self._json("GET", f"{self._t(tenant)}/buckets/{_seg(bucket)}/objects")
+
+    def get_object(self, tenant: str, bucket: str, key: str) -> bytes:
+        """An object's exact bytes."""
+        return self._request("GET", self._object_path(tenant, bucket, key)).content
+
+    def put_object(self, tenant: str, bucket: str, key: str, data: bytes) -> Json:
+        """Write an object; returns ``{key, size, sha256, modified}``."""
+        return self._json(
+            "PUT", self._object_path(tenant, bucket, key), content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+
+    def run_receipt(self, tenant: str, run_id: str) -> str:
+        """A production run's signed receipt (C2SP tlog-proof), exactly as written."""
+        return self._request("GET", f"{self._t(tenant)}/runs/{_seg(run_id)}/receipt").text
+
     # -- artifacts and approvals ----------------------------------------------------
 
     def submit_artifact(self, tenant: str, source: Path | bytes) -> Json:

@@ -36,6 +36,7 @@ _ROLE_ACTIONS = {
     "developer": (
         "artifact.submit",
         "artifact.read",
+        "bucket.read",
         "deployment.create",
         "deployment.read",
         "deployment.rollback",

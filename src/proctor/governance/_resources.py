@@ -9,6 +9,7 @@ gets is decided in one place, governance/_environments.py.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,18 @@ from pathlib import Path
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import egress_entry
+from proctor.governance._objects import (
+    MAX_OBJECT_BYTES,
+    BucketObject,
+    ObjectMissing,
+    ObjectTooBig,
+    ObjectUnsafe,
+    bucket_problem,
+    key_problem,
+    list_object_files,
+    read_object_file,
+    stage_object,
+)
 from proctor.ledger import Actor, EventDraft, Ledger, TxHook, utc_now
 from proctor.store import Conn, Store
 
@@ -280,6 +293,122 @@ class Resources:
         with self._store.read() as conn:
             rows = conn.query("SELECT name FROM buckets WHERE tenant = ? ORDER BY name", (tenant,))
         return [str(r[0]) for r in rows]
+
+    # -- a person's reads and writes of bucket objects ------------------------------
+    # The caller decides first (the CLI's authorize_read, the API's ctx.authorize);
+    # these check the names exactly as the broker checks a run's, walk the bucket
+    # without following a link, and record each call with the object's SHA-256 and
+    # size, never its content.
+
+    def _bucket_root(self, tenant: str, bucket: str) -> Path:
+        problem = bucket_problem(bucket)
+        if problem is not None:
+            raise UsageError(f"bucket {bucket!r}: {problem}")
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT 1 FROM buckets WHERE tenant = ? AND name = ?", (tenant, bucket)
+            )
+        if row is None:
+            raise NotFound(
+                f"no bucket {bucket!r} in tenant {tenant!r}",
+                hint=f"proctor bucket list -t {tenant} shows its buckets",
+            )
+        return self.bucket_dir(tenant)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        problem = key_problem(key)
+        if problem is not None:
+            shown = key if key.isprintable() and len(key) <= 200 else repr(key)[:200]
+            raise UsageError(
+                f"bad object key {shown!r}: {problem}",
+                hint="a key is a relative path such as reports/2026/churn.csv",
+            )
+
+    def objects(self, tenant: str, bucket: str, actor: Actor) -> list[BucketObject]:
+        """The bucket's objects (key, size, SHA-256, modified), sorted by key."""
+        root = self._bucket_root(tenant, bucket)
+        try:
+            found = list_object_files(root, bucket)
+        except ObjectMissing:
+            found = []  # registered, nothing written yet
+        except ObjectUnsafe:
+            raise UsageError(f"bucket {bucket!r} is not a plain directory") from None
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor, "bucket.list", f"bucket/{bucket}", reason="listed",
+                details={"bucket": bucket, "objects": len(found)},
+            ),
+        )  # fmt: skip
+        return found
+
+    def get_object(
+        self, tenant: str, bucket: str, key: str, actor: Actor, *,
+        max_bytes: int = MAX_OBJECT_BYTES,
+    ) -> bytes:  # fmt: skip
+        """The object's exact bytes; the read is recorded before they are returned."""
+        root = self._bucket_root(tenant, bucket)
+        self._check_key(key)
+        try:
+            data = read_object_file(root, bucket, key, max_bytes)
+        except ObjectMissing:
+            raise NotFound(
+                f"no object {key!r} in bucket {bucket!r}",
+                hint=f"proctor bucket objects -t {tenant} {bucket} lists its keys",
+            ) from None
+        except ObjectUnsafe:
+            raise UsageError(
+                f"{key!r} in bucket {bucket!r} is a link, a directory or a special file; "
+                "it is not followed"
+            ) from None
+        except ObjectTooBig:
+            raise UsageError(f"the object is larger than {max_bytes} bytes") from None
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor, "bucket.read", f"bucket/{bucket}/{key}", reason="read",
+                details={"bucket": bucket, "key": key, "bytes": len(data),
+                         "sha256": hashlib.sha256(data).hexdigest()},
+            ),
+        )  # fmt: skip
+        return data
+
+    def put_object(
+        self, tenant: str, bucket: str, key: str, data: bytes, actor: Actor, *,
+        max_bytes: int = MAX_OBJECT_BYTES,
+    ) -> BucketObject:  # fmt: skip
+        """Write the object atomically: staged, fsync'd, recorded, then renamed into
+        place, so no reader sees an object whose write is not in the ledger."""
+        root = self._bucket_root(tenant, bucket)
+        self._check_key(key)
+        if len(data) > max_bytes:
+            raise UsageError(f"the object is larger than {max_bytes} bytes")
+        try:
+            staged = stage_object(root, bucket, key)
+        except ObjectMissing:
+            raise NotFound(f"bucket {bucket!r} has no directory under the home") from None
+        except ObjectUnsafe:
+            raise UsageError(
+                f"{key!r} in bucket {bucket!r} runs through or names a link or a non-file"
+            ) from None
+        digest = hashlib.sha256(data).hexdigest()
+        try:
+            staged.write(data)
+            staged.finish()
+            self._ledger.append(
+                tenant,
+                EventDraft(
+                    actor, "bucket.write", f"bucket/{bucket}/{key}", reason="written",
+                    details={"bucket": bucket, "key": key, "bytes": len(data),
+                             "sha256": digest},
+                ),
+            )  # fmt: skip
+        except BaseException:
+            staged.discard()
+            raise
+        staged.commit()
+        return BucketObject(key, len(data), digest, utc_now())
 
     # -- the hosts sandbox runs may reach ----------------------------------------
 

@@ -5,13 +5,17 @@ from proctor.errors import RunRefused
 from proctor.governance import RunRecord, Runs
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
 from proctor.lifecycle._history import what_ran
+from proctor.lifecycle._jsonlog import REQUEST, JsonFormatter, log_event, log_json, scrub
+from proctor.lifecycle._receipt import run_receipt
 from proctor.lifecycle._serve import Server
 from proctor.lifecycle._supervisor import Interrupt, Supervisor
 from proctor.lifecycle._throwaway import Throwaway
 
 __all__ = [
     "GUEST_SOCKET",
+    "REQUEST",
     "Interrupt",
+    "JsonFormatter",
     "RunRecord",
     "RunRefused",
     "Runs",
@@ -19,6 +23,10 @@ __all__ = [
     "Supervisor",
     "Throwaway",
     "brokered_spec",
+    "log_event",
+    "log_json",
     "run_brokered",
+    "run_receipt",
+    "scrub",
     "what_ran",
 ]

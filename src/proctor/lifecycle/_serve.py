@@ -31,6 +31,7 @@ from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
 from proctor.governance import Deployment, RunRecord
 from proctor.ledger import Actor
+from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
 from proctor.lifecycle._supervisor import AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
@@ -53,6 +54,7 @@ class _Slot:
     last: RunRecord | None = None
     attempt: int = 0
     elsewhere: bool = False  # the last start found a run of it in progress
+    restart: bool = False  # the next start follows a failure
 
     @property
     def running(self) -> bool:
@@ -105,12 +107,15 @@ class Server:
             # Left registered for the next attempt; what runs here is not at stake.
             log.warning("proctor serve: %s", exc.message)
         reap_broker_sockets()
-        self.supervisor.mark_interrupted(self.actor)
+        closed = self.supervisor.mark_interrupted(self.actor)
+        log_event(log, "reap", runs=[r.id for r in closed], interrupted=len(closed))
 
     def sweep(self) -> None:
         """Close the runs of this host's processes that died since the last look
         (their sandboxes and sockets first). Our own runs are ours to end."""
-        self.rt.close_orphaned_runs(self.actor, skip=self.supervisor.supervisor_id)
+        closed = self.rt.close_orphaned_runs(self.actor, skip=self.supervisor.supervisor_id)
+        if closed:
+            log_event(log, "reap", runs=[run for _, run in closed], interrupted=len(closed))
 
     def serve(self) -> None:
         self.reap()
@@ -175,8 +180,11 @@ class Server:
                 )
             except AlreadyRunning:
                 slot.last, slot.elsewhere = None, True  # another start won: not a crash
-            except ProctorError:
+            except ProctorError as exc:
                 slot.last = None  # refused and recorded by the supervisor
+                log_event(log, "run.refused", logging.WARNING, tenant=slot.tenant,
+                          deployment=slot.name, attempt=slot.attempt, reason=exc.message,
+                          actor=self.actor.id)  # fmt: skip
 
         slot.thread = threading.Thread(target=body, name=f"run-{slot.name}", daemon=True)
         slot.thread.start()
@@ -197,14 +205,25 @@ class Server:
                         f"crash loop: {len(slot.failures)} failures in "
                         f"{self.crash_window:.0f} s",
                     )  # fmt: skip
+                    log_event(log, "service.stopped", logging.WARNING, tenant=slot.tenant,
+                              deployment=slot.name, failures=len(slot.failures),
+                              reason="crash loop")  # fmt: skip
                     return
                 delay = self.backoff[min(len(slot.failures) - 1, len(self.backoff) - 1)]
                 slot.next_start = now + delay
+                slot.restart = True
         if now >= slot.next_start:
+            if slot.restart:
+                slot.restart = False
+                log_event(log, "service.restart", tenant=slot.tenant, deployment=slot.name,
+                          attempt=slot.attempt + 1, failures=len(slot.failures),
+                          last_run=slot.last.id if slot.last else None)  # fmt: skip
             self._launch(slot, dep)
 
     def _schedule(self, slot: _Slot, dep: Deployment, now: float) -> None:
         every = dep.every_seconds or 0.0
         slot.thread = None
         if slot.last_start is None or now - slot.last_start >= every:
+            log_event(log, "schedule.fire", tenant=slot.tenant, deployment=slot.name,
+                      every_seconds=every, version=dep.version)  # fmt: skip
             self._launch(slot, dep)

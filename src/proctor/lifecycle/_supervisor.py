@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +43,7 @@ from proctor.governance import (
 )
 from proctor.ledger import Actor, EventDraft, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
+from proctor.lifecycle._jsonlog import log_event
 from proctor.policy import capability_policies
 from proctor.sandbox import (
     Limits,
@@ -50,6 +52,8 @@ from proctor.sandbox import (
     process_start_time,
 )
 from proctor.store import Conn
+
+_log = logging.getLogger("proctor.lifecycle")
 
 _SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 _WATCH_INTERVAL = 0.5
@@ -248,10 +252,18 @@ class Supervisor:
                 raise self._refuse(
                     tenant, actor, name, exc.message, dep.digest, AlreadyRunning
                 ) from None
+            run_log: dict[str, Any] = {
+                "tenant": tenant, "deployment": name, "run": run_id, "digest": dep.digest,
+                "environment": dep.environment, "attempt": attempt, "actor": actor.id,
+            }  # fmt: skip
+            log_event(_log, "run.start", **run_log)
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )
-            return self._finish(tenant, run_id, actor, dep, result, failure, output, stop)
+            record = self._finish(tenant, run_id, actor, dep, result, failure, output, stop)
+            log_event(_log, "run.end", **run_log, outcome=record.status,
+                      reason=record.reason, exit_code=record.exit_code)  # fmt: skip
+            return record
         finally:
             with self._lock:
                 self._active.pop(run_id, None)

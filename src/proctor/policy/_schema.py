@@ -61,6 +61,8 @@ CONTROL_PLANE_ACTIONS: frozenset[str] = frozenset(
         "subprocessor.manage",
         "dataset.register",
         "secret.register",
+        "bucket.read",
+        "bucket.write",
     }
 )
 

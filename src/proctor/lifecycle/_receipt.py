@@ -1,0 +1,32 @@
+"""A production run's signed receipt, as the supervisor wrote it at the run's end."""
+
+from __future__ import annotations
+
+from proctor.errors import NotFound
+from proctor.governance import Home, Runs
+
+RECEIPT_NAME = "receipt.tlog-proof"
+
+
+def run_receipt(rt: Home, tenant: str, run_id: str) -> str:
+    """The receipt (C2SP tlog-proof) of the run ``run_id`` names (an id or a unique
+    prefix). The caller authorizes the read first."""
+    record = Runs(rt.store).get(tenant, run_id)
+    path = rt.home / "runs" / record.id / RECEIPT_NAME
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        pass
+    if record.status == "running":
+        why, hint = "is still running", "its receipt is written when it ends"
+    elif record.environment != "production":
+        why, hint = (
+            f"ran in the {record.environment} environment",
+            "only production runs get a signed receipt",
+        )
+    else:
+        why, hint = (
+            f"ended ({record.status}) without one",
+            "`proctor audit events` shows its run.end event",
+        )
+    raise NotFound(f"run {record.id} has no receipt: it {why}", hint=hint)
