@@ -147,11 +147,15 @@ def test_an_approver_reads_the_code_back_byte_for_byte(env: Env) -> None:
     v1 = env.tmp / "v1"
     prefix = env.v1.removeprefix("sha256:")[:10]
     # CLI, local home: the exact bytes, binary and non-ASCII names too, by a prefix.
-    for path in ("data/model.bin", "notes/café.txt"):
-        res = env.cli("artifact", "cat", "-t", "acme", prefix, path)
-        assert res.raw == (v1 / path).read_bytes(), path
+    # The tenant is the token's when not given, and for the local operator the one
+    # tenant that has the digest.
+    assert env.cli("artifact", "cat", "-t", "acme", prefix, "notes/café.txt").raw == b"ok\n"
+    assert env.cli("artifact", "cat", prefix, "data/model.bin").raw == BINARY
+    assert (
+        env.cli("artifact", "cat", prefix, "main.py", who=None).raw == (v1 / "main.py").read_bytes()
+    )
     # The same through the API (CLI --server and the SDK): every file.
-    assert env.remote("artifact", "cat", "-t", "acme", env.v1, "data/model.bin").raw == BINARY
+    assert env.remote("artifact", "cat", env.v1, "data/model.bin").raw == BINARY
     with env.client() as c:
         for path in ("main.py", "data/model.bin", "notes/café.txt", "proctor.toml", "lib/util.py"):
             assert c.artifact_file("acme", prefix, path) == (v1 / path).read_bytes(), path
@@ -290,9 +294,16 @@ def test_approve_shows_what_it_approves_and_asks_first(env: Env) -> None:
     assert run["id"] == run_record.id and run["refused"] == 1
     assert run["events"][0]["decision"] == "deny"
     assert "read of fake.customers (columns country, id)" in review["capabilities_words"]
+    # Every approval of the tenant, without naming a digest (locally and over the API).
+    listed = json.loads(env.cli("approval", "list", "-t", "acme", "--json").out)
+    assert [a["id"] for a in listed] == [approval["id"]]
+    assert json.loads(env.remote("approval", "list", "-t", "acme", "--json").out) == listed
     # An approval id by a unique prefix (revoked through it, then shown by it).
     env.cli("approval", "revoke", approval["id"][:10], "-t", "acme", who="root")
     assert gov.rt.approvals.get("acme", approval["id"]).revoked_at is not None
+    shown = json.loads(env.remote("approval", "show", approval["id"][:10], "-t", "acme",
+                                  "--json").out)  # fmt: skip
+    assert shown["id"] == approval["id"] and shown["revoked_at"] is not None
 
 
 def test_an_ambiguous_prefix_is_refused_with_the_candidates(env: Env) -> None:

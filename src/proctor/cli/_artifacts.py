@@ -7,7 +7,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,9 +29,12 @@ from proctor.cli._common import (
     print_table,
     remote,
 )
-from proctor.errors import UsageError
+from proctor.errors import NotFound, UsageError
 from proctor.governance import Artifact, Artifacts
 from proctor.runtime import Runtime
+
+if TYPE_CHECKING:
+    from proctor.client import Client
 
 artifact_app = typer.Typer(
     help="Artifacts: code and its manifest, content-addressed, for review and approval.",
@@ -45,6 +48,43 @@ def _artifacts(rt: Runtime, token: str | None, tenant: str, action: str) -> Arti
     """The runtime's artifacts, once Cedar has let the caller's principal do ``action``."""
     authorize_read(rt, token, tenant, action)
     return rt.artifacts
+
+
+MaybeTenantOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tenant",
+        "-t",
+        help="The artifact's tenant [default: your token's; for the local operator, the one"
+        " tenant that has the digest]",
+        show_default=False,
+    ),
+]
+
+
+def _local_tenant(rt: Runtime, token: str | None, tenant: str | None, digest: str) -> str:
+    """The tenant given, else the principal's own, else (for the local operator, who
+    sees every tenant) the one tenant with an artifact of this digest or prefix."""
+    if tenant is not None:
+        return tenant
+    _, principal = acting(rt, token)
+    if principal is not None:
+        return principal.tenant
+    found = []
+    for t in rt.tenants.list():
+        try:
+            rt.artifacts.get(t.name, digest)
+        except NotFound:
+            continue
+        found.append(t.name)
+    if len(found) == 1:
+        return found[0]
+    where = f"several tenants ({', '.join(found)})" if found else "no tenant"
+    raise UsageError(f"{digest!r} names an artifact in {where}", hint="pass --tenant")
+
+
+def _remote_tenant(client: Client, tenant: str | None) -> str:
+    return tenant if tenant is not None else str(client.whoami()["tenant"])
 
 
 def _json(value: Any) -> None:
@@ -284,18 +324,19 @@ PathArg = Annotated[
 
 @artifact_app.command("cat")
 def artifact_cat(
-    tenant: TenantOpt,
     digest: DigestArg,
     path: PathArg,
+    tenant: MaybeTenantOpt = None,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """Write the exact bytes of one file of the artifact to stdout (binary-safe)."""
     if (client := remote(token)) is not None:
-        data = client.artifact_file(tenant, digest, path)
+        data = client.artifact_file(_remote_tenant(client, tenant), digest, path)
     else:
         with open_runtime(home) as rt:
-            data = _artifacts(rt, token, tenant, "artifact.read").read_file(tenant, digest, path)
+            t = _local_tenant(rt, token, tenant, digest)
+            data = _artifacts(rt, token, t, "artifact.read").read_file(t, digest, path)
     sys.stdout.flush()
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -303,11 +344,11 @@ def artifact_cat(
 
 @artifact_app.command("download")
 def artifact_download(
-    tenant: TenantOpt,
     digest: DigestArg,
     output: Annotated[
         Path, typer.Option("--output", "-o", help="The tar file to write (replaced if it exists)")
     ],
+    tenant: MaybeTenantOpt = None,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
@@ -322,11 +363,13 @@ def artifact_download(
     try:
         with tmp.open("wb") as out:
             if (client := remote(token)) is not None:
-                full = client.download_artifact(tenant, digest, out)
+                full = client.download_artifact(_remote_tenant(client, tenant), digest, out)
             else:
                 with open_runtime(home) as rt:
-                    arts = _artifacts(rt, token, tenant, "artifact.read")
-                    full = arts.write_tar(tenant, digest, out).digest
+                    t = _local_tenant(rt, token, tenant, digest)
+                    full = (
+                        _artifacts(rt, token, t, "artifact.read").write_tar(t, digest, out).digest
+                    )
         size = tmp.stat().st_size
         os.replace(tmp, output)
     finally:
@@ -339,8 +382,8 @@ def artifact_download(
 
 @artifact_app.command("review")
 def artifact_review(
-    tenant: TenantOpt,
     digest: DigestArg,
+    tenant: MaybeTenantOpt = None,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
@@ -354,15 +397,15 @@ def artifact_review(
     print_review(doc)
 
 
-def review(tenant: str, digest: str, token: str | None, home: Path | None) -> dict[str, Any]:
+def review(tenant: str | None, digest: str, token: str | None, home: Path | None) -> dict[str, Any]:
     """The review of one artifact, from the local home or through ``--server``."""
     if (client := remote(token)) is not None:
-        doc: dict[str, Any] = client.review(tenant, digest)
+        doc: dict[str, Any] = client.review(_remote_tenant(client, tenant), digest)
         return doc
     with open_runtime(home) as rt:
-        arts = _artifacts(rt, token, tenant, "artifact.read")
-        doc = arts.review(tenant, digest)
-        doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(tenant, doc["digest"])]
+        t = _local_tenant(rt, token, tenant, digest)
+        doc = _artifacts(rt, token, t, "artifact.read").review(t, digest)
+        doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(t, doc["digest"])]
     return doc
 
 
