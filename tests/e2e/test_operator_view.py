@@ -195,7 +195,8 @@ def test_bucket_refusals_change_nothing(op: Op) -> None:
     src = op.tmp / "evil.txt"
     src.write_text("evil\n")
     dest = op.tmp / "should-not-exist"
-    for key in ("../secrets.json", "/etc/passwd", "a//b", ".hidden", "x/../../y"):
+    # Each CLI call is a process: three keys here, the rest through the SDK below.
+    for key in ("../secrets.json", "/etc/passwd", "x/../../y"):
         res = op.cli("bucket", "get", "-t", "acme", "reports", key, "-o", str(dest), check=False)
         assert res.code == 2 and "bad object key" in res.err, (key, res.err)
         res = op.cli("bucket", "put", "-t", "acme", "reports", key, str(src), check=False)
@@ -209,7 +210,7 @@ def test_bucket_refusals_change_nothing(op: Op) -> None:
     assert outside.read_text() == "not in any bucket\n" and not any(outside_dir.iterdir())
     # Over the API: the same keys, and a NUL, which argv cannot carry.
     with op.sdk("root") as root:
-        for key in ("../secrets.json", "/etc/passwd", "a\x00b", ".."):
+        for key in ("../secrets.json", "/etc/passwd", "a\x00b", "..", "a//b", ".hidden"):
             with pytest.raises(ProctorError) as err:
                 root.put_object("acme", "reports", key, b"evil")
             assert "bad object key" in err.value.message, key
