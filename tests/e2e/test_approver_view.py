@@ -281,6 +281,10 @@ def test_approve_shows_what_it_approves_and_asks_first(env: Env) -> None:
                    "data/model.bin", "1 refused", "deny", "sql.select"):  # fmt: skip
         assert needle in shown, (needle, shown)
     assert run_record.id in shown
+    # On a terminal it asks; "n" approves nothing.
+    code, said = _on_a_terminal(gov, ["approve", digest, "-t", "acme"], b"n\n", "alice")
+    assert code == 2 and f"Approve {digest} for 30d?" in said and "was not approved" in said
+    assert gov.rt.approvals.for_artifact("acme", digest) == []
     # With --yes and --json: the review on stderr, the approval alone on stdout.
     res = env.cli("approve", digest[:14], "-t", "acme", "--yes", "--json")
     approval = json.loads(res.out)
@@ -330,6 +334,24 @@ def test_an_ambiguous_prefix_is_refused_with_the_candidates(env: Env) -> None:
     finally:
         with env.gov.rt.store.write() as conn:
             conn.execute("DELETE FROM artifacts WHERE digest = ?", (twin,))
+
+
+def _on_a_terminal(gov: Gov, args: list[str], answer: bytes, who: str) -> tuple[int, str]:
+    """``proctor ARGS`` with a pseudo-terminal as stdin that answers ``answer``."""
+    import os
+
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [PROCTOR, *args, "--token", gov.token(who)], stdin=slave, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env={**_env(gov), "COLUMNS": "200"},
+        )  # fmt: skip
+        os.write(master, answer)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        os.close(master)
+        os.close(slave)
+    return proc.returncode, out.decode()
 
 
 def _env(gov: Gov) -> dict[str, str]:
