@@ -22,7 +22,7 @@ import pytest
 
 from proctor.api import ApiServer, serve_api
 from proctor.client import Client
-from proctor.errors import NotFound, UsageError
+from proctor.errors import ControlDenied, NotFound, UsageError
 from proctor.governance import ArtifactFile, artifact_digest, parse_manifest
 from proctor.lifecycle import Runs
 from tests.conftest import PROCTOR, run_cli
@@ -334,6 +334,21 @@ def test_an_ambiguous_prefix_is_refused_with_the_candidates(env: Env) -> None:
     finally:
         with env.gov.rt.store.write() as conn:
             conn.execute("DELETE FROM artifacts WHERE digest = ?", (twin,))
+
+
+def test_the_author_cannot_approve_through_a_shortened_digest(env: Env) -> None:
+    """Separation of duties holds whatever spelling of the digest the API is given."""
+    gov = env.gov
+    if "carol" not in gov.people:
+        gov.people["carol"] = gov.rt.principals.create("acme", "carol", "user",
+                                                       ["developer", "approver"], gov.op)  # fmt: skip
+    own = _write(env.tmp / "carols", "carols", '"id"', "", {"lib/util.py": b"z = 3\n"})
+    with env.client("carol") as c:
+        digest = c.submit_artifact("acme", own)["digest"]
+        for spelling in (digest, digest.removeprefix("sha256:")[:8], digest[:14].upper()):
+            with pytest.raises(ControlDenied, match="separation-of-duties"):
+                c.approve("acme", spelling)
+    assert gov.rt.approvals.for_artifact("acme", digest) == []
 
 
 def _on_a_terminal(gov: Gov, args: list[str], answer: bytes, who: str) -> tuple[int, str]:
