@@ -151,6 +151,13 @@ def test_an_operator_lists_gets_and_puts_objects_through_the_cli_the_api_and_the
     out = op.tmp / "customers.csv"
     op.cli("bucket", "get", "-t", "acme", "reports", CSV_KEY, "-o", str(out))
     assert out.read_bytes() == on_disk
+    doc = json.loads(op.cli("bucket", "get", "-t", "acme", "reports", CSV_KEY, "-o", str(out),
+                            "--json").out)  # fmt: skip
+    assert doc == {"bucket": "reports", "key": CSV_KEY, "size": len(on_disk), "sha256": sha,
+                   "written": str(out)}  # fmt: skip
+    res = op.cli("bucket", "get", "-t", "acme", "reports", CSV_KEY, "-o", "-", "--json",
+                 check=False)  # fmt: skip
+    assert res.code == 2 and res.raw == b"" and "--json needs -o FILE" in res.err
     assert op.cli("bucket", "get", "-t", "acme", "reports", CSV_KEY, "-o", "-").raw == on_disk
     assert op.cli("bucket", "get", "-t", "acme", "reports", CSV_KEY[:3] + "ort/customers.csv",
                   "-o", "-", who="dev", server=True).raw == on_disk  # fmt: skip
@@ -159,7 +166,7 @@ def test_an_operator_lists_gets_and_puts_objects_through_the_cli_the_api_and_the
         assert dev.bucket_objects("acme", "reports") == local
     # Each read recorded with the object's digest and size, never its content.
     reads = op.events("bucket.read")
-    assert len(reads) == 4
+    assert len(reads) == 5
     assert all(e["details"]["sha256"] == sha and e["details"]["bytes"] == len(on_disk)
                for e in reads)  # fmt: skip
     assert [e["actor"]["id"] for e in reads][-2:] == ["acme/dev", "acme/dev"]
@@ -257,6 +264,8 @@ def test_receipt_and_quorum(op: Op) -> None:
     op.cli("receipt", "get", prefix, "-t", "acme", "-o", str(receipt), who="dev")
     assert receipt.read_text() == (op.gov.home / "runs" / op.run_id / "receipt.tlog-proof"
                                    ).read_text()  # fmt: skip
+    doc = json.loads(op.cli("receipt", "get", prefix, "-t", "acme", "--json").out)
+    assert doc == {"run": op.run_id, "tenant": "acme", "receipt": receipt.read_text()}
     vkey = op.gov.rt.ledger.vkey()
     verified = json.loads(op.cli("receipt", "verify", str(receipt), "--key", vkey, "--json").out)
     assert verified["event"]["run"] == op.run_id and verified["event"]["action"] == "run.end"

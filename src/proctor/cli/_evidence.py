@@ -266,29 +266,40 @@ def receipt_get(
         Path | None,
         typer.Option("--output", "-o", help="Write the receipt to this file [default: stdout]"),
     ] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """A production run's signed receipt (C2SP tlog-proof), exactly as written;
-    `proctor receipt verify` checks it offline."""
+    `proctor receipt verify` checks it offline. With --json: one object with the
+    run's full id and the receipt (or where it was written)."""
     from proctor.cli._common import remote
 
     if (client := remote(token)) is not None:
         text = client.run_receipt(tenant, run_id)
+        full = str(client.get_run(tenant, run_id)["id"]) if as_json else run_id
     else:
-        from proctor.lifecycle import run_receipt
+        from proctor.lifecycle import Runs, run_receipt
 
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, "run.read")
             text = run_receipt(rt, tenant, run_id)
-    if output is None or str(output) == "-":
+            full = Runs(rt).get(tenant, run_id).id
+    to_stdout = output is None or str(output) == "-"
+    if to_stdout and not as_json:
         sys.stdout.write(text)
         return
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot write {output}: {exc.strerror}") from exc
-    console.print(f"receipt written to {output}")
+    if not to_stdout:
+        assert output is not None
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"cannot write {output}: {exc.strerror}") from exc
+    if as_json:
+        _emit({"run": full, "tenant": tenant,
+               **({"receipt": text} if to_stdout else {"written": str(output)})})  # fmt: skip
+        return
+    console.print(f"receipt of run {full} written to {output}")
 
 
 @subprocessor_app.command("add")

@@ -358,10 +358,17 @@ def bucket_get(
         str,
         typer.Option("--output", "-o", help="File to write the exact bytes to ('-': stdout)"),
     ],
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Fetch an object's exact bytes; the read is recorded with their SHA-256 and size."""
+    """Fetch an object's exact bytes; the read is recorded with their SHA-256 and size.
+    With --json (and -o FILE): one object saying what was written where."""
+    if as_json and output == "-":
+        raise UsageError(
+            "with -o -, stdout carries the object's bytes; --json needs -o FILE",
+            hint="`proctor bucket objects --json` lists keys, sizes and digests",
+        )
     from proctor.cli._common import remote
 
     if (client := remote(token)) is not None:
@@ -382,6 +389,10 @@ def bucket_get(
     except OSError as exc:
         raise UsageError(f"cannot write {output}: {exc.strerror}") from exc
     digest = hashlib.sha256(data).hexdigest()
+    if as_json:
+        emit_json({"bucket": bucket, "key": key, "size": len(data), "sha256": digest,
+                   "written": output})  # fmt: skip
+        return
     console.print(f"{len(data)} bytes written to {output} (sha256 {digest})")
 
 
