@@ -23,7 +23,7 @@ from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env
 
 ALLOWED = {
     "developer": {"tenant.read", "artifact.read", "artifact.submit", "deployment.read",
-                  "deployment.create", "run.read"},
+                  "deployment.create", "run.read", "bucket.read"},
     "approver": {"tenant.read", "artifact.read", "deployment.read", "run.read",
                  "approval.grant", "approval.reject"},
     "auditor": {"tenant.read", "artifact.read", "deployment.read", "run.read", "audit.read",
@@ -85,6 +85,10 @@ ACTIONS: dict[str, Call] = {
     ),
     "tenant.freeze": lambda h, t, f: h.post(f"/tenants/{t}/freeze", json={}),
     "tenant.unfreeze": lambda h, t, f: h.post(f"/tenants/{t}/unfreeze", json={}),
+    "bucket.read": lambda h, t, f: h.get(f"/tenants/{t}/buckets/reports/objects"),
+    "bucket.write": lambda h, t, f: h.put(
+        f"/tenants/{t}/buckets/reports/objects/in/m{next(f.counter)}.txt", content=b"matrix"
+    ),
 }
 
 
@@ -98,6 +102,7 @@ def matrix_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiEn
         # Submitted by the operator, so that no role is its author (no SoD forbid).
         digest = env.rt.artifacts.submit(t, directory, env.rt.operator).digest
         env.rt.principals.create(t, "spare", "user", ["auditor"], env.rt.operator)
+        env.rt.resources.add_bucket(t, "reports", env.rt.operator)
         with env.rt.store.write() as conn:
             Runs.insert(conn, _run_row(t, f"r-matrix-{t}"), "matrix")
     yield env, Fx(digest, _tar(directory), itertools.count())
