@@ -46,7 +46,9 @@ def test_init_makes_a_private_key_and_a_system_log(home: Path) -> None:
     assert v.name == "proctor.local"
     events = [
         json.loads(line)
-        for line in run_cli("audit", "events", "-t", "system", "--json", home=home).raw.splitlines()
+        for line in run_cli(
+            "audit", "events", "-t", "system", "--jsonl", home=home
+        ).raw.splitlines()
     ]
     assert [e["action"] for e in events] == ["runtime.init"]
     assert events[0]["actor"]["type"] == "operator"
@@ -59,13 +61,13 @@ def test_tenant_creation_is_in_both_logs(acme: Path) -> None:
     assert "acme" in listing and "globex" in listing
     system = [
         json.loads(x)
-        for x in run_cli("audit", "events", "-t", "system", "--json", home=acme).raw.splitlines()
+        for x in run_cli("audit", "events", "-t", "system", "--jsonl", home=acme).raw.splitlines()
     ]
     assert [(e["action"], e["resource"]) for e in system[1:]] == [
         ("tenant.create", "tenant/acme"),
         ("tenant.create", "tenant/globex"),
     ]
-    first = json.loads(run_cli("audit", "events", "-t", "acme", "--json", home=acme).raw)
+    first = json.loads(run_cli("audit", "events", "-t", "acme", "--jsonl", home=acme).raw)
     assert (first["seq"], first["action"], first["tenant"]) == (0, "tenant.create", "acme")
     assert system[1]["details"]["origin"] == "proctor.local/tenant/acme"
 
@@ -73,8 +75,14 @@ def test_tenant_creation_is_in_both_logs(acme: Path) -> None:
 def test_events_json_are_the_hashed_bytes_and_proofs_verify(acme: Path) -> None:
     run_cli("audit", "export", "-t", "acme", "-o", str(acme / "x1"), home=acme)
     run_cli("audit", "export", "-t", "acme", "-o", str(acme / "x2"), home=acme)
-    lines = run_cli("audit", "events", "-t", "acme", "--json", home=acme).raw.splitlines()
+    lines = run_cli("audit", "events", "-t", "acme", "--jsonl", home=acme).raw.splitlines()
     assert len(lines) == 3
+    # --json: one array, one event a line, each line the bytes as hashed (and a comma).
+    array = run_cli("audit", "events", "-t", "acme", "--json", home=acme).raw
+    assert json.loads(array) == [json.loads(x) for x in lines]
+    assert array.splitlines() == [b"[", lines[0] + b",", lines[1] + b",", lines[2], b"]"]
+    assert run_cli("audit", "events", "-t", "acme", "--json", "--run", "r-0", home=acme,
+                   check=False).code != 0  # fmt: skip
     vkey = run_cli("key", "show", home=acme).out.strip()
     note = run_cli("audit", "checkpoint", "-t", "acme", home=acme).out
     cp = open_checkpoint(note, Verifier.parse(vkey), "proctor.local/tenant/acme")
@@ -95,12 +103,12 @@ def test_events_json_are_the_hashed_bytes_and_proofs_verify(acme: Path) -> None:
 
 
 def test_time_filters(acme: Path) -> None:
-    everything = run_cli("audit", "events", "-t", "acme", "--json", home=acme).raw.splitlines()
+    everything = run_cli("audit", "events", "-t", "acme", "--jsonl", home=acme).raw.splitlines()
     t0 = json.loads(everything[0])["time"]
-    assert run_cli("audit", "events", "-t", "acme", "--json", "--until", t0, home=acme).raw == b""
+    assert run_cli("audit", "events", "-t", "acme", "--jsonl", "--until", t0, home=acme).raw == b""
     assert (
         run_cli(
-            "audit", "events", "-t", "acme", "--json", "--since", t0, home=acme
+            "audit", "events", "-t", "acme", "--jsonl", "--since", t0, home=acme
         ).raw.splitlines()
         == everything
     )
@@ -122,7 +130,7 @@ def test_verify_and_export_round_trip(acme: Path, tmp_path: Path) -> None:
     res = run_cli("audit", "verify", "--from-export", str(out), "--key", vkey)
     assert "verified proctor.local/tenant/acme: 1 events" in res.out
     # The export itself is recorded in the tenant's log.
-    events = run_cli("audit", "events", "-t", "acme", "--json", home=acme).raw.splitlines()
+    events = run_cli("audit", "events", "-t", "acme", "--jsonl", home=acme).raw.splitlines()
     assert json.loads(events[-1])["action"] == "audit.export"
 
 
@@ -159,12 +167,12 @@ def test_tampered_store_fails_verify_naming_the_sequence(acme: Path) -> None:
 def test_bad_input_gets_a_clear_error_and_changes_nothing(
     acme: Path, args: tuple[str, ...], message: str
 ) -> None:
-    before = run_cli("audit", "events", "-t", "system", "--json", home=acme).raw
+    before = run_cli("audit", "events", "-t", "system", "--jsonl", home=acme).raw
     res = run_cli(*args, home=acme, check=False)
     assert res.code != 0
     assert message in res.err
     assert "Traceback" not in res.err + res.out
-    assert run_cli("audit", "events", "-t", "system", "--json", home=acme).raw == before
+    assert run_cli("audit", "events", "-t", "system", "--jsonl", home=acme).raw == before
 
 
 def test_malformed_checkpoint_file_is_refused(acme: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from tests.sandbox_conftest_helpers import BACKENDS, any_backend
 
 
 def _events(home: Path) -> list[dict[str, object]]:
-    raw = run_cli("audit", "events", "-t", "sandbox", "--json", home=home).raw
+    raw = run_cli("audit", "events", "-t", "sandbox", "--jsonl", home=home).raw
     return [json.loads(line) for line in raw.splitlines()]
 
 

@@ -141,16 +141,15 @@ def test_the_developer_finds_the_refusals_with_the_cli(view: View) -> None:
     seqs = {view.guest["sql"]["seq"], view.guest["http"]["body"]["seq"]}
     prefix = run_id[:9]
     # audit events: the filters combine; the run is given as a prefix.
-    out = cli(gov, "audit", "events", "-t", "acme", "--run", prefix, "--decision", "deny",
-              "--json", who="dev").raw.splitlines()  # fmt: skip
-    denied = [json.loads(line) for line in out]
+    denied = json.loads(cli(gov, "audit", "events", "-t", "acme", "--run", prefix,
+                            "--decision", "deny", "--json", who="dev").out)  # fmt: skip
     assert seqs <= {e["seq"] for e in denied} and len(denied) == 3
     assert all(e["run"] == run_id and e["decision"] == "deny" for e in denied)
     only_sql = cli(gov, "audit", "events", "-t", "acme", "--run", prefix, "--action",
-                   "sql.select", "--json", who="dev").raw.splitlines()  # fmt: skip
+                   "sql.select", "--jsonl", who="dev").raw.splitlines()  # fmt: skip
     assert [json.loads(x)["decision"] for x in only_sql] == ["deny", "allow"]
-    newest = cli(gov, "audit", "events", "-t", "acme", "--limit", "2", "--json").raw
-    first = cli(gov, "audit", "events", "-t", "acme", "--limit", "2", "--from-start", "--json").raw
+    newest = cli(gov, "audit", "events", "-t", "acme", "--limit", "2", "--jsonl").raw
+    first = cli(gov, "audit", "events", "-t", "acme", "--limit", "2", "--from-start", "--jsonl").raw
     head = gov.rt.ledger.head("acme").size
     assert [json.loads(x)["seq"] for x in first.splitlines()] == [0, 1]
     assert [json.loads(x)["seq"] for x in newest.splitlines()] == [head - 2, head - 1]

@@ -358,7 +358,7 @@ def test_the_cli_works_through_the_api_with_server(gov: Gov, backend: str) -> No
         assert "read 5 rows" in res.out
         runs = json.loads(remote("runs", "list", "-t", "acme", who="dev").out)
         assert [r["status"] for r in runs] == ["succeeded"]
-        lines = remote("audit", "events", "-t", "acme", "--json", who="root").raw.splitlines()
+        lines = remote("audit", "events", "-t", "acme", "--jsonl", who="root").raw.splitlines()
         assert any(b'"run.end"' in line for line in lines)
         assert remote("audit", "checkpoint", "-t", "acme", who="root").out.startswith(
             "proctor.local/tenant/acme\n"

@@ -274,7 +274,7 @@ def check_from_disk(home: Path, rows: list[bytes]) -> None:
     """A new process reads the same events from the home and verifies every log."""
     for log in ("system", TENANT):
         run_cli("audit", "verify", "-t", log, home=home)  # exits non-zero if it fails
-    listed = run_cli("audit", "events", "-t", TENANT, "--json", home=home).raw.splitlines()
+    listed = run_cli("audit", "events", "-t", TENANT, "--jsonl", home=home).raw.splitlines()
     assert listed[: len(rows)] == rows
 
 

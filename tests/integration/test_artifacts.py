@@ -487,7 +487,7 @@ def artifact_cli(*args: str, home: Path, check: bool = True) -> CliResult:
 
 
 def audit(home: Path, tenant: str = "acme") -> list[dict[str, object]]:
-    out = run_cli("audit", "events", "-t", tenant, "--json", home=home).raw
+    out = run_cli("audit", "events", "-t", tenant, "--jsonl", home=home).raw
     return [json.loads(line) for line in out.splitlines()]
 
 

@@ -138,11 +138,17 @@ def events(
         bool, typer.Option("--from-start", help="With --limit, keep the oldest N instead")
     ] = False,
     as_json: JsonOpt = False,
+    as_lines: Annotated[
+        bool,
+        typer.Option("--jsonl", help="JSON Lines: one event a line, its bytes exactly as hashed"),
+    ] = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """List a log's events, filtered (the filters combine); with --json, JSON Lines:
-    each event's canonical bytes exactly as hashed."""
+    """List a log's events, filtered (the filters combine). --json prints one JSON
+    array, one event a line, each the event's bytes exactly as hashed; --jsonl the
+    same bytes as JSON Lines."""
+    form = "jsonl" if as_lines else "json" if as_json else "table"
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
     flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end)
     if (client := remote(token)) is not None:
@@ -152,7 +158,7 @@ def events(
             found: Iterable[bytes] = client.events(tenant, limit=limit, newest=True, **kw)
         else:
             found = itertools.islice(client.iter_events(tenant, **kw), limit)
-        _print_events(found, as_json)
+        _print_events(found, form)
         return
     with open_runtime(home) as rt:
         run_id = authorize_events(rt, token, tenant, run)
@@ -163,14 +169,23 @@ def events(
             found = query_events(rt.ledger, log, flt, limit=limit, newest=not from_start)
         else:
             found = iter_events(rt.ledger, log, flt)
-        _print_events(found, as_json)
+        _print_events(found, form)
 
 
-def _print_events(found: Iterable[bytes], as_json: bool) -> None:
-    if as_json:
-        out = sys.stdout.buffer
+def _print_events(found: Iterable[bytes], form: str) -> None:
+    out = sys.stdout.buffer
+    if form == "jsonl":
         for data in found:
             out.write(data + b"\n")
+        out.flush()
+        return
+    if form == "json":
+        # Written as read, never held whole: '[', the events joined by ',\n', ']'.
+        sep = b"[\n"
+        for data in found:
+            out.write(sep + data)
+            sep = b",\n"
+        out.write(b"[]\n" if sep == b"[\n" else b"\n]\n")
         out.flush()
         return
     table = _events_table()
