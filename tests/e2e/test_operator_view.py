@@ -111,6 +111,10 @@ def op(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Op]:
     rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), "nightly",
                           environment="production", mode="schedule", every_seconds=3600.0,
                           instruction="nightly export (OPS-1)", actor=gov.op)  # fmt: skip
+    # A sandbox job: its runs have no receipt, and one is started through the API.
+    sandbox = gov.submit("acme", gov.artifact_dir("try", "print('hi')\n"))
+    rt.deployments.deploy("acme", rt.artifacts.get("acme", sandbox), "try",
+                          environment="sandbox", instruction="try", actor=gov.op)  # fmt: skip
     port = _free_port()
     log = tmp / "serve.stderr"
     env = dict(os.environ, PROCTOR_HOME=str(gov.home))
@@ -279,12 +283,8 @@ def test_receipt_and_quorum(op: Op) -> None:
     assert res.code == 2 and "unknown tenant" in res.err
     res = op.cli("receipt", "get", op.run_id, "-t", "globex", check=False)
     assert res.code == 2 and "no run" in res.err
-    gov = op.gov
-    sandbox = gov.submit("acme", gov.artifact_dir("try", "print('hi')\n"))
-    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", sandbox), "try",
-                              environment="sandbox", instruction="try", actor=gov.op)  # fmt: skip
     op.cli("run", "try", "-t", "acme", "--backend", BACKEND, who="dev")
-    try_run = Runs(gov.rt).all("acme", "try")[0].id
+    try_run = Runs(op.gov.rt).all("acme", "try")[0].id
     res = op.cli("receipt", "get", try_run, "-t", "acme", check=False)
     assert res.code == 2 and "sandbox environment" in res.err and "hint:" in res.err
     # Too short to mean one run (ambiguity itself is Runs.get's, tested with it).
@@ -311,6 +311,11 @@ def test_serve_writes_one_json_line_per_request_run_and_schedule_and_no_secret(o
         made = http.get("/healthz", headers={"X-Request-Id": "bad id with spaces"})
         fresh = made.headers["x-request-id"]
         assert fresh.startswith("req_")
+        # A run started by a request: its lines carry the request's id.
+        started = http.post("/tenants/acme/deployments/try/runs",
+                            headers={"Authorization": f"Bearer {op.gov.token('dev')}",
+                                     "X-Request-Id": "ops-run-0001"}, timeout=120)  # fmt: skip
+        api_run = json.loads(started.text.splitlines()[-1])["run"]["id"]
     op.serve.send_signal(signal.SIGTERM)
     op.serve.wait(timeout=60)
     text = op.log.read_text()
@@ -334,6 +339,11 @@ def test_serve_writes_one_json_line_per_request_run_and_schedule_and_no_secret(o
     assert end[0]["outcome"] == "succeeded" and end[0]["digest"].startswith("sha256:")
     assert end[0]["deployment"] == "nightly" and end[0]["actor"].startswith("supervisor:")
     assert "reap" in by_event
+    (api_start,) = [s for s in by_event["run.start"] if s["run"] == api_run]
+    (api_end,) = [e for e in by_event["run.end"] if e["run"] == api_run]
+    for line in (api_start, api_end):
+        assert line["request_id"] == "ops-run-0001" and line["actor"] == "acme/dev", line
+    assert api_end["outcome"] == "succeeded" and api_end["environment"] == "sandbox"
     # No token, no secret, no query string.
     for who in op.gov.people:
         assert op.gov.token(who) not in text
