@@ -156,6 +156,9 @@ def test_an_approver_reads_the_code_back_byte_for_byte(env: Env) -> None:
     )
     # The same through the API (CLI --server and the SDK): every file.
     assert env.remote("artifact", "cat", env.v1, "data/model.bin").raw == BINARY
+    # `show --files` names each file by its full sha256, also through the API.
+    shown = env.remote("artifact", "show", prefix, "--files").out
+    assert "weekly churn figures" in shown and hashlib.sha256(BINARY).hexdigest() in shown
     with env.client() as c:
         for path in ("main.py", "data/model.bin", "notes/café.txt", "proctor.toml", "lib/util.py"):
             assert c.artifact_file("acme", prefix, path) == (v1 / path).read_bytes(), path

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from proctor.cli._common import (
     HomeOpt,
@@ -30,7 +29,7 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import NotFound, UsageError
-from proctor.governance import Artifact, Artifacts
+from proctor.governance import Artifact, Artifacts, Manifest
 from proctor.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -186,33 +185,45 @@ def artifact_submit(
 
 @artifact_app.command("show")
 def artifact_show(
-    tenant: TenantOpt,
     digest: DigestArg,
     files: Annotated[bool, typer.Option("--files", help="List the files too")] = False,
+    tenant: MaybeTenantOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """An artifact's manifest: purpose, entrypoint, capabilities, limits, lifecycle."""
     if (client := remote(token)) is not None:
-        emit_json(client.artifact(tenant, digest))
-        return
-    with open_runtime(home) as rt:
-        arts = _artifacts(rt, token, tenant, "artifact.read")
-        artifact = arts.get(tenant, digest)
-        entries = arts.files(tenant, artifact.digest)
+        doc: dict[str, Any] = client.artifact(_remote_tenant(client, tenant), digest)
+    else:
+        with open_runtime(home) as rt:
+            t = _local_tenant(rt, token, tenant, digest)
+            arts = _artifacts(rt, token, t, "artifact.read")
+            artifact = arts.get(t, digest)
+            entries = arts.files(t, artifact.digest)
+        doc = {**artifact.to_json(), "files": [f.to_json() for f in entries]}
     if as_json:
-        _json({**artifact.to_json(), "files": [f.to_json() for f in entries]})
+        emit_json(doc)
         return
-    _print_artifact(artifact)
+    _print_artifact(_from_json(doc))
     if files:
-        table = Table("mode", "size", "path", "sha256")
-        for f in entries:
-            if f.link is not None:
-                table.add_row("link", "", escape(f"{f.path} -> {f.link}"), "")
+        table = make_table("mode", "size", "path", "sha256", ids=("path", "sha256"))
+        for f in doc["files"]:
+            if f.get("link") is not None:
+                table.add_row("link", "", escape(f"{f['path']} -> {f['link']}"), "")
             else:
-                table.add_row(f"{f.mode:04o}", str(f.size), escape(f.path), f.sha256[:16])
-        console.print(table)
+                table.add_row(f"{f['mode']:04o}", str(f["size"]), escape(f["path"]), f["sha256"])
+        print_table(table, wide)
+
+
+def _from_json(doc: dict[str, Any]) -> Artifact:
+    manifest = Manifest.from_json(doc["manifest"])
+    return Artifact(
+        doc["tenant"], doc["digest"], doc["name"], manifest, manifest.capabilities,
+        doc["capabilities_hash"], doc["purpose"], doc["author"], doc["submitted_at"],
+        doc["size"], doc["file_count"],
+    )  # fmt: skip
 
 
 @artifact_app.command("list")
@@ -296,9 +307,9 @@ def print_diff(d: dict[str, Any]) -> None:
 
 @artifact_app.command("diff")
 def artifact_diff(
-    tenant: TenantOpt,
     old: Annotated[str, typer.Argument(help="The approved (older) artifact's digest")],
     new: Annotated[str, typer.Argument(help="The newer artifact's digest")],
+    tenant: MaybeTenantOpt = None,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
@@ -307,10 +318,11 @@ def artifact_diff(
     then every changed, added and removed file with its content (a unified diff for
     text; size and sha256 for binary)."""
     if (client := remote(token)) is not None:
-        doc = client.diff(tenant, old, new)
+        doc = client.diff(_remote_tenant(client, tenant), old, new)
     else:
         with open_runtime(home) as rt:
-            doc = _artifacts(rt, token, tenant, "artifact.read").diff(tenant, old, new).to_json()
+            t = _local_tenant(rt, token, tenant, old)
+            doc = _artifacts(rt, token, t, "artifact.read").diff(t, old, new).to_json()
     if as_json:
         emit_json(doc)
         return
