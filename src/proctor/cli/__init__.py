@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,8 +27,15 @@ def _print_error(message: str, hint: str | None) -> None:
 def main() -> None:
     from proctor.cli._app import app
 
+    guarded(app)
+
+
+def guarded(entry: Callable[[], object]) -> None:
+    """Run the command line: a ProctorError is its message and hint, anything else one
+    line and a hint, never a traceback (unless PROCTOR_DEBUG is set). Tests hand in
+    the built command to run many commands in one process."""
     try:
-        app()
+        entry()
     except ProctorError as exc:
         _print_error(exc.message, exc.hint)
         sys.exit(exc.exit_code)
@@ -50,4 +58,4 @@ def main() -> None:
         sys.exit(1)
 
 
-__all__ = ["main"]
+__all__ = ["guarded", "main"]

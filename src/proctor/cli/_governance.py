@@ -57,7 +57,7 @@ def _authorize(
 @principal_app.command("create")
 def principal_create(
     tenant: TenantOpt,
-    name: str,
+    name: Annotated[str, typer.Argument(help="The principal's name")],
     role: Annotated[list[str], typer.Option("--role", help=f"One of {', '.join(ROLES)}")],
     service: Annotated[bool, typer.Option(help="A service account, not a person")] = False,
     as_json: JsonOpt = False,
@@ -322,6 +322,7 @@ def quorum_set(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
+    """Set how many independent approvals production needs, and from which roles."""
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
         _authorize(rt, principal, "policy.set", EntityRef.tenant(tenant), tenant,
@@ -511,7 +512,7 @@ def deployment_stop(
 
 
 def run(
-    name: str,
+    name: Annotated[str, typer.Argument(help="The job deployment's name")],
     tenant: TenantOpt,
     backend: Annotated[str | None, typer.Option(help="gvisor or bubblewrap")] = None,
     as_json: JsonOpt = False,

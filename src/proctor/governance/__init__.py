@@ -39,6 +39,8 @@ from proctor.governance._deployments import (
     MODES,
     Deployment,
     Deployments,
+    Finding,
+    readiness,
 )
 from proctor.governance._egress import EgressRanges
 from proctor.governance._environments import Bindings, bindings
@@ -115,6 +117,7 @@ __all__ = [
     "Deployments",
     "EgressRanges",
     "FileChange",
+    "Finding",
     "Home",
     "HomeConfig",
     "KeyRing",
@@ -157,6 +160,7 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
     "read_object_file",
+    "readiness",
     "require_backed",
     "role_policy",
     "run_events_context",
