@@ -106,7 +106,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         '"id"',
         '\n[egress]\nhosts = ["api.example.com:443"]\n',
         {
-            "lib/util.py": b"def f():\n    return 2\n",
+            # What a terminal would hide: the approver is shown it spelled out.
+            "lib/util.py": b"def f():\n    return 2  # \x1b[8msteal()\x1b[0m \xe2\x80\xae\n",
             "lib/new.py": b"y = 2\n",
             "data/model.bin": BINARY + b"\x01",
             "notes/café.txt": b"ok\n",
@@ -233,6 +234,13 @@ def test_a_diff_shows_every_file_with_content_and_the_capability_changes_in_word
                  "3 changed, 1 added, 1 removed", "-    return 1", "+    return 2", "+y = 2",
                  "-x = 1", "removed  lib/old.py", "added    lib/new.py"):  # fmt: skip
         assert line in text, line
+    assert "\\x1b[8msteal()\\x1b[0m \\u202e" in text and "\x1b" not in text
+    # So does cat on a terminal (and only there: piped, the bytes are exact).
+    code, shown = _on_a_terminal(env.gov, ["artifact", "cat", env.v2, "lib/util.py"], b"",
+                                 "alice", stdout_too=True)  # fmt: skip
+    code_part = shown.split("def f():")[1]
+    assert code == 0 and "\\x1b[8msteal()" in code_part and "\x1b" not in code_part, shown
+    assert "control or bidirectional characters" in shown
     assert f"binary, {len(BINARY)} bytes -> {len(BINARY) + 1} bytes, sha256" in text
     doc = json.loads(env.cli("artifact", "diff", "-t", "acme", env.v1[:12], env.v2[:12],
                              "--json").out)  # fmt: skip
@@ -354,22 +362,41 @@ def test_the_author_cannot_approve_through_a_shortened_digest(env: Env) -> None:
     assert gov.rt.approvals.for_artifact("acme", digest) == []
 
 
-def _on_a_terminal(gov: Gov, args: list[str], answer: bytes, who: str) -> tuple[int, str]:
-    """``proctor ARGS`` with a pseudo-terminal as stdin that answers ``answer``."""
+def _on_a_terminal(
+    gov: Gov, args: list[str], answer: bytes, who: str, stdout_too: bool = False
+) -> tuple[int, str]:
+    """``proctor ARGS`` with a pseudo-terminal as stdin that answers ``answer`` (and,
+    with ``stdout_too``, as its stdout and stderr, read back from the terminal)."""
     import os
 
     master, slave = os.openpty()
+    out_to = slave if stdout_too else subprocess.PIPE
     try:
         proc = subprocess.Popen(
-            [PROCTOR, *args, "--token", gov.token(who)], stdin=slave, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env={**_env(gov), "COLUMNS": "200"},
+            [PROCTOR, *args, "--token", gov.token(who)], stdin=slave, stdout=out_to,
+            stderr=out_to if stdout_too else subprocess.STDOUT,
+            env={**_env(gov), "COLUMNS": "200"},
         )  # fmt: skip
         os.write(master, answer)
-        out, _ = proc.communicate(timeout=120)
+        if not stdout_too:
+            out, _ = proc.communicate(timeout=120)
+            return proc.returncode, out.decode()
+        os.close(slave)
+        slave = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace")
     finally:
         os.close(master)
-        os.close(slave)
-    return proc.returncode, out.decode()
+        if slave >= 0:
+            os.close(slave)
 
 
 def _env(gov: Gov) -> dict[str, str]:

@@ -109,3 +109,12 @@ def test_an_artifacts_capabilities_in_words() -> None:
     assert capability_words(bare.capabilities) == [
         "nothing: the code can reach nothing outside its sandbox"
     ]
+
+
+def test_what_a_terminal_would_hide_is_spelled_out() -> None:
+    from proctor.cli._artifacts import _shown, _visible
+
+    assert _visible("x = 1\t# ok") == "x = 1\t# ok"
+    assert _visible("a\x1b[8mb\x07\u202ec\u2066") == "a\\x1b[8mb\\x07\\u202ec\\u2066"
+    assert _visible("nbsp\xa0") == "nbsp\\xa0"
+    assert _shown("[bold]x\x1b") == "\\[bold]x\\x1b"

@@ -49,6 +49,30 @@ def _artifacts(rt: Runtime, token: str | None, tenant: str, action: str) -> Arti
     return rt.artifacts
 
 
+#: Characters that change what a terminal shows without being seen: C0/C1 controls
+#: (an escape sequence can hide or rewrite lines) and the bidirectional overrides of
+#: "Trojan Source" (CVE-2021-42574). An approver is shown them, never their effect.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _visible(text: str) -> str:
+    """``text`` with every invisible or terminal-controlling character spelled out."""
+    if text.isprintable() and not _BIDI.intersection(text):
+        return text
+    out = []
+    for ch in text:
+        if ch == "\t" or (ch.isprintable() and ch not in _BIDI):
+            out.append(ch)
+        else:
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+    return "".join(out)
+
+
+def _shown(text: str) -> str:
+    """Text of an artifact for a terminal: controls spelled out, Rich markup escaped."""
+    return escape(_visible(text))
+
+
 MaybeTenantOpt = Annotated[
     str | None,
     typer.Option(
@@ -119,16 +143,16 @@ def _capability_lines(caps: dict[str, Any]) -> list[str]:
 
 def _print_artifact(a: Artifact) -> None:
     m = a.manifest
-    console.print(f"[bold]{escape(a.name)}[/] {a.digest}")
-    console.print(f"  tenant:       {escape(a.tenant)}")
-    console.print(f"  purpose:      {escape(a.purpose)}")
-    console.print(f"  entrypoint:   {escape(' '.join(m.entrypoint))}")
-    console.print(f"  author:       {escape(a.author)}")
+    console.print(f"[bold]{_shown(a.name)}[/] {a.digest}")
+    console.print(f"  tenant:       {_shown(a.tenant)}")
+    console.print(f"  purpose:      {_shown(a.purpose)}")
+    console.print(f"  entrypoint:   {_shown(' '.join(m.entrypoint))}")
+    console.print(f"  author:       {_shown(a.author)}")
     console.print(f"  submitted:    {a.submitted_at}")
     console.print(f"  files:        {a.file_count} ({_size(a.size)})")
     console.print(f"  capabilities: {a.capabilities_hash}")
     for line in _capability_lines(a.capabilities):
-        console.print(f"    {escape(line)}")
+        console.print(f"    {_shown(line)}")
     limits = m.limits
     parts = []
     if limits.memory_bytes is not None:
@@ -165,7 +189,7 @@ def artifact_submit(
         if as_json:
             _json(doc)
         else:
-            console.print(f"submitted to {escape(tenant)}")
+            console.print(f"submitted to {_shown(tenant)}")
             console.print(f"digest: {doc['digest']}")
         return
     with open_runtime(home) as rt:
@@ -173,15 +197,14 @@ def artifact_submit(
         author, _ = acting(rt, token)
         arts = _artifacts(rt, token, tenant, "artifact.submit")
         artifact = arts.submit(tenant, directory, author)
-        _warn_not_ready(rt, tenant, artifact.capabilities)
     if as_json:
         _json(artifact.to_json())
         return
-    console.print(f"submitted [bold]{escape(artifact.name)}[/] to {escape(tenant)}")
+    console.print(f"submitted [bold]{_shown(artifact.name)}[/] to {_shown(tenant)}")
     console.print(f"digest: {artifact.digest}")
     console.print(f"capabilities: {artifact.capabilities_hash}")
     for line in _capability_lines(artifact.capabilities):
-        console.print(f"  {escape(line)}")
+        console.print(f"  {_shown(line)}")
 
 
 @artifact_app.command("show")
@@ -212,9 +235,9 @@ def artifact_show(
         table = make_table("mode", "size", "path", "sha256", ids=("path", "sha256"))
         for f in doc["files"]:
             if f.get("link") is not None:
-                table.add_row("link", "", escape(f"{f['path']} -> {f['link']}"), "")
+                table.add_row("link", "", _shown(f"{f['path']} -> {f['link']}"), "")
             else:
-                table.add_row(f"{f['mode']:04o}", str(f["size"]), escape(f["path"]), f["sha256"])
+                table.add_row(f"{f['mode']:04o}", str(f["size"]), _shown(f["path"]), f["sha256"])
         print_table(table, wide)
 
 
@@ -250,9 +273,9 @@ def artifact_list(
     table = make_table("digest", "name", "files", "size", "submitted", "by", "purpose",
                        ids=("digest",))  # fmt: skip
     for a in rows:
-        table.add_row(a["digest"], escape(a["name"]), str(a["file_count"]),
-                      _size(a["size"]), a["submitted_at"][:19], escape(a["author"]),
-                      escape(a["purpose"]))  # fmt: skip
+        table.add_row(a["digest"], _shown(a["name"]), str(a["file_count"]),
+                      _size(a["size"]), a["submitted_at"][:19], _shown(a["author"]),
+                      _shown(a["purpose"]))  # fmt: skip
     print_table(table, wide)
 
 
@@ -274,7 +297,7 @@ def print_diff(d: dict[str, Any]) -> None:
             sign = {"added": "+", "removed": "-", "changed": "~"}[c["change"]]
             style = "red" if c["widens"] else "green" if c["change"] == "removed" else "yellow"
             mark = "  [bold red](widens)[/]" if c["widens"] else ""
-            console.print(f"  [{style}]{sign} {escape(c['text'])}[/]{mark}")
+            console.print(f"  [{style}]{sign} {_shown(c['text'])}[/]{mark}")
     console.print()
     files = d["files"]
     if not files:
@@ -286,11 +309,11 @@ def print_diff(d: dict[str, Any]) -> None:
         f" {counts['removed']} removed"
     )
     for f in files:
-        console.print(f"  {f['change']:8} {escape(f['path'])} ({escape(f['summary'])})")
+        console.print(f"  {f['change']:8} {_shown(f['path'])} ({_shown(f['summary'])})")
     for f in files:
         console.print()
-        console.print(f"[bold]{f['change']} {escape(f['path'])}[/]: {escape(f['summary'])}")
-        for line in (f["diff"] or "").splitlines():
+        console.print(f"[bold]{f['change']} {_shown(f['path'])}[/]: {_shown(f['summary'])}")
+        for line in (f["diff"] or "").removesuffix("\n").split("\n") if f["diff"] else []:
             style = (
                 "bold"
                 if line.startswith(("---", "+++"))
@@ -302,7 +325,7 @@ def print_diff(d: dict[str, Any]) -> None:
                 if line.startswith("@@")
                 else ""
             )
-            text = escape(line)
+            text = _shown(line)
             console.print(f"[{style}]{text}[/]" if style else text)
 
 
@@ -350,6 +373,17 @@ def artifact_cat(
         with open_runtime(home) as rt:
             t = _local_tenant(rt, token, tenant, digest)
             data = _artifacts(rt, token, t, "artifact.read").read_file(t, digest, path)
+    if sys.stdout.isatty():
+        # On a terminal the bytes would act, not show: an escape sequence in the code can
+        # hide lines from the person reading it. Spelled out there; exact when piped.
+        text = data.decode("utf-8", errors="backslashreplace")
+        lines = [_visible(line) for line in text.split("\n")]
+        if lines != text.split("\n"):
+            Console(stderr=True, highlight=False).print(
+                "[yellow]warning:[/] the file holds control or bidirectional characters,"
+                " shown here as \\xNN / \\uNNNN; pipe or redirect stdout for the exact bytes"
+            )
+        data = "\n".join(lines).encode()
     sys.stdout.flush()
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -390,7 +424,7 @@ def artifact_download(
     if as_json:
         emit_json({"digest": full, "path": str(output), "bytes": size})
         return
-    console.print(f"wrote {escape(str(output))} ({_size(size)}), the tree of {full}")
+    console.print(f"wrote {_shown(str(output))} ({_size(size)}), the tree of {full}")
 
 
 @artifact_app.command("review")
@@ -425,20 +459,20 @@ def review(tenant: str | None, digest: str, token: str | None, home: Path | None
 def print_review(doc: dict[str, Any], out: Console | None = None) -> None:
     """The review for people; ``out`` is stderr when stdout carries JSON."""
     c = out or console
-    c.print(f"[bold]{escape(doc['name'])}[/] {doc['digest']}")
-    c.print(f"  purpose:    {escape(doc['purpose'])}")
-    c.print(f"  entrypoint: {escape(' '.join(doc['manifest']['entrypoint']))}")
-    c.print(f"  author:     {escape(doc['author'])}, submitted {doc['submitted_at']}")
+    c.print(f"[bold]{_shown(doc['name'])}[/] {doc['digest']}")
+    c.print(f"  purpose:    {_shown(doc['purpose'])}")
+    c.print(f"  entrypoint: {_shown(' '.join(doc['manifest']['entrypoint']))}")
+    c.print(f"  author:     {_shown(doc['author'])}, submitted {doc['submitted_at']}")
     c.print("  the code may use:")
     for line in doc["capabilities_words"]:
-        c.print(f"    - {escape(line)}")
+        c.print(f"    - {_shown(line)}")
     c.print(f"  files ({len(doc['files'])}, {_size(doc['size'])}):")
     for f in doc["files"]:
         if f.get("link") is not None:
-            c.print(f"    link {escape(f['path'])} -> {escape(f['link'])}")
+            c.print(f"    link {_shown(f['path'])} -> {_shown(f['link'])}")
         else:
-            c.print(f"    {f['mode']:04o} {f['size']:>9} {escape(f['path'])}  sha256 {f['sha256']}")
-    c.print(f"  read them: proctor artifact cat -t {escape(doc['tenant'])} {doc['digest']} PATH")
+            c.print(f"    {f['mode']:04o} {f['size']:>9} {_shown(f['path'])}  sha256 {f['sha256']}")
+    c.print(f"  read them: proctor artifact cat -t {_shown(doc['tenant'])} {doc['digest']} PATH")
     runs = doc["sandbox_runs"]
     if not runs:
         c.print("  [yellow]no sandbox run of this digest yet[/]: nothing was observed")
@@ -451,26 +485,14 @@ def print_review(doc: dict[str, Any], out: Console | None = None) -> None:
         for e in r["events"]:
             style = "red" if e["decision"] == "deny" else "green"
             c.print(
-                f"    [{style}]{e['decision']:5}[/] #{e['seq']} {escape(e['action'])}"
-                f" {escape(e['resource'])}: {escape(e['reason'])}"
+                f"    [{style}]{e['decision']:5}[/] #{e['seq']} {_shown(e['action'])}"
+                f" {_shown(e['resource'])}: {_shown(e['reason'])}"
             )
         if r["calls"] > len(r["events"]):
             c.print(f"    … {r['calls'] - len(r['events'])} more: proctor audit events -t"
-                    f" {escape(doc['tenant'])} --run {r['id']}")  # fmt: skip
+                    f" {_shown(doc['tenant'])} --run {r['id']}")  # fmt: skip
     for a in doc.get("approvals", []):
         c.print(
-            f"  {a['decision']} {a['id']} by {escape(a['principal'])} at {a['created_at']}"
+            f"  {a['decision']} {a['id']} by {_shown(a['principal'])} at {a['created_at']}"
             + (" (revoked)" if a.get("revoked_at") else "")
         )
-
-
-def _warn_not_ready(rt: Runtime, tenant: str, capabilities: dict[str, Any]) -> None:
-    """What ``deploy`` to production would refuse (a dataset not registered, egress no
-    subprocessor covers), said at submit as warnings on stderr: the submission stands,
-    and the developer learns the missing set-up before an approver's time is spent."""
-    from proctor.governance import readiness
-
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    for finding in readiness(rt.resources, rt.subprocessors, tenant, capabilities):
-        err.print(f"[yellow]warning:[/] {escape(finding.message)}")
-        err.print(f"  [dim]fix:[/] {escape(finding.fix)}")
