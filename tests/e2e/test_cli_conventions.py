@@ -66,6 +66,7 @@ ARGS: dict[str, list[str]] = {
     "audit consistency": ["-t", "acme", "--old", "1"],
     "audit export": ["-t", "acme", "--out", "{TMP}/log"],
     "audit proof": ["-t", "acme", "--index", "0"],
+    "audit verify": ["-t", "acme", "--key", "{VKEY}"],
     "bucket add": ["-t", "acme", "walked"],
     "bucket get": ["-t", "acme", "reports", "in/k.txt", "-o", "{TMP}/k.out"],
     "bucket objects": ["-t", "acme", "reports"],
@@ -117,13 +118,6 @@ NOT_WALKED = {
 #: Commands that print but take no --json, and why.
 NO_JSON = {
     "artifact cat": "prints a file's exact bytes, which are the answer",
-    # Still to do (issue 15): each prints one sentence today.
-    "audit checkpoint": "to do: its --json",
-    "audit export": "to do: its --json",
-    "audit verify": "to do: its --json",
-    "quorum set": "to do: its --json",
-    "bucket get": "to do: its --json (with -o -, the object's exact bytes are the answer)",
-    "receipt get": "to do: its --json (without -o, the receipt's exact text is the answer)",
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -263,13 +264,19 @@ def _print_live(data: bytes, as_json: bool) -> None:
 
 
 @audit_app.command("checkpoint")
-def checkpoint(tenant: TenantOpt, token: TokenOpt = None, home: HomeOpt = None) -> None:
+def checkpoint(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
     """Print the latest signed checkpoint exactly as signed."""
     if (client := remote(token)) is not None:
-        sys.stdout.write(client.checkpoint(tenant))
+        note = client.checkpoint(tenant)
+    else:
+        with open_runtime(home) as rt:
+            note = rt.ledger.head(rt.log_name(tenant)).checkpoint
+    if as_json:
+        # The note's exact text, signature lines included: what a verifier checks.
+        _emit_json({"tenant": tenant, "checkpoint": note})
         return
-    with open_runtime(home) as rt:
-        note = rt.ledger.head(rt.log_name(tenant)).checkpoint
     sys.stdout.write(note)
 
 
@@ -328,6 +335,7 @@ def verify(
         list[Path] | None,
         typer.Option(help="A signed checkpoint held elsewhere that the log must extend"),
     ] = None,
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Recompute every leaf and root, check every signed checkpoint, and hold every
@@ -339,7 +347,9 @@ def verify(
     if from_export is not None:
         if verifier is None:
             vkey = (from_export / "verifier.key").read_text(encoding="utf-8").strip()
-            console.print(f"[yellow]trusting the export's own key[/] {vkey}")
+            Console(stderr=True, highlight=False).print(
+                f"[yellow]trusting the export's own key[/] {vkey}"
+            )
         report = verify_export(from_export, verifier, trusted)
         if tenant is not None and report.origin.rsplit("/", 1)[-1] != tenant:
             raise VerificationFailed(f"the export is of {report.origin}, not tenant {tenant!r}")
@@ -355,7 +365,9 @@ def verify(
                 # The log is sound; now every governance row must be one it backs.
                 backing = unbacked_rows(rt.store, rt.ledger, rt.artifacts, rt.approvals,
                                         rt.deployments, log)  # fmt: skip
-    console.print(
+    # With --json, stdout is the one JSON object's; the sentences go to stderr.
+    say = Console(stderr=True, highlight=False) if as_json else console
+    say.print(
         f"[green]verified[/] {report.origin}: {report.size} events, "
         f"{report.checkpoints} signed checkpoints consistent"
     )
@@ -364,20 +376,25 @@ def verify(
         checked = ", ".join(f"{n} {k}" for k, n in counts.items())
         if problems:
             for p in problems:
-                console.print(f"[bold red]not backed[/] {p}", soft_wrap=True)
+                say.print(f"[bold red]not backed[/] {p}", soft_wrap=True)
             raise VerificationFailed(
                 f"{len(problems)} store row(s) of {tenant!r} are not backed by the signed"
                 f" record: " + "; ".join(f"{p.kind} {p.key}" for p in problems),
                 hint="someone changed the store file without the signing key; restore it"
                 " from a backup and find out who could write it",
             )
-        console.print(f"[green]store rows backed by the record[/]: {checked}")
+        say.print(f"[green]store rows backed by the record[/]: {checked}")
+    if as_json:
+        _emit_json({"origin": report.origin, "size": report.size,
+                    "checkpoints": report.checkpoints, "verified": True,
+                    "rows_backed": None if backing is None else backing[1]})  # fmt: skip
 
 
 @audit_app.command("export")
 def export(
     tenant: TenantOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to create")],
+    as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Export a log so that `verify --from-export` needs nothing else."""
@@ -395,6 +412,9 @@ def export(
                 details={"size": head.size, "path": str(out.resolve())},
             ),
         )
+    if as_json:
+        _emit_json({"origin": head.origin, "size": head.size, "out": str(out)})
+        return
     console.print(f"exported {head.size} events of {head.origin} to {out}")
 
 

@@ -319,6 +319,7 @@ def quorum_set(
     tenant: TenantOpt,
     required: Annotated[int, typer.Option(help="Approvals needed")] = 1,
     role: Annotated[list[str] | None, typer.Option(help="Roles that count")] = None,
+    as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -328,6 +329,9 @@ def quorum_set(
         _authorize(rt, principal, "policy.set", EntityRef.tenant(tenant), tenant,
                    f"tenant/{tenant}")  # fmt: skip
         rule = rt.approvals.set_quorum(tenant, required, role or [], actor)
+    if as_json:
+        emit_json({"required": rule.required, "roles": list(rule.roles)})  # as quorum show
+        return
     console.print(f"production in {tenant} needs {rule.required} approval(s) from "
                   f"{' or '.join(rule.roles)}")  # fmt: skip
 
