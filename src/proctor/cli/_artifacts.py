@@ -197,6 +197,7 @@ def artifact_submit(
         author, _ = acting(rt, token)
         arts = _artifacts(rt, token, tenant, "artifact.submit")
         artifact = arts.submit(tenant, directory, author)
+        _warn_not_ready(rt, tenant, artifact.capabilities)
     if as_json:
         _json(artifact.to_json())
         return
@@ -496,3 +497,15 @@ def print_review(doc: dict[str, Any], out: Console | None = None) -> None:
             f"  {a['decision']} {a['id']} by {_shown(a['principal'])} at {a['created_at']}"
             + (" (revoked)" if a.get("revoked_at") else "")
         )
+
+
+def _warn_not_ready(rt: Runtime, tenant: str, capabilities: dict[str, Any]) -> None:
+    """What ``deploy`` to production would refuse (a dataset not registered, egress no
+    subprocessor covers), said at submit as warnings on stderr: the submission stands,
+    and the developer learns the missing set-up before an approver's time is spent."""
+    from proctor.governance import readiness
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for finding in readiness(rt.resources, rt.subprocessors, tenant, capabilities):
+        err.print(f"[yellow]warning:[/] {_shown(finding.message)}")
+        err.print(f"  [dim]fix:[/] {_shown(finding.fix)}")
