@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from proctor.cli._common import (
     HomeOpt,
@@ -307,11 +306,12 @@ def _print_build_loop(home: Path | None, tenant: str, digest: str) -> None:
     if not runs:
         console.print("no sandbox run of this digest yet")
         return
-    table = Table("sandbox run", "deployment", "status", "exit", "started")
+    table = make_table("sandbox run", "deployment", "status", "exit", "started",
+                       ids=("sandbox run", "deployment"))  # fmt: skip
     for r in runs:
         table.add_row(r.id, r.deployment, r.status, "" if r.exit_code is None else str(r.exit_code),
                       r.started_at)  # fmt: skip
-    console.print(table)
+    print_table(table)
 
 
 @quorum_app.command("set")
