@@ -508,6 +508,7 @@ def _event_params(
     given = {"since": since, "until": until, "run": run, "action": action, "decision": decision}
     return {k: v for k, v in given.items() if v is not None}
 
+
 def _file_path(path: str) -> str:
     """An artifact path in a URL, each segment quoted; "." and ".." are escaped so that
     no client or proxy folds them away: the server sees them, and refuses them."""
