@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from proctor.governance import ApprovalRequired, ControlDenied, capabilities_hash
+from proctor.governance import ApprovalRequired, ControlDenied, capabilities_hash, unbacked_rows
 from proctor.lifecycle import RunRefused, Supervisor
 from tests.conftest import run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
@@ -190,3 +190,20 @@ def test_the_author_row_cannot_be_changed_to_make_a_self_approval_count(gov: Gov
                                   actor=gov.op)  # fmt: skip
     res = _audit(gov)
     assert res.code == 3 and digest in res.out + res.err
+
+
+def test_a_schedule_given_in_whole_seconds_is_backed_by_its_record(gov: Gov) -> None:
+    """``every_seconds=3600`` (an int, as a Python caller writes it) once signed "3600"
+    while the row read back 3600.0: every run of the deployment was then refused."""
+    rt = gov.rt
+    caps = CAPS + '[lifecycle]\nmode = "schedule"\nevery = "1h"\n'
+    digest = gov.submit("acme", gov.artifact_dir("hourly", GOOD, caps))
+    rt.approvals.grant("acme", digest, gov.principal("alice"))
+    rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), "hourly",
+                          environment="production", mode="schedule", every_seconds=3600,
+                          instruction="hourly (RET-1)", actor=gov.op)  # fmt: skip
+    problems, counts = unbacked_rows(
+        rt.store, rt.ledger, rt.artifacts, rt.approvals, rt.deployments, "acme"
+    )
+    assert counts["deployments"] == 1
+    assert problems == []

@@ -228,6 +228,10 @@ class Deployments:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}")
         if every_seconds is not None and every_seconds < 1:
             raise UsageError("--every must be at least one second")
+        if every_seconds is not None:
+            # The signed record holds str(every_seconds) and the row reads back a float:
+            # an int 3600 would sign "3600" and every run would then fail its backing check.
+            every_seconds = float(every_seconds)
         mode, every_seconds = self.lifecycle(artifact, mode, every_seconds)
         if not instruction.strip():
             raise UsageError(
