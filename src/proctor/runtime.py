@@ -19,10 +19,11 @@ import pwd
 import re
 import shutil
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from proctor.errors import AlreadyExists, NotInitialized, ProctorError, UsageError
 from proctor.governance import (
@@ -197,6 +198,12 @@ def _locate_dataset(where: Path | str) -> tuple[str, str]:
     return locate_dataset(where)
 
 
+def _missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> list[str]:
+    from proctor.broker import missing_in_dataset  # loaded at deploy, as above
+
+    return missing_in_dataset(kind, location, tables)
+
+
 class Runtime:
     """Everything a command needs, opened from one home; close it when done."""
 
@@ -209,9 +216,8 @@ class Runtime:
         self.keys = KeyRing.load_or_create(home / "keys" / "runtime.key")
         self.tenants = Tenants(store, self.ledger)
         self.policies = Policies(store, self.ledger)
-        self.resources = Resources(
-            store, self.ledger, self.keys, home / "buckets", locate=_locate_dataset
-        )
+        self.resources = Resources(store, self.ledger, self.keys, home / "buckets",
+                                   locate=_locate_dataset, missing=_missing_in_dataset)  # fmt: skip
         self.principals = Principals(store, self.ledger)
         self.control = ControlPlane(self.ledger)
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")

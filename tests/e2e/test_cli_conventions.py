@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -350,14 +351,18 @@ def _corrupt(home: Path, how: str) -> None:
         db.write_bytes(db.read_bytes()[:1000])
     elif how == "garbage store":
         (home / "proctor.db").write_bytes(os.urandom(8192))
+    elif how == "empty store":  # once taken as a new store, and the home changed
+        for side in home.glob("proctor.db-*"):
+            side.unlink()
+        (home / "proctor.db").write_bytes(b"")
     elif how == "missing key":
         (home / "keys" / "ledger.pem").unlink()
     elif how == "garbage config":
         (home / "config.json").write_text("garbage{")
 
 
-@pytest.mark.parametrize("how", ["truncated store", "garbage store", "missing key",
-                                 "garbage config"])  # fmt: skip
+@pytest.mark.parametrize("how", ["truncated store", "garbage store", "empty store",
+                                 "missing key", "garbage config"])  # fmt: skip
 def test_a_corrupted_home_gets_one_error_line_and_is_left_alone(
     how: str, initialised_home: Path, tmp_path: Path
 ) -> None:
@@ -456,12 +461,22 @@ def test_deploy_refuses_what_the_tenant_is_not_ready_for_with_the_fix(tmp_path: 
         assert "proctor subprocessor add -t acme" in err and "--host api.example.com:443" in err
         assert gov.rt.deployments.current("acme") == []
         assert gov.rt.ledger.head("acme").size == size  # refused before anything is recorded
-        # The fix the hint names, and the deployment goes through.
-        for fix in (["dataset", "add", "-t", "acme", "billing", "--sqlite",
-                     str(tmp_path / "crm.db")],
+        # The fix the hint names. The dataset registered has the table, not the column.
+        billing = tmp_path / "billing.db"
+        with contextlib.closing(sqlite3.connect(billing)) as db:
+            db.execute("CREATE TABLE invoices (number TEXT, total INTEGER)")
+            db.commit()
+        for fix in (["dataset", "add", "-t", "acme", "billing", "--sqlite", str(billing)],
                     ["subprocessor", "add", "-t", "acme", "enrich-co", "--purpose", "enrichment",
                      "--location", "EU", "--host", "api.example.com:443"]):  # fmt: skip
             assert invoke(fix, env)[0] == 0
+        code, out, err = invoke(deploy, env)
+        assert code == 5 and "no column 'id' in 'invoices'" in err, err
+        assert "correct datasets.billing.tables" in err
+        assert gov.rt.deployments.current("acme") == []
+        with contextlib.closing(sqlite3.connect(billing)) as db:
+            db.execute("ALTER TABLE invoices ADD COLUMN id INTEGER")
+            db.commit()
         code, out, err = invoke([*deploy, "--json"], env)
         assert code == 0 and json.loads(out)["digest"] == digest, err
     finally:

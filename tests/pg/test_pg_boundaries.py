@@ -448,7 +448,9 @@ access = "read"
 def test_a_deployment_naming_a_missing_table_shows_no_dsn_password(
     tmp_path: Path, pg_server: PostgresServer, home: Path
 ) -> None:
-    """The issue's observation, through the CLI: the grant's error names the DSN."""
+    """The issue's observation, through the CLI: the grant's error names the DSN.
+    Deploy refuses a manifest whose table the dataset lacks, so the grant's error is
+    reached by dropping the table after the deployment."""
     from tests.conftest import run_cli
 
     name = f"crm_cli_{abs(hash(str(tmp_path))) % 10**9}"
@@ -472,11 +474,18 @@ def test_a_deployment_naming_a_missing_table_shows_no_dsn_password(
         digest = json.loads(run_cli("artifact", "submit", str(art), "-t", "acme", "--json",
                                     "--token", dev, home=home).out)["digest"]  # fmt: skip
         run_cli("approve", digest, "-t", "acme", "--yes", "--token", alice, home=home)
-        run_cli("deploy", digest, "-t", "acme", "--name", "pgjob", "--env", "production",
-                "--instruction", "count", "--token", dev, home=home)  # fmt: skip
+        deploy = ("deploy", digest, "-t", "acme", "--name", "pgjob", "--env", "production",
+                  "--instruction", "count", "--token", dev)  # fmt: skip
+        refused = run_cli(*deploy, home=home, check=False)
+        assert refused.code == 5 and "no table 'no_such_table'" in refused.err, refused.err
+        with psycopg.connect(pg_server.dsn(name), autocommit=True) as conn:
+            conn.execute("CREATE TABLE no_such_table (id integer)")
+        run_cli(*deploy, home=home)
+        with psycopg.connect(pg_server.dsn(name), autocommit=True) as conn:
+            conn.execute("DROP TABLE no_such_table")
         res = run_cli("run", "pgjob", "-t", "acme", "--backend", "bubblewrap", "--token", dev,
                       home=home, check=False)  # fmt: skip
-        shown = res.out + res.err + out.out + out.err
+        shown = res.out + res.err + out.out + out.err + refused.out + refused.err
         assert "no_such_table" in shown and "password=***" in shown
         assert SECRET not in shown
         events = run_cli("audit", "events", "-t", "acme", "--json", home=home).out

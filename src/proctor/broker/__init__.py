@@ -11,6 +11,7 @@ from proctor.broker._connectors import (
     dataset_connector,
     handle_sql,
     locate_dataset,
+    missing_in_dataset,
     revoke_run_grants,
 )
 from proctor.broker._datasets import DatasetConnector, StatementTimeout
@@ -72,6 +73,7 @@ __all__ = [
     "handle_sql",
     "locate_dataset",
     "make_broker",
+    "missing_in_dataset",
     "read_object",
     "reap_broker_sockets",
     "revoke_run_grants",

@@ -53,6 +53,15 @@ def locate_dataset(where: Path | str) -> tuple[str, str]:
     raise AssertionError("the SQLite connector takes any path")  # pragma: no cover
 
 
+def missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> list[str]:
+    """What of a manifest's ``tables`` the dataset at ``location`` lacks (sentences).
+    Raises :class:`~proctor.errors.UsageError` if it cannot be read."""
+    load = _CONNECTORS.get(kind)
+    if load is None:
+        return [f"datasets of kind {kind!r} are not supported"]
+    return load().missing(location, tables)
+
+
 def revoke_run_grants(datasets: Iterable[tuple[str, str, str]], tenant: str, run_id: str) -> None:
     """Take back what a run was granted outside Proctor, for a run whose owner is
     gone (the runtime's sweep of dead owners' runs): ``datasets`` are the

@@ -180,6 +180,12 @@ class DatasetConnector(Protocol):
         :class:`~proctor.errors.UsageError`)."""
         ...
 
+    def missing(self, location: str, tables: Mapping[str, Any]) -> list[str]:
+        """What of ``tables`` (a manifest's ``datasets.<name>.tables``) the dataset
+        does not have, as sentences ("no table 'x'", "no column 'y' in 'x'"); read
+        with the runtime's own access, at deploy, never for a run."""
+        ...
+
     def grant(
         self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
     ) -> None:

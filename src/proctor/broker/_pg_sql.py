@@ -819,6 +819,38 @@ class PostgresConnector:
             )
         return where
 
+    def missing(self, location: str, tables: Mapping[str, Any]) -> list[str]:
+        # The catalog, not information_schema: that shows only what the DSN's role
+        # may use, and a column the runtime cannot see is one the grant cannot give.
+        wanted = {t: _split_table(t) for t in tables}
+        try:
+            with psycopg.connect(location, connect_timeout=10) as conn:
+                rows = conn.execute(
+                    "SELECT n.nspname, c.relname, a.attname FROM pg_attribute a"
+                    " JOIN pg_class c ON c.oid = a.attrelid"
+                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE a.attnum > 0 AND NOT a.attisdropped"
+                    " AND c.relkind IN ('r', 'v', 'm', 'p', 'f')"
+                    " AND (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))",
+                    ([s for s, _ in wanted.values()], [n for _, n in wanted.values()]),
+                ).fetchall()
+        except psycopg.Error as exc:
+            raise UsageError(
+                f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
+            ) from exc
+        columns: dict[tuple[str, str], set[str]] = {}
+        for schema, name, column in rows:
+            columns.setdefault((str(schema), str(name)), set()).add(str(column))
+        found: list[str] = []
+        for table, key in sorted(wanted.items()):
+            have = columns.get(key)
+            if have is None:
+                found.append(f"no table {table!r}")
+                continue
+            found += [f"no column {c!r} in {table!r}"
+                      for c in tables[table].get("columns", ()) if str(c) not in have]  # fmt: skip
+        return found
+
     def grant(
         self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
     ) -> None:

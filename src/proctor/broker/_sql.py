@@ -828,6 +828,28 @@ class SQLiteConnector:
             raise UsageError(f"{path} is not a readable SQLite database: {exc}") from exc
         return str(path)
 
+    def missing(self, location: str, tables: Mapping[str, Any]) -> list[str]:
+        # SQLite's names are case-insensitive (ASCII), as its authorizer compares them.
+        try:
+            db = sqlite3.connect(f"file:{location}?mode=ro", uri=True)
+        except sqlite3.Error as exc:
+            raise UsageError(f"the SQLite dataset cannot be read: {exc}") from exc
+        try:
+            found: list[str] = []
+            for table, grant in sorted(tables.items()):
+                info = db.execute("SELECT name FROM pragma_table_info(?)", (table,)).fetchall()
+                if not info:
+                    found.append(f"no table {table!r}")
+                    continue
+                have = {str(r[0]).lower() for r in info}
+                columns = [str(c) for c in grant.get("columns", ())]
+                found += [f"no column {c!r} in {table!r}" for c in columns if c.lower() not in have]
+            return found
+        except sqlite3.Error as exc:
+            raise UsageError(f"the SQLite dataset cannot be read: {exc}") from exc
+        finally:
+            db.close()
+
     def grant(
         self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]
     ) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from proctor.errors import NotApproved, NotFound, NotReady, ProductionName, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
-from proctor.governance._environments import check_synthetic
+from proctor.governance._environments import bound_datasets, check_synthetic
 from proctor.governance._manifest import Manifest
 from proctor.governance._resources import Resources
 from proctor.governance._subprocessors import Subprocessor, Subprocessors, covers, split_entry
@@ -114,13 +114,29 @@ def readiness(
     egress goes only to registered subprocessors) hosts no subprocessor covers. Found
     at deploy (refused) and at submit (warned), not at the first run."""
     found: list[Finding] = []
+    wanted = capabilities.get("datasets", {})
     registered = {d.name for d in resources.datasets(tenant)}
-    for name in sorted(capabilities.get("datasets", {})):
+    for name in sorted(wanted):
         if name not in registered:
             found.append(Finding(
                 f"the manifest reads dataset {name!r}, which is not registered in {tenant}",
                 f"proctor dataset add -t {tenant} {name} --sqlite PATH"
                 " (or --postgres-env VAR)",
+            ))  # fmt: skip
+    # The tables and columns, in the dataset this environment's runs are bound to
+    # (a real one's synthetic twin in the sandbox): a run would be refused on them.
+    bound = bound_datasets(resources, tenant, sorted(wanted), environment)
+    for name, dataset in sorted(bound.items()):
+        which = name if dataset.name == name else f"{name} (its twin {dataset.name})"
+        try:
+            lacks = resources.missing(dataset, wanted[name].get("tables", {}))
+        except UsageError as exc:
+            lacks = [f"it cannot be read to check ({exc.message})"]
+        if lacks:
+            found.append(Finding(
+                f"dataset {which} of {tenant}: {'; '.join(lacks)}",
+                f"correct datasets.{name}.tables in proctor.toml and submit the new digest,"
+                f" or register the dataset that has them (proctor dataset list -t {tenant})",
             ))  # fmt: skip
     if environment == "production":
         register = subprocessors.list(tenant)

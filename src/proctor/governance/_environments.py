@@ -84,6 +84,13 @@ def bindings(
     return Bindings(environment, datasets, secrets, buckets_dir, forbid)
 
 
+def bound_datasets(
+    resources: Resources, tenant: str, names: list[str], environment: str
+) -> dict[str, Dataset]:
+    """What each of ``names`` is bound to in ``environment``'s runs (absent: nothing)."""
+    return _datasets(resources, tenant, names, environment)
+
+
 def _datasets(
     resources: Resources, tenant: str, names: list[str], environment: str
 ) -> dict[str, Dataset]:

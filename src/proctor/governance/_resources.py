@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.governance._keys import KeyRing
@@ -74,13 +75,17 @@ SANDBOX_BUCKETS = ".sandbox"
 #: say; the broker sits above governance, so the runtime hands its registry in
 #: (``proctor.broker.locate_dataset``).
 LocateDataset = Callable[[Path | str], tuple[str, str]]
+#: What of a manifest's tables a dataset (kind, location) lacks, as sentences
+#: (``proctor.broker.missing_in_dataset``); raises UsageError if it cannot be read.
+MissingInDataset = Callable[[str, str, Mapping[str, Any]], list[str]]
 
 
 class Resources:
     def __init__(
         self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path,
-        locate: LocateDataset,
+        locate: LocateDataset, missing: MissingInDataset | None = None,
     ) -> None:  # fmt: skip
+        self._missing = missing
         self._store = store
         self._ledger = ledger
         self._keys = keys
@@ -151,6 +156,13 @@ class Resources:
             insert,
         )
         return Dataset(tenant, name, kind, location, synthetic, twin_of)
+
+    def missing(self, dataset: Dataset, tables: Mapping[str, Any]) -> list[str]:
+        """What of ``tables`` (a manifest's) ``dataset`` does not have; nothing is
+        checked when the runtime handed in no connector registry."""
+        if self._missing is None:
+            return []
+        return self._missing(dataset.kind, dataset.location, tables)
 
     def datasets(self, tenant: str) -> list[Dataset]:
         with self._store.read() as conn:

@@ -61,6 +61,8 @@ class SQLiteStore:
         self._all: list[tuple[threading.Thread | None, sqlite3.Connection]] = []
         self._all_lock = threading.Lock()
         self._closed = False
+        if not create:
+            self._check_is_store()
         self._writer = self._connect(None)
         self._migrate()
 
@@ -200,6 +202,32 @@ class SQLiteStore:
         with self.read() as conn:
             row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
         return int(row[0]) if row and row[0] is not None else 0
+
+    def _check_is_store(self) -> None:
+        """Refuse a file that holds no store (emptied, or another program's database)
+        instead of making it a new, empty ledger. Read-only, before the connection
+        that would switch the file to WAL (which writes its header); through SQLite,
+        since a new store's pages may still be in the WAL only."""
+        try:
+            probe = sqlite3.connect(f"file:{self._path}?mode=ro", uri=True)
+            try:
+                found = probe.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table'"
+                    " AND name = 'schema_migrations'"
+                ).fetchone()
+            finally:
+                probe.close()
+        except sqlite3.Error as exc:
+            raise StoreError(
+                f"the store {self._path} cannot be read: {exc}",
+                hint="the home may be damaged: restore the store from a backup",
+            ) from exc
+        if found is None:
+            raise NotInitialized(
+                f"the file {self._path} holds no Proctor store (it is empty, or another"
+                " program's database)",
+                hint="restore the store from a backup, or run `proctor init` on a new home",
+            )
 
     def _migrate(self) -> None:
         with self.write() as conn:
