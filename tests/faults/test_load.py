@@ -30,7 +30,10 @@ def a_backend() -> None:
     any_backend()
 
 
-RUNS, CALLS, WAVES = (32, 1000, 2) if SOAK else (8, 100, 2)
+# The first wave warms what is built once (caches, pools, compiled policies); the
+# leak bounds compare the waves after it. Compared from the first wave, 800 calls
+# could not tell a filling cache (~0.6 blocks a call) from a leak (CI failed so).
+RUNS, CALLS, WAVES = (32, 1000, 3) if SOAK else (8, 100, 3)
 
 pytestmark = [
     pytest.mark.sandbox,
@@ -117,7 +120,7 @@ def test_concurrent_runs_every_call_one_event_the_policys_decision_and_flat_memo
         assert soak.open_sockets() == [], "a run's broker socket outlived the run"
     assert soak.verify() == soak.rt.ledger.head(TENANT).size
 
-    first, last = soak.figures[0], soak.figures[-1]
+    first, last = soak.figures[1], soak.figures[-1]
     summary = " | ".join(
         f"wave {f.index}: {f.calls / f.wall:.0f} calls/s, p50 {f.p50_us / 1000:.1f} ms,"
         f" p99 {f.p99_us / 1000:.1f} ms, rss {mib(f.after.rss)}, blocks {f.after.blocks},"
@@ -125,10 +128,10 @@ def test_concurrent_runs_every_call_one_event_the_policys_decision_and_flat_memo
         for f in soak.figures
     )
     print(summary)
-    later_events = sum(f.events for f in soak.figures[1:])
+    later_events = sum(f.events for f in soak.figures[2:])
     bound = RSS_SLACK + RSS_PER_EVENT * later_events
     growth = last.after.rss - first.after.rss
-    later_calls = sum(f.calls for f in soak.figures[1:])
+    later_calls = sum(f.calls for f in soak.figures[2:])
     # Each run's leak shows here first: a socket or store connection per run is
     # one or two descriptors per run and wave, whatever their size.
     assert last.after.fds - first.after.fds <= FD_SLACK, f"descriptors leak: {summary}"
