@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-import typer.core
+from typer._click import types as _click_types
 
 from proctor import __version__
 from proctor.cli._artifacts import artifact_app
@@ -27,28 +27,20 @@ from proctor.cli._sandbox import sandbox_app
 from proctor.governance import Tenant
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
 
-_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "bool": "BOOLEAN",
-               "path": "PATH", "file": "FILE", "directory": "DIR"}  # fmt: skip
-_typer_display_type = typer.core.TyperOption.display_type_rich
+# typer 0.26 to 0.28 vendor click, and name a value by its Python type in --help
+# (<str>, <path>); people read click's names: TEXT, PATH, INTEGER. The one place
+# such a name is made; a type with a metavar of its own (choices) keeps it. typer
+# 0.29 is not used: it adds <bool> after flags and costs every command 0.2 s
+# (pyproject.toml). tests/e2e/test_cli_conventions.py fails if this stops holding.
+_CLICK_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "boolean": "BOOLEAN",
+                "filename": "FILE", "datetime": "DATETIME"}  # fmt: skip
 
 
-def _metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: Any) -> str | None:
-    """What --help shows after an option. Typer 0.29 shows Python's type names
-    (``<bool>`` after a flag, ``<str>``); people read click's: nothing after a flag,
-    TEXT, PATH, INTEGER, the choices."""
-    if self.metavar is not None:
-        return self.metavar
-    if getattr(self, "is_flag", False) or getattr(self, "count", False):
-        return None
-    label = _typer_display_type(self, ctx) or ""  # type: ignore[arg-type]
-    more = label.endswith("...")
-    inner = label.removesuffix("...").strip("<>")
-    shown = _TYPE_NAMES.get(inner) or (f"[{inner}]" if "|" in inner else inner.upper())
-    return shown + ("..." if more else "")
+def _metavar(self: _click_types.ParamType, param: object, ctx: object) -> str | None:
+    return _CLICK_NAMES.get(self.name, self.name.upper())
 
 
-typer.core.TyperOption.display_type_rich = _metavar  # type: ignore[method-assign]
-typer.core.TyperArgument.display_type_rich = _metavar  # type: ignore[method-assign,assignment]
+_click_types.ParamType.get_metavar = _metavar  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="proctor",

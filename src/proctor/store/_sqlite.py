@@ -94,13 +94,7 @@ class SQLiteStore:
             db.execute("PRAGMA synchronous=FULL")
             db.execute("PRAGMA foreign_keys=ON")
         except sqlite3.DatabaseError as exc:
-            corrupt = any(w in str(exc) for w in ("not a database", "malformed", "corrupt"))
-            raise StoreError(
-                f"the store {self._path} cannot be opened: {exc}",
-                hint="the file is not a Proctor database or it is corrupted"
-                if corrupt
-                else "check the disk (space, permissions) under the Proctor home",
-            ) from exc
+            raise self._cannot_open(exc) from exc
         with self._all_lock:
             # A reader of a thread that has ended is closed here: every run starts
             # threads of its own, and a long-lived server must not keep their
@@ -203,6 +197,15 @@ class SQLiteStore:
             row = conn.query_one("SELECT MAX(version) FROM schema_migrations")
         return int(row[0]) if row and row[0] is not None else 0
 
+    def _cannot_open(self, exc: sqlite3.Error) -> StoreError:
+        corrupt = any(w in str(exc) for w in ("not a database", "malformed", "corrupt"))
+        return StoreError(
+            f"the store {self._path} cannot be opened: {exc}",
+            hint="the file is not a Proctor database or it is corrupted"
+            if corrupt
+            else "check the disk (space, permissions) under the Proctor home",
+        )
+
     def _check_is_store(self) -> None:
         """Refuse a file that holds no store (emptied, or another program's database)
         instead of making it a new, empty ledger. Read-only, before the connection
@@ -218,10 +221,7 @@ class SQLiteStore:
             finally:
                 probe.close()
         except sqlite3.Error as exc:
-            raise StoreError(
-                f"the store {self._path} cannot be read: {exc}",
-                hint="the home may be damaged: restore the store from a backup",
-            ) from exc
+            raise self._cannot_open(exc) from exc
         if found is None:
             raise NotInitialized(
                 f"the file {self._path} holds no Proctor store (it is empty, or another"
