@@ -87,6 +87,31 @@ def test_submit_approve_deploy_run_streamed(api_env: ApiEnv, tmp_path: Path) -> 
     assert any(d["name"] == "streamer" for d in hist["deployments"])
 
 
+def test_a_submission_through_the_api_carries_what_deploy_would_refuse(
+    api_env: ApiEnv, tmp_path: Path
+) -> None:
+    """The warnings `artifact submit` prints locally come back through the API (and
+    `--server`): the submission stands, each finding with the command that fixes it."""
+    d = artifact_dir(tmp_path, "needs-setup")
+    with (d / "proctor.toml").open("a") as f:
+        f.write('[datasets.billing.tables.invoices]\ncolumns = ["id"]\naccess = "read"\n'
+                '[egress]\nhosts = ["api.example.com"]\n')  # fmt: skip
+    art = client(api_env, "dev").submit_artifact("acme", d)
+    assert art["digest"].startswith("sha256:")
+    fixes = [w["fix"] for w in art["warnings"]]
+    assert len(fixes) == 2, art["warnings"]
+    assert any(f.startswith("proctor dataset add -t acme billing") for f in fixes)
+    assert any("--host api.example.com:443" in f for f in fixes)
+    res = subprocess.run(
+        [PROCTOR, "--server", api_env.url, "artifact", "submit", "-t", "acme", str(d),
+         "--json", "--token", api_env.token("acme", "dev")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["digest"] == art["digest"]  # stdout: the artifact alone
+    assert res.stderr.count("warning:") == 2 and "proctor dataset add -t acme billing" in res.stderr
+
+
 def test_upload_is_refused_when_unsafe_or_too_large(api_env: ApiEnv) -> None:
     dev = client(api_env, "dev")
 

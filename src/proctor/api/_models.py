@@ -65,6 +65,19 @@ class ArtifactOut(BaseModel):
     file_count: int
 
 
+class FindingOut(BaseModel):
+    """Something the manifest names that the tenant lacks, and the command that fixes it."""
+
+    message: str
+    fix: str
+
+
+class SubmittedOut(ArtifactOut):
+    """A submission, and what ``deploy`` would refuse today (the submission stands)."""
+
+    warnings: list[FindingOut] = []
+
+
 class ArtifactFileOut(BaseModel):
     model_config = ConfigDict(extra="allow")
     path: str

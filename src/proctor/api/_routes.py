@@ -32,6 +32,7 @@ from proctor.api._models import (
     DecisionOut,
     DeploymentIn,
     DeploymentOut,
+    FindingOut,
     FreezeIn,
     PolicyIn,
     PolicyOut,
@@ -45,12 +46,13 @@ from proctor.api._models import (
     SecretIn,
     SecretOut,
     StopIn,
+    SubmittedOut,
     TenantOut,
     TokenOut,
 )
 from proctor.api._tar import extract_artifact
 from proctor.errors import ProctorError, UsageError
-from proctor.governance import Principal
+from proctor.governance import Principal, readiness
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -311,14 +313,15 @@ _TAR_BODY = {
 
 @router.post(
     "/tenants/{tenant}/artifacts",
-    response_model=ArtifactOut,
+    response_model=SubmittedOut,
     status_code=201,
     tags=["artifacts"],
     openapi_extra={"requestBody": _TAR_BODY},
 )
-async def submit_artifact(ctx: CtxDep, tenant: str, request: Request) -> ArtifactOut:
+async def submit_artifact(ctx: CtxDep, tenant: str, request: Request) -> SubmittedOut:
     """Submit an artifact: a tar (or tar.gz) of its directory, ``proctor.toml`` at the
-    root (or inside one top-level directory). Identical content is the same artifact."""
+    root (or inside one top-level directory). Identical content is the same artifact.
+    ``warnings`` are what a production deploy would refuse today, with their fixes."""
     state = ctx.state
     await run_in_threadpool(
         ctx.authorize, "artifact.submit", tenant, f"tenant/{tenant}", _artifact_ref(tenant)
@@ -338,7 +341,11 @@ async def submit_artifact(ctx: CtxDep, tenant: str, request: Request) -> Artifac
         artifact = await run_in_threadpool(_unpack_and_submit, ctx, tenant, spool)
     finally:
         spool.close()
-    return ArtifactOut(**artifact.to_json())
+    found = await run_in_threadpool(
+        readiness, ctx.rt.resources, ctx.rt.subprocessors, tenant, artifact.capabilities
+    )
+    warnings = [FindingOut(message=f.message, fix=f.fix) for f in found]
+    return SubmittedOut(**artifact.to_json(), warnings=warnings)
 
 
 def _unpack_and_submit(ctx: Ctx, tenant: str, upload: Any) -> Any:

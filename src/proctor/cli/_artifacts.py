@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -186,6 +187,8 @@ def artifact_submit(
     """Validate the manifest, store the files content-addressed, record the submission."""
     if (client := remote(token)) is not None:
         doc = client.submit_artifact(tenant, directory)
+        warnings = doc.pop("warnings", [])
+        _print_warnings((str(w["message"]), str(w["fix"])) for w in warnings)
         if as_json:
             _json(doc)
         else:
@@ -505,7 +508,13 @@ def _warn_not_ready(rt: Runtime, tenant: str, capabilities: dict[str, Any]) -> N
     and the developer learns the missing set-up before an approver's time is spent."""
     from proctor.governance import readiness
 
+    found = readiness(rt.resources, rt.subprocessors, tenant, capabilities)
+    _print_warnings((f.message, f.fix) for f in found)
+
+
+def _print_warnings(findings: Iterable[tuple[str, str]]) -> None:
+    """Findings as warnings on stderr, each with its fix (the API returns the same)."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    for finding in readiness(rt.resources, rt.subprocessors, tenant, capabilities):
-        err.print(f"[yellow]warning:[/] {_shown(finding.message)}")
-        err.print(f"  [dim]fix:[/] {_shown(finding.fix)}")
+    for message, fix in findings:
+        err.print(f"[yellow]warning:[/] {_shown(message)}")
+        err.print(f"  [dim]fix:[/] {_shown(fix)}")
