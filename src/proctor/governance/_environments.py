@@ -48,7 +48,7 @@ class Bindings:
 def check_synthetic(resources: Resources, tenant: str, capabilities: Mapping[str, Any]) -> None:
     """Refuse a sandbox deployment whose datasets would be real data."""
     wanted = sorted(capabilities.get("datasets", {}))
-    bound = _datasets(resources, tenant, wanted, "sandbox")
+    bound = bound_datasets(resources, tenant, wanted, "sandbox")
     real = [name for name in wanted if name not in bound]
     if real:
         raise SyntheticOnly(
@@ -69,7 +69,9 @@ def bindings(
     """Everything a run binds in ``environment``, for the capabilities it was given."""
     if environment not in ("sandbox", "production"):
         raise ProctorError(f"unknown environment {environment!r}")
-    datasets = _datasets(resources, tenant, sorted(capabilities.get("datasets", {})), environment)
+    datasets = bound_datasets(
+        resources, tenant, sorted(capabilities.get("datasets", {})), environment
+    )
     secrets = _secrets(resources, tenant, list(capabilities.get("secrets", [])), environment)
     buckets_dir = resources.bucket_dir(tenant, environment)
     if environment == "sandbox":
@@ -88,12 +90,6 @@ def bound_datasets(
     resources: Resources, tenant: str, names: list[str], environment: str
 ) -> dict[str, Dataset]:
     """What each of ``names`` is bound to in ``environment``'s runs (absent: nothing)."""
-    return _datasets(resources, tenant, names, environment)
-
-
-def _datasets(
-    resources: Resources, tenant: str, names: list[str], environment: str
-) -> dict[str, Dataset]:
     # A synthetic dataset is fit for both; a real one reaches the sandbox only
     # through its twin.
     return _bind(resources.datasets(tenant), names, environment,
