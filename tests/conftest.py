@@ -130,17 +130,13 @@ def migrated_store_url(
     if store_engine != "postgresql":
         yield str(tmp_path / "proctor.db")
         return
-    import psycopg
-
     from proctor.testing import PostgresServer
 
     server = request.getfixturevalue("pg_server")
     assert isinstance(server, PostgresServer)
     template = request.getfixturevalue("pg_migrated_template")
     name = f"proctor_test_{os.getpid()}_{next(_db_numbers)}"
-    with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    yield server.dsn(name)
+    yield server.create_database(name, template=template)
     server.drop_database(name)
 
 

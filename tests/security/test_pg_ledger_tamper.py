@@ -42,9 +42,7 @@ def pristine(pg_server: PostgresServer) -> Iterator[str]:
 @pytest.fixture
 def copy(pg_server: PostgresServer, pristine: str, request: pytest.FixtureRequest) -> Iterator[str]:
     name = f"proctor_tamper_{abs(hash(request.node.nodeid)) % 10**9}"
-    with psycopg.connect(pg_server.dsn(), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pristine}"')
-    yield pg_server.dsn(name)
+    yield pg_server.create_database(name, template=pristine)
     pg_server.drop_database(name)
 
 

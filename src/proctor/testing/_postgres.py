@@ -151,14 +151,17 @@ class PostgresServer:
             out = (proc.stdout + proc.stderr).decode(errors="replace")[-2000:]
             raise PostgresUnavailable(f"{Path(cmd[-1]).name} failed: {out}")
 
-    def create_database(self, name: str) -> str:
-        """A fresh, empty database; returns its DSN."""
-        if not _DB_NAME_RE.match(name):
-            raise ValueError(f"bad database name {name!r}")
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """A fresh database, empty or a copy of ``template`` (which nobody may be
+        connected to); returns its DSN."""
+        for given in (name, template or name):
+            if not _DB_NAME_RE.match(given):
+                raise ValueError(f"bad database name {given!r}")
         import psycopg
 
+        copied = f' TEMPLATE "{template}"' if template else ""
         with psycopg.connect(self.dsn(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            conn.execute(f'CREATE DATABASE "{name}"{copied}')
         return self.dsn(name)
 
     def drop_database(self, name: str) -> None:
