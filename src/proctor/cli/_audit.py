@@ -162,15 +162,23 @@ def events(
         _print_events(found, form)
         return
     with open_runtime(home) as rt:
-        run_id = authorize_events(rt, token, tenant, run)
-        if run_id is not None:
-            flt = replace(flt, run=run_id)
-        log = rt.log_name(tenant)
+        log, flt = _local_read(rt, token, tenant, flt)
         if limit is not None:
             found = query_events(rt.ledger, log, flt, limit=limit, newest=not from_start)
         else:
             found = iter_events(rt.ledger, log, flt)
         _print_events(found, form)
+
+
+def _local_read(
+    rt: Runtime, token: str | None, tenant: str, flt: EventFilter
+) -> tuple[str, EventFilter]:
+    """Authorize a read of ``tenant``'s events on the local home; the log to read and
+    the filter with its run prefix resolved to the full id."""
+    run_id = authorize_events(rt, token, tenant, flt.run)
+    if run_id is not None:
+        flt = replace(flt, run=run_id)
+    return rt.log_name(tenant), flt
 
 
 def _print_events(found: Iterable[bytes], form: str) -> None:
@@ -221,10 +229,7 @@ def tail(
                 _print_live(data, as_json)
             return
         with open_runtime(home) as rt:
-            run_id = authorize_events(rt, token, tenant, run)
-            if run_id is not None:
-                flt = replace(flt, run=run_id)
-            log = rt.log_name(tenant)
+            log, flt = _local_read(rt, token, tenant, flt)
             nxt = rt.ledger.head(log).size
             # Ready: a reader (or a test) knows from here on every append is shown.
             print(f"following {log} from event {nxt}", file=sys.stderr, flush=True)
