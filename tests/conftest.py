@@ -4,6 +4,7 @@ the real CLI in a subprocess."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -43,6 +44,49 @@ class LedgerEnv:
         env = LedgerEnv(self.path, store, self.signer, Ledger(store, self.signer, "test.local"))
         env.url = self.url
         return env
+
+
+# -- the process's logging ------------------------------------------------------
+#
+# ``proctor serve`` sets the loggers below up for its own process (JSON lines on
+# stderr, from INFO, not propagated). A test that runs a command in this process
+# and left them so would make every later test's runs format and keep log records:
+# the load test's heap bound once failed on exactly that. So each test must leave
+# them as it found them, and the check below names the test that did not.
+
+_LOGGERS = ("", "proctor", "proctor.lifecycle", "uvicorn", "uvicorn.access", "uvicorn.error")
+LoggingState = tuple[tuple[str, int, bool, bool, tuple[logging.Handler, ...]], ...]
+
+
+def logging_state() -> LoggingState:
+    out = []
+    for name in _LOGGERS:
+        lg = logging.getLogger(name)
+        out.append((name, lg.level, lg.propagate, lg.disabled, tuple(lg.handlers)))
+    return tuple(out)
+
+
+def restore_logging(state: LoggingState) -> None:
+    for name, level, propagate, disabled, handlers in state:
+        lg = logging.getLogger(name)
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+        lg.handlers[:] = list(handlers)
+
+
+@pytest.fixture(autouse=True)
+def _logging_left_as_found() -> Iterator[None]:
+    # pytest's own capture handlers come and go on the root logger around each
+    # phase; only the levels and switches, and the loggers below it, are compared.
+    before = logging_state()
+    yield
+    after = logging_state()
+    changed = [
+        name or "root"
+        for (name, *b), (_, *a) in zip(before, after, strict=True)
+        if (b[:3] if not name else b) != (a[:3] if not name else a)
+    ]
+    assert not changed, f"the test left the logging of {changed} changed"
 
 
 # -- store engines -------------------------------------------------------------

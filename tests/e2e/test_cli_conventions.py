@@ -33,7 +33,7 @@ import typer.main
 
 from proctor.cli import guarded
 from proctor.cli._app import app
-from tests.conftest import PROCTOR, copy_home, run_cli
+from tests.conftest import PROCTOR, copy_home, logging_state, restore_logging, run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
 
 JOB = """
@@ -168,6 +168,9 @@ def invoke(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str
     o = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
     e = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
     saved = sys.argv, sys.stdout, sys.stderr, sys.stdin
+    # A command owns its process's logging (``serve`` turns on JSON lines before it
+    # opens the home); here the process is the test run's, so it is put back.
+    logs = logging_state()
     sys.argv, sys.stdout, sys.stderr = ["proctor", *args], o, e
     sys.stdin = io.TextIOWrapper(io.BytesIO(b""), encoding="utf-8")
     code = 0
@@ -179,6 +182,7 @@ def invoke(args: list[str], env: dict[str, str] | None = None) -> tuple[int, str
     finally:
         sys.argv, sys.stdout, sys.stderr, sys.stdin = saved
         REMOTE.update(url=None, ca=None)
+        restore_logging(logs)
     return code, out.getvalue().decode(errors="replace"), err.getvalue().decode(errors="replace")
 
 
