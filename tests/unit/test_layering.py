@@ -3,7 +3,7 @@ each other's public surface.
 
 The order, bottom to top (a component may import any component below it):
 
-    errors; store; ledger; policy; sandbox; guest; governance; broker;
+    errors; store; ledger; witness; policy; sandbox; guest; governance; broker;
     lifecycle; evidence; runtime; api; client; cli; testing
 
 - ``guest`` is standard library only: inside a sandbox it is the package
@@ -30,7 +30,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
 
 ORDER = [
-    "errors", "store", "ledger", "policy", "sandbox", "guest", "governance", "broker",
+    "errors", "store", "ledger", "witness", "policy", "sandbox", "guest", "governance", "broker",
     "lifecycle", "evidence", "runtime", "api", "client", "cli", "testing",
 ]  # fmt: skip
 

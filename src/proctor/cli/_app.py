@@ -24,6 +24,7 @@ from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._sandbox import sandbox_app
+from proctor.cli._witness import register as register_witness
 from proctor.governance import Tenant
 from proctor.runtime import DEFAULT_TRUST_DOMAIN, default_home, init_home
 
@@ -64,6 +65,7 @@ app.add_typer(bucket_app, name="bucket")
 app.add_typer(artifact_app, name="artifact")
 register_governance(app, tenant_app)
 register_evidence(app)
+register_witness(app)
 
 
 def _print_version(value: bool) -> None:

@@ -193,3 +193,177 @@ def open_checkpoint(note: str, verifier: Verifier, origin: str | None = None) ->
     if origin is not None and cp.origin != origin:
         raise VerificationFailed(f"checkpoint is for log {cp.origin!r}, expected {origin!r}")
     return cp
+
+
+# -- C2SP tlog-cosignature (https://c2sp.org/tlog-cosignature), Ed25519 ------------
+#
+# * key id: SHA-256(name || 0x0A || 0x04 || public key)[:4] (0x04, not the note's 0x01);
+# * verifier key: ``<name>+<hex key id>+<base64(0x04 || public key)>``;
+# * signed message: ``cosignature/v1\ntime <T>\n`` then the checkpoint body;
+# * signature line: ``— <name> <base64(key id || big-endian u64 T || signature)>``.
+
+_ALG_COSIGNATURE = b"\x04"
+COSIGNATURE_HEADER = "cosignature/v1"
+
+
+def _cosigner_key_id(name: str, public: bytes) -> bytes:
+    return hashlib.sha256(name.encode() + b"\n" + _ALG_COSIGNATURE + public).digest()[:4]
+
+
+def cosigned_message(body: str, timestamp: int) -> bytes:
+    """The bytes an Ed25519 cosigner signs for ``body`` (a checkpoint note's text)."""
+    return f"{COSIGNATURE_HEADER}\ntime {timestamp}\n{body}".encode()
+
+
+class CosignatureVerifier:
+    """Checks the timestamped cosignatures of one named Ed25519 cosigner (a witness)."""
+
+    def __init__(self, name: str, public: bytes) -> None:
+        _check_name(name)
+        if len(public) != 32:
+            raise UsageError("an Ed25519 public key is 32 bytes")
+        self.name = name
+        self.public = public
+        self.key_id = _cosigner_key_id(name, public)
+        self._key = Ed25519PublicKey.from_public_bytes(public)
+
+    @classmethod
+    def parse(cls, vkey: str) -> CosignatureVerifier:
+        """Parse a cosigner's verifier key ``name+hexid+base64(0x04 || key)``."""
+        parts = vkey.strip().split("+", 2)
+        if len(parts) != 3:
+            raise UsageError(f"malformed witness key {vkey.strip()!r}")
+        name, hex_id, b64 = parts
+        try:
+            raw = base64.b64decode(b64, validate=True)
+            key_id = bytes.fromhex(hex_id)
+        except (binascii.Error, ValueError) as exc:
+            raise UsageError(f"malformed witness key {vkey.strip()!r}: {exc}") from exc
+        if len(raw) != 33 or raw[:1] != _ALG_COSIGNATURE:
+            raise UsageError(
+                "not a witness key: a cosignature/v1 key has the algorithm byte 0x04",
+                hint="a witness prints its key at 'proctor witness init' and 'witness show'",
+            )
+        verifier = cls(name, raw[1:])
+        if verifier.key_id != key_id:
+            raise UsageError("witness key id does not match its name and key")
+        return verifier
+
+    def vkey(self) -> str:
+        b64 = base64.b64encode(_ALG_COSIGNATURE + self.public).decode()
+        return f"{self.name}+{self.key_id.hex()}+{b64}"
+
+    def check_line(self, body: str, line: str) -> int | None:
+        """The timestamp of ``line`` if it is this cosigner's valid cosignature of
+        ``body``; None if the line is another key's. A line of this key (name and
+        key id) whose signature fails raises: such a note is malformed."""
+        parts = line.split(" ")
+        if len(parts) != 3 or parts[0] != _EM_DASH or parts[1] != self.name:
+            return None
+        try:
+            raw = base64.b64decode(parts[2], validate=True)
+        except binascii.Error:
+            return None
+        if len(raw) != 4 + 8 + 64 or raw[:4] != self.key_id:
+            return None
+        timestamp = int.from_bytes(raw[4:12], "big")
+        try:
+            self._key.verify(raw[12:], cosigned_message(body, timestamp))
+        except InvalidSignature:
+            raise VerificationFailed(
+                f"the cosignature of witness {self.name} on the checkpoint is not valid"
+            ) from None
+        return timestamp
+
+
+class Cosigner:
+    """A witness's Ed25519 cosigning key; the private key never leaves this object."""
+
+    def __init__(self, name: str, key: Ed25519PrivateKey) -> None:
+        public = key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.verifier = CosignatureVerifier(name, public)
+        self._key = key
+
+    @property
+    def name(self) -> str:
+        return self.verifier.name
+
+    @classmethod
+    def generate(cls, name: str) -> Cosigner:
+        return cls(name, Ed25519PrivateKey.generate())
+
+    @classmethod
+    def load(cls, name: str, path: Path) -> Cosigner:
+        return cls(name, Signer.load(name, path)._key)
+
+    def save(self, path: Path) -> None:
+        Signer(self.name, self._key).save(path)
+
+    def cosign(self, body: str, timestamp: int) -> str:
+        """One signature line (with its newline) cosigning the checkpoint ``body``."""
+        if not 0 < timestamp < 1 << 63:
+            raise ValueError("a cosignature's timestamp is a positive POSIX time")
+        sig = self._key.sign(cosigned_message(body, timestamp))
+        raw = self.verifier.key_id + timestamp.to_bytes(8, "big") + sig
+        return f"{_EM_DASH} {self.name} {base64.b64encode(raw).decode()}\n"
+
+
+def split_note(note: str) -> tuple[str, list[str]]:
+    """A signed note's text (with its final newline) and its signature lines."""
+    text, sep, sigs = note.rpartition("\n\n")
+    if not sep or not sigs.endswith("\n"):
+        raise VerificationFailed("malformed signed note: no signature block")
+    return text + "\n", sigs[:-1].split("\n")
+
+
+def add_signatures(note: str, lines: list[str]) -> str:
+    """``note`` with signature ``lines`` appended, each once (a cosigned checkpoint)."""
+    text, have = split_note(note)
+    for given in lines:
+        line = given.rstrip("\n")
+        if line and line not in have:
+            have.append(line)
+    return text + "\n" + "\n".join(have) + "\n"
+
+
+def cosigned_by(note: str, witnesses: list[CosignatureVerifier]) -> dict[str, int]:
+    """Each witness (by verifier key) with a valid cosignature on ``note``: its timestamp."""
+    text, lines = split_note(note)
+    found: dict[str, int] = {}
+    for witness in witnesses:
+        for line in lines:
+            timestamp = witness.check_line(text, line)
+            if timestamp is not None:
+                found[witness.vkey()] = timestamp
+                break
+    return found
+
+
+def require_cosignatures(note: str, witness_keys: list[str], quorum: int) -> dict[str, int]:
+    """Refuse a checkpoint without ``quorum`` valid cosignatures from ``witness_keys``."""
+    witnesses: dict[str, CosignatureVerifier] = {}
+    for vkey in witness_keys:
+        try:
+            w = CosignatureVerifier.parse(vkey)
+        except UsageError as exc:
+            raise UsageError(f"--witness: {exc.message}", hint=exc.hint) from exc
+        witnesses[w.vkey()] = w
+    if not 1 <= quorum <= len(witnesses):
+        raise UsageError(
+            f"a witness quorum of {quorum} needs between 1 and {len(witnesses)} distinct witnesses",
+            hint="give one --witness KEY per witness you trust, and a --witness-quorum K "
+            "no larger than their number",
+        )
+    found = cosigned_by(note, list(witnesses.values()))
+    if len(found) < quorum:
+        cp = parse_checkpoint(split_note(note)[0])
+        names = ", ".join(sorted(CosignatureVerifier.parse(k).name for k in found)) or "none"
+        raise VerificationFailed(
+            f"the checkpoint of size {cp.size} of {cp.origin} carries {len(found)} valid "
+            f"cosignature(s) from the given witnesses ({names}); the policy needs {quorum}",
+            hint="the witnesses refuse a checkpoint inconsistent with one they saw: a forked or "
+            "rolled-back log gets no cosignature; an honest one may just not be submitted yet",
+        )
+    return found

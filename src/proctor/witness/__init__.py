@@ -1,0 +1,43 @@
+"""Witnesses: independent parties that cosign a log's checkpoints only if each is
+consistent with the last one they cosigned (C2SP tlog-witness, tlog-cosignature),
+so that not even the operator, who holds the log's signing key, can rewrite a
+tenant's history unnoticed.
+
+Two sides, one component, built on the ledger's notes and proofs:
+
+* the witness itself (``Witness``, ``WitnessServer``): its own Ed25519 key and
+  durable state, and the ``add-checkpoint`` HTTP endpoint;
+* the runtime's side (``TenantWitnesses``, ``Submitter``): the witnesses a tenant
+  uses, the cosignatures they returned, and the thread that submits new
+  checkpoints beside the calls, never on their path.
+"""
+
+from proctor.witness._server import WitnessServer, parse_listen
+from proctor.witness._tenant import (
+    DEFAULT_INTERVAL,
+    DEFAULT_MAX_AGE,
+    Submission,
+    Submitter,
+    TenantWitness,
+    TenantWitnesses,
+    WitnessPolicy,
+    add_checkpoint_body,
+)
+from proctor.witness._witness import SIZE_TYPE, Answer, LogState, Witness
+
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "DEFAULT_MAX_AGE",
+    "SIZE_TYPE",
+    "Answer",
+    "LogState",
+    "Submission",
+    "Submitter",
+    "TenantWitness",
+    "TenantWitnesses",
+    "Witness",
+    "WitnessPolicy",
+    "WitnessServer",
+    "add_checkpoint_body",
+    "parse_listen",
+]

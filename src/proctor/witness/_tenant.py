@@ -1,0 +1,464 @@
+"""The runtime's side of witnessing: the witnesses a tenant uses, the cosignatures
+they returned, and the submitter that asks them.
+
+Tables (migration 9): ``tenant_witnesses`` (name, verifier key, URL),
+``witness_policy`` (how many cosignatures a checkpoint needs and how long the
+newest checkpoint may go without them), ``witness_cosignatures`` (one signature
+line per log, checkpoint size and witness). Using or removing a witness is a
+governance event in the tenant's log, written in the transaction of the row.
+
+The submitter runs beside the calls, never on their path: a call's event is
+durable locally whatever the witnesses do. Each pass sends a witness the log's
+newest checkpoint with a consistency proof from the last size that witness
+cosigned; a witness that was down is caught up at its next pass from there.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from proctor.errors import AlreadyExists, NotFound, ProctorError, UsageError
+from proctor.ledger import (
+    Actor,
+    CosignatureVerifier,
+    EventDraft,
+    Ledger,
+    add_signatures,
+    cosigned_by,
+    split_note,
+    utc_now,
+)
+from proctor.store import Conn, Store
+
+log = logging.getLogger("proctor.witness")
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+#: How often the submitter asks, at most, by default (seconds).
+DEFAULT_INTERVAL = 10.0
+#: The default tenant setting: how long the newest checkpoint may go uncosigned.
+DEFAULT_MAX_AGE = 3600
+_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class TenantWitness:
+    tenant: str
+    name: str
+    vkey: str
+    url: str
+    created_at: str
+    created_by: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "name": self.name,
+            "vkey": self.vkey,
+            "url": self.url,
+            "created_at": self.created_at,
+            "created_by": self.created_by,
+        }
+
+
+@dataclass(frozen=True)
+class WitnessPolicy:
+    quorum: int
+    max_age_seconds: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"quorum": self.quorum, "max_age_seconds": self.max_age_seconds}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What one witness answered to one submission."""
+
+    witness: str
+    size: int
+    ok: bool
+    status: int | None
+    detail: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "witness": self.witness,
+            "size": self.size,
+            "ok": self.ok,
+            "status": self.status,
+            "detail": self.detail,
+        }
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(
+            f"invalid witness URL {url!r}",
+            hint="the witness's submission prefix, e.g. http://10.0.0.2:7380",
+        )
+    return url.rstrip("/")
+
+
+def _seconds_since(stamp: int) -> float:
+    return max(0.0, time.time() - stamp)
+
+
+class TenantWitnesses:
+    """The witnesses of each tenant and the cosignatures they returned."""
+
+    def __init__(self, store: Store, ledger: Ledger) -> None:
+        self._store = store
+        self._ledger = ledger
+
+    # -- configuration ----------------------------------------------------------
+
+    def use(self, tenant: str, name: str, vkey: str, url: str, actor: Actor) -> TenantWitness:
+        if not _NAME_RE.match(name):
+            raise UsageError(
+                f"invalid witness name {name!r}",
+                hint="lowercase letters, digits, '.', '_' or '-', up to 63 characters",
+            )
+        verifier = CosignatureVerifier.parse(vkey)
+        url = _check_url(url)
+        created_at = utc_now()
+
+        def insert(conn: Conn) -> None:
+            if conn.query_one("SELECT 1 FROM tenants WHERE name = ?", (tenant,)) is None:
+                raise NotFound(f"unknown tenant {tenant!r}")
+            if conn.query_one(
+                "SELECT 1 FROM tenant_witnesses WHERE tenant = ? AND name = ?", (tenant, name)
+            ):
+                raise AlreadyExists(
+                    f"tenant {tenant!r} uses a witness {name!r} already",
+                    hint="'proctor witness remove' it first to change its key or URL",
+                )
+            conn.execute(
+                "INSERT INTO tenant_witnesses (tenant, name, vkey, url, created_at, created_by)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (tenant, name, verifier.vkey(), url, created_at, actor.id),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor,
+                "witness.use",
+                f"witness/{name}",
+                reason="witness added",
+                details={"vkey": verifier.vkey(), "url": url},
+            ),
+            hook=insert,
+        )
+        return TenantWitness(tenant, name, verifier.vkey(), url, created_at, actor.id)
+
+    def remove(self, tenant: str, name: str, actor: Actor) -> None:
+        def delete(conn: Conn) -> None:
+            if not conn.query_one(
+                "SELECT 1 FROM tenant_witnesses WHERE tenant = ? AND name = ?", (tenant, name)
+            ):
+                raise NotFound(f"tenant {tenant!r} uses no witness {name!r}")
+            conn.execute(
+                "DELETE FROM tenant_witnesses WHERE tenant = ? AND name = ?", (tenant, name)
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(actor, "witness.remove", f"witness/{name}", reason="witness removed"),
+            hook=delete,
+        )
+
+    def list(self, tenant: str) -> builtins.list[TenantWitness]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                "SELECT name, vkey, url, created_at, created_by FROM tenant_witnesses"
+                " WHERE tenant = ? ORDER BY name",
+                (tenant,),
+            )
+        return [TenantWitness(tenant, *(str(v) for v in r)) for r in rows]
+
+    def tenants(self) -> builtins.list[str]:
+        with self._store.read() as conn:
+            rows = conn.query("SELECT DISTINCT tenant FROM tenant_witnesses ORDER BY tenant")
+        return [str(r[0]) for r in rows]
+
+    def policy(self, tenant: str) -> WitnessPolicy:
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT quorum, max_age_seconds FROM witness_policy WHERE tenant = ?", (tenant,)
+            )
+        if row is None:
+            return WitnessPolicy(1, DEFAULT_MAX_AGE)
+        return WitnessPolicy(int(row[0]), int(row[1]))
+
+    def set_policy(
+        self, tenant: str, actor: Actor, *, quorum: int | None, max_age: int | None
+    ) -> WitnessPolicy:
+        old = self.policy(tenant)
+        new = WitnessPolicy(
+            old.quorum if quorum is None else quorum,
+            old.max_age_seconds if max_age is None else max_age,
+        )
+        if new.quorum < 1:
+            raise UsageError("--quorum must be at least 1")
+        if new.max_age_seconds < 1:
+            raise UsageError("--max-age must be at least 1 second")
+
+        def upsert(conn: Conn) -> None:
+            if conn.query_one("SELECT 1 FROM tenants WHERE name = ?", (tenant,)) is None:
+                raise NotFound(f"unknown tenant {tenant!r}")
+            conn.execute("DELETE FROM witness_policy WHERE tenant = ?", (tenant,))
+            conn.execute(
+                "INSERT INTO witness_policy (tenant, quorum, max_age_seconds) VALUES (?, ?, ?)",
+                (tenant, new.quorum, new.max_age_seconds),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor,
+                "witness.policy",
+                f"tenant/{tenant}",
+                reason="witness policy set",
+                details=new.as_json(),
+            ),
+            hook=upsert,
+        )
+        return new
+
+    # -- cosignatures -----------------------------------------------------------
+
+    def _lines(self, conn: Conn, log: str, size: int) -> builtins.list[str]:
+        return [
+            str(r[0])
+            for r in conn.query(
+                "SELECT line FROM witness_cosignatures WHERE log = ? AND size = ? ORDER BY witness",
+                (log, size),
+            )
+        ]
+
+    def cosigned(self, log: str, note: str) -> str:
+        """``note`` (a checkpoint of ``log``) with every stored cosignature of its size."""
+        text, _ = split_note(note)
+        size = int(text.split("\n")[1])
+        with self._store.read() as conn:
+            lines = self._lines(conn, log, size)
+        return add_signatures(note, lines) if lines else note
+
+    def newest_cosigned(self, log: str, quorum: int = 1) -> tuple[int, str] | None:
+        """The largest checkpoint of ``log`` holding ``quorum`` stored cosignatures:
+        (size, the note with them)."""
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT size FROM witness_cosignatures WHERE log = ?"
+                " GROUP BY size HAVING COUNT(*) >= ? ORDER BY size DESC LIMIT 1",
+                (log, quorum),
+            )
+            if row is None:
+                return None
+            size = int(row[0])
+            note = conn.query_one(
+                "SELECT note FROM ledger_checkpoints WHERE log = ? AND size = ?", (log, size)
+            )
+            lines = self._lines(conn, log, size)
+        if note is None:
+            return None
+        return size, add_signatures(str(note[0]), lines)
+
+    def _last_size(self, log: str, witness: str) -> int:
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT MAX(size) FROM witness_cosignatures WHERE log = ? AND witness = ?",
+                (log, witness),
+            )
+        return int(row[0]) if row is not None and row[0] is not None else 0
+
+    def status(self, tenant: str) -> dict[str, Any]:
+        """How well witnessed the tenant's log is, for the evidence pack and `witness list`.
+
+        ``newest_cosigned_age_seconds`` is how long ago the newest checkpoint with
+        the policy's quorum was cosigned; ``within_policy`` whether the log's head is
+        that checkpoint or it is younger than the tenant's ``max_age_seconds``.
+        """
+        policy = self.policy(tenant)
+        witnesses = self.list(tenant)
+        head = self._ledger.head(tenant)
+        newest = self.newest_cosigned(tenant, policy.quorum)
+        age: float | None = None
+        size: int | None = None
+        if newest is not None:
+            size, note = newest
+            verifiers = [CosignatureVerifier.parse(w.vkey) for w in witnesses]
+            stamps = sorted(cosigned_by(note, verifiers).values(), reverse=True)
+            if len(stamps) >= policy.quorum:
+                age = _seconds_since(stamps[policy.quorum - 1])
+        if not witnesses:
+            within = False
+        elif size == head.size:
+            within = True
+        else:
+            # The head is not cosigned yet: how long since the newest quorum, or
+            # (none yet) since the first uncosigned checkpoint was signed.
+            since = age if age is not None else self._uncosigned_age(tenant, size or 0)
+            within = since is not None and since <= policy.max_age_seconds
+        return {
+            "tenant": tenant,
+            "witnesses": [w.as_json() for w in witnesses],
+            "policy": policy.as_json(),
+            "log_size": head.size,
+            "newest_cosigned_size": size,
+            "newest_cosigned_age_seconds": None if age is None else round(age, 1),
+            "within_policy": within,
+            "per_witness": {w.name: self._last_size(tenant, w.name) for w in witnesses},
+        }
+
+    def _uncosigned_age(self, log: str, after: int) -> float | None:
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT MIN(time) FROM ledger_checkpoints WHERE log = ? AND size > ?", (log, after)
+            )
+        if row is None or row[0] is None:
+            return None
+        when = datetime.strptime(str(row[0]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        return (datetime.now(UTC) - when).total_seconds()
+
+    # -- submitting ------------------------------------------------------------
+
+    def submit(self, tenant: str, client: httpx.Client | None = None) -> builtins.list[Submission]:
+        """Send the tenant's newest checkpoint to each of its witnesses once;
+        store the cosignatures that verify."""
+        witnesses = self.list(tenant)
+        if not witnesses:
+            return []
+        own = client is None
+        http = client or httpx.Client(timeout=_TIMEOUT)
+        try:
+            return [self._submit_one(tenant, w, http) for w in witnesses]
+        finally:
+            if own:
+                http.close()
+
+    def _submit_one(self, tenant: str, w: TenantWitness, http: httpx.Client) -> Submission:
+        head = self._ledger.head(tenant)
+        old = self._last_size(tenant, w.name)
+        if old == head.size:
+            return Submission(w.name, head.size, True, None, "cosigned already")
+        for _attempt in range(2):
+            if old > head.size:
+                # The witness cosigned more of this log than the log now holds: the
+                # store was rolled back. Nothing to send; an operator must look.
+                return Submission(
+                    w.name,
+                    head.size,
+                    False,
+                    409,
+                    f"the witness cosigned size {old}, larger than the log's "
+                    f"{head.size}: the log was rolled back",
+                )
+            proof: builtins.list[bytes] = []
+            if 0 < old < head.size:
+                proof = list(self._ledger.consistency_proof(tenant, old, head.size).hashes)
+            body = add_checkpoint_body(old, proof, head.checkpoint)
+            try:
+                resp = http.post(w.url + "/add-checkpoint", content=body)
+            except httpx.HTTPError as exc:
+                return Submission(w.name, head.size, False, None, f"unreachable: {exc}")
+            if resp.status_code == 409 and resp.headers.get("content-type", "").startswith(
+                "text/x.tlog.size"
+            ):
+                text = resp.text.strip()
+                if not text.isdigit() or int(text) == old:
+                    break
+                old = int(text)  # the witness's own size: prove from there
+                continue
+            if resp.status_code != 200:
+                return Submission(w.name, head.size, False, resp.status_code, resp.text.strip())
+            return self._store_cosignature(tenant, w, head.size, head.checkpoint, resp.text)
+        return Submission(w.name, head.size, False, 409, "the witness's size keeps changing")
+
+    def _store_cosignature(
+        self, tenant: str, w: TenantWitness, size: int, note: str, answer: str
+    ) -> Submission:
+        verifier = CosignatureVerifier.parse(w.vkey)
+        text, _ = split_note(note)
+        line = next((ln for ln in answer.split("\n") if ln and _checks(verifier, text, ln)), None)
+        if line is None:
+            return Submission(w.name, size, False, 200, "no valid cosignature in the answer")
+        with self._store.write() as conn:
+            conn.execute(
+                "DELETE FROM witness_cosignatures WHERE log = ? AND size = ? AND witness = ?",
+                (tenant, size, w.name),
+            )
+            conn.execute(
+                "INSERT INTO witness_cosignatures (log, size, witness, line, time)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (tenant, size, w.name, line, utc_now()),
+            )
+        return Submission(w.name, size, True, 200, "cosigned")
+
+
+def _checks(verifier: CosignatureVerifier, text: str, line: str) -> bool:
+    try:
+        return verifier.check_line(text, line) is not None
+    except ProctorError:
+        return False
+
+
+def add_checkpoint_body(old: int, proof: list[bytes], note: str) -> bytes:
+    """A C2SP tlog-witness ``add-checkpoint`` request body."""
+    import base64
+
+    lines = [f"old {old}"] + [base64.b64encode(h).decode() for h in proof]
+    return ("\n".join(lines) + "\n\n" + note).encode()
+
+
+class Submitter:
+    """A thread that submits every tenant's new checkpoints to its witnesses, at most
+    every ``interval`` seconds. Failures are logged and retried at the next pass."""
+
+    def __init__(self, witnesses: TenantWitnesses, interval: float = DEFAULT_INTERVAL) -> None:
+        self._witnesses = witnesses
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+
+    def run_once(self) -> builtins.list[Submission]:
+        done: builtins.list[Submission] = []
+        with httpx.Client(timeout=_TIMEOUT) as http:
+            for tenant in self._witnesses.tenants():
+                try:
+                    done += self._witnesses.submit(tenant, http)
+                except ProctorError as exc:
+                    log.warning("witness submission for %s failed: %s", tenant, exc.message)
+        for s in done:
+            if not s.ok:
+                log.warning("witness %s refused or missed size %d: %s", s.witness, s.size, s.detail)
+        self.passes += 1
+        return done
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # a bug here must not end the loop: calls do not depend on it
+                log.exception("witness submitter pass failed")
+            self._stop.wait(self._interval)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="witness-submitter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_TIMEOUT * 2)
