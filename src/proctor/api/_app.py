@@ -148,12 +148,17 @@ def create_app(
     supervisor: Any = None,
     backend: str | None = None,
     worker_threads: int = 40,
+    public_logs: Sequence[str] = (),
 ) -> FastAPI:
     """The API over ``rt``. ``supervisor`` (a ``proctor.lifecycle.Supervisor``) is used
     for runs when given (``proctor serve`` has one); otherwise the API makes its own
-    broker and supervisor on the first run and stops them at shutdown."""
+    broker and supervisor on the first run and stops them at shutdown. ``public_logs``:
+    tenants whose tlog-tiles read paths need no token (a public mirror of their log)."""
     limits = limits or Limits()
-    state = ApiState(rt, Authenticator(rt, oidc), limits, backend=backend, supervisor=supervisor)
+    state = ApiState(
+        rt, Authenticator(rt, oidc), limits, backend=backend, supervisor=supervisor,
+        public_logs=frozenset(public_logs),
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from proctor.api._auth import Authenticator
 from proctor.api._errors import ApiError, not_found
 from proctor.api._limits import PrincipalLimits
+from proctor.api._log_reads import LogReads
 from proctor.errors import PolicyError
 from proctor.governance import Principal
 from proctor.ledger import EventDraft
@@ -62,8 +63,11 @@ class ApiState:
     backend: str | None = None
     supervisor: Any = None  # proctor.lifecycle.Supervisor, made on the first run
     own_broker: Any = None
+    #: Tenants whose tlog-tiles read paths are served without a token (a mirror).
+    public_logs: frozenset[str] = frozenset()
     lock: threading.Lock = field(default_factory=threading.Lock)
     principals: PrincipalLimits = field(init=False)
+    log_reads: LogReads = field(init=False)
 
     def __post_init__(self) -> None:
         self.principals = PrincipalLimits(
@@ -72,6 +76,7 @@ class ApiState:
             self.limits.request_burst,
             self.limits.follows_per_principal,
         )
+        self.log_reads = LogReads(lambda: self.rt.ledger)
 
     def get_supervisor(self) -> Any:
         from proctor.lifecycle import Supervisor
@@ -91,6 +96,7 @@ class ApiState:
 
     def close(self) -> None:
         self.principals.flush()
+        self.log_reads.flush()
         self.stop_own_runs()
         with self.lock:
             if self.own_broker is not None:
@@ -139,9 +145,15 @@ class Ctx:
         event_resource: str,
         resource: EntityRef | None = None,
         context: Mapping[str, Any] | None = None,
+        *,
+        log: str | None = None,
+        record_allowed: bool = True,
     ) -> Decision:
         """Decide ``action`` on ``resource`` (default: the tenant) for this request's
-        principal, record the decision, and raise unless it is allowed."""
+        principal, record the decision, and raise unless it is allowed. ``log``: where
+        the decision is recorded (default: the principal's tenant log);
+        ``record_allowed=False``: the caller counts an allowed decision itself (reads
+        of a log through the tlog-tiles paths, see ``_log_reads``)."""
         p = self.principal
         cedar_context: dict[str, Any] = {"request_id": self.request_id, **(context or {})}
         if self.source is not None:
@@ -159,16 +171,20 @@ class Ctx:
             "path": self.path[:_PATH_MAX],
             "action": action,
         }
-        if tenant != p.tenant:
+        if tenant != p.tenant or log is not None:
             details["target_tenant"] = tenant[:64]
+        if log is not None:
+            details["principal_tenant"] = p.tenant
         if decision.allowed:
             reason = f"{action} allowed"
         elif decision.policies:
             reason = f"{action} forbidden by {', '.join(decision.policies)}"
         else:
             reason = f"no role of {p.id} permits {action}"
+        if decision.allowed and not record_allowed:
+            return decision
         self.rt.ledger.append(
-            p.tenant,
+            log if log is not None else p.tenant,
             EventDraft(
                 p.actor,
                 "api.request",

@@ -1,34 +1,46 @@
 """The audit ledger over HTTP: events, checkpoints, proofs, verification, export, and
 the C2SP tlog-tiles read paths (``log/checkpoint``, ``log/tile/<L>/<N>[.p/<W>]``,
 ``log/tile/entries/<N>[.p/<W>]``) so that standard tlog clients can read a tenant's
-log. Reading a log is ``audit.read`` and, like every request, recorded."""
+log. Reading a log is ``audit.read`` and, like every request, recorded; reads through
+the tlog-tiles paths are counted in the system log instead of the log read
+(``_log_reads``), and may be served without a token for a tenant the server mirrors
+publicly (``proctor serve --public-log``)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
 import json
-import re
 import shutil
 import tarfile
 import tempfile
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials
 
-from proctor.api._context import Ctx, current
-from proctor.api._errors import ERROR_RESPONSES, not_found
+from proctor.api._context import ApiState, Ctx, _bearer, current
+from proctor.api._errors import ERROR_RESPONSES, ApiError
 from proctor.api._models import CheckpointOut, ConsistencyOut, InclusionOut, VerifyOut
 from proctor.api._routes import parse_time
 from proctor.errors import UsageError
-from proctor.ledger import EventDraft, EventFilter, Ledger, query_events
+from proctor.ledger import (
+    SYSTEM_LOG,
+    Actor,
+    EventDraft,
+    EventFilter,
+    Ledger,
+    parse_tile_path,
+    query_events,
+)
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["audit"])
@@ -36,8 +48,6 @@ CtxDep = Annotated[Ctx, Depends(current)]
 
 TILE_WIDTH = 256
 _HASH = 32
-# tile/<L>/<N>[.p/<W>] with N as x001/x234/067; entries bundles use "entries" for L.
-_TILE_RE = re.compile(r"^(entries|[0-9]{1,2})/((?:x[0-9]{3}/)*[0-9]{3})(?:\.p/([0-9]{1,3}))?$")
 _MAX_EVENTS = 10_000
 _FOLLOW_POLL = 0.2  # seconds between reads of a quiet log
 
@@ -229,53 +239,113 @@ _BYTES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# Authenticated answers may sit in the reader's cache only; a public mirror's in any.
+_IMMUTABLE = "max-age=31536000, immutable"
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Who reads a log through the tlog-tiles paths: a principal, or nobody (a read
+    of a tenant the server mirrors publicly, sent without a token)."""
+
+    state: ApiState
+    ctx: Ctx | None
+
+
+def _reader(
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Security(_bearer),  # noqa: B008
+) -> _Reader:
+    state: ApiState = request.app.state.proctor
+    tenant = request.path_params.get("tenant")
+    # Only without a token: a request that sends one is that principal's, decided so.
+    if "authorization" not in request.headers and tenant in state.public_logs:
+        return _Reader(state, None)
+    return _Reader(state, current(request, credentials))
+
+
+ReaderDep = Annotated[_Reader, Depends(_reader)]
+_MIRROR = Actor("runtime", "public-log-mirror")
+
+
+def _read_tiles(r: _Reader, tenant: str, kind: str) -> str:
+    """Decide a read through the tlog-tiles paths and count it (never an event in the
+    log read: see ``_log_reads``); returns the Cache-Control scope of the answer."""
+    if r.ctx is None:
+        r.state.log_reads.count(_MIRROR, "", tenant, kind)
+        return "public"
+    p = r.ctx.principal
+    # A refusal is an event in the system log at once; an allowed read is counted.
+    r.ctx.authorize("audit.read", tenant, f"log/{tenant}", log=SYSTEM_LOG, record_allowed=False)
+    r.state.log_reads.count(p.actor, p.tenant, tenant, kind)
+    return "private"
+
+
 @router.get("/tenants/{tenant}/log/checkpoint", response_class=Response, responses=_TEXT)
-def log_checkpoint(ctx: CtxDep, tenant: str) -> Response:
-    """The latest signed checkpoint (C2SP tlog-checkpoint), for tlog clients."""
-    _read(ctx, tenant)
-    note = ctx.rt.ledger.head(tenant).checkpoint
+def log_checkpoint(r: ReaderDep, tenant: str) -> Response:
+    """The latest signed checkpoint (C2SP tlog-checkpoint), for tlog clients. Its
+    reads are counted in the system log, not recorded in the log read."""
+    scope = _read_tiles(r, tenant, "checkpoint")
+    note = r.state.rt.ledger.head(tenant).checkpoint
     return Response(
-        note, media_type="text/plain; charset=utf-8", headers={"Cache-Control": "no-cache"}
+        note,
+        media_type="text/plain; charset=utf-8",
+        headers={"Cache-Control": f"{scope}, no-cache"},
     )
 
 
-def _index(groups: str) -> int:
-    return int("".join(g.lstrip("x") for g in groups.split("/")))
+def _accepts_gzip(header: str | None) -> bool:
+    for part in (header or "").split(","):
+        name, _, params = part.strip().partition(";")
+        if name.strip().lower() in ("gzip", "*"):
+            q = params.strip().replace(" ", "")
+            return q not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+    return False
 
 
 @router.get("/tenants/{tenant}/log/tile/{path:path}", response_class=Response, responses=_BYTES)
-def log_tile(ctx: CtxDep, tenant: str, path: str) -> Response:
+def log_tile(r: ReaderDep, tenant: str, path: str, request: Request) -> Response:
     """A hash tile ``<L>/<N>[.p/<W>]`` or an entry bundle ``entries/<N>[.p/<W>]``
-    (C2SP tlog-tiles). Full tiles never change and may be cached forever."""
-    m = _TILE_RE.match(path)
-    if m is None:
-        raise UsageError(f"{path!r} is not a tlog-tiles path: <L>/<N>[.p/<W>]")
-    level_s, n_s, w_s = m.groups()
-    index = _index(n_s)
-    width = int(w_s) if w_s is not None else TILE_WIDTH
-    if not 1 <= width <= TILE_WIDTH or (w_s is not None and width == TILE_WIDTH):
-        raise UsageError("a partial tile's width is 1 to 255")
-    _read(ctx, tenant)
-    if level_s == "entries":
-        data = _bundle(ctx, tenant, index, width)
+    (C2SP tlog-tiles), in its canonical spelling only. A tile's content never
+    changes (a partial one is the prefix of its full tile): every one may be cached
+    for good. Entry bundles are gzipped for a client that accepts it."""
+    ref = parse_tile_path(f"tile/{path}")
+    if ref is None:
+        raise UsageError(
+            f"{path!r} is not a canonical tlog-tiles path",
+            hint="<L>/<N>[.p/<W>] or entries/<N>[.p/<W>]: N in 3-digit groups led by 'x' "
+            "(x001/234), W from 1 to 255, no leading zeroes in L or W",
+        )
+    kind = ("partial_" if ref.partial else "") + ("entries" if ref.level is None else "tile")
+    scope = _read_tiles(r, tenant, kind)
+    ledger = r.state.rt.ledger
+    headers = {"Cache-Control": f"{scope}, {_IMMUTABLE}"}
+    if ref.level is None:
+        data = _bundle(ledger, tenant, ref.index, ref.width)
+        headers["Vary"] = "Accept-Encoding"
+        if _accepts_gzip(request.headers.get("accept-encoding")):
+            data = gzip.compress(data, compresslevel=6, mtime=0)
+            headers["Content-Encoding"] = "gzip"
     else:
-        tile = ctx.rt.ledger.tile(tenant, int(level_s), index)
-        if len(tile) < width * _HASH:
-            raise not_found(f"tile {path} is not in the tree yet")
-        data = tile[: width * _HASH]
-    headers = (
-        {"Cache-Control": "public, max-age=31536000, immutable"} if width == TILE_WIDTH else {}
-    )
+        tile = ledger.tile(tenant, ref.level, ref.index)
+        if len(tile) < ref.width * _HASH:
+            raise _absent(f"tile {path} is not in the tree yet")
+        data = tile[: ref.width * _HASH]
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-def _bundle(ctx: Ctx, tenant: str, index: int, width: int) -> bytes:
-    size = ctx.rt.ledger.head(tenant).size
+def _absent(message: str) -> ApiError:
+    # A tile the tree does not have yet will be there later: no cache may keep the 404.
+    return ApiError(404, "not_found", message, headers={"Cache-Control": "no-store"})
+
+
+def _bundle(ledger: Ledger, tenant: str, index: int, width: int) -> bytes:
+    size = ledger.head(tenant).size
     first = index * TILE_WIDTH
     if first + width > size:
-        raise not_found(f"entry bundle {index} of width {width} is not in the log yet")
+        raise _absent(f"entry bundle {index} of width {width} is not in the log yet")
     out = io.BytesIO()
-    for data in ctx.rt.ledger.entries(tenant, first, first + width):
+    for data in ledger.entries(tenant, first, first + width):
         if len(data) > 0xFFFF:
             raise UsageError("an event is too large for a tlog-tiles entry bundle")
         out.write(len(data).to_bytes(2, "big") + data)

@@ -134,12 +134,14 @@ def serve_api(
     log_level: str = "warning",
     worker_threads: int = 40,
     json_log: bool = False,
+    public_logs: Sequence[str] = (),
 ) -> ApiServer:
     """Start serving the API over ``rt`` in a background thread and return once it
     accepts connections. TLS when ``certfile`` and ``keyfile`` are given (both or
     neither). The socket is bound here, so a port in use fails now, in the caller.
     ``json_log``: uvicorn keeps the log handlers ``proctor serve`` set up (JSON lines)
-    instead of installing its own."""
+    instead of installing its own. ``public_logs``: tenants whose tlog-tiles read paths
+    are served without a token."""
     if (certfile is None) != (keyfile is None):
         raise UsageError("TLS needs both a certificate and its key")
     app = create_app(
@@ -149,6 +151,7 @@ def serve_api(
         supervisor=supervisor,
         backend=backend,
         worker_threads=worker_threads,
+        public_logs=public_logs,
     )
     limits = limits or Limits()
     # A connection is a descriptor: raise the soft limit, bound connections below it.

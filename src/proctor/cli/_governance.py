@@ -672,6 +672,13 @@ def serve(
         Path | None, typer.Option(help="OIDC issuers to trust (JSON, see docs/api.md)")
     ] = None,
     no_api: Annotated[bool, typer.Option("--no-api", help="Supervise only")] = False,
+    public_log: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Serve this tenant's tlog-tiles read paths (log/checkpoint, log/tile/...) "
+            "without a token, as a public or auditor-facing mirror; repeatable"
+        ),
+    ] = None,
     home: HomeOpt = None,
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
@@ -680,6 +687,8 @@ def serve(
 
     log_json()  # one JSON object per line on stderr: docs/operations.md
     with open_runtime(home) as rt, rt.make_broker() as broker:
+        for tenant in public_log or ():
+            rt.tenants.get(tenant)  # an unknown tenant fails now, not at the first read
         sup = Supervisor(rt, broker, backend)
         server = Server(sup)
         api = None
@@ -693,12 +702,16 @@ def serve(
                 oidc=load_oidc_config(oidc_config) if oidc_config else (),
                 supervisor=sup,
                 json_log=True,
+                public_logs=public_log or (),
             )  # fmt: skip
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())
         console.print(f"serving {rt.home} (pid {sup.supervisor_id})")
         if api is not None:
             console.print(f"HTTP API at {api.url}")
+            for tenant in public_log or ():
+                mirror = f"{api.url}/tenants/{tenant}/log/"
+                console.print(f"the log of {tenant} is served without a token at {mirror}")
         try:
             server.serve()
         finally:

@@ -26,23 +26,10 @@ from proctor.ledger._merkle import (
     verify_consistency,
     verify_inclusion,
 )
-from proctor.ledger._note import (
-    Checkpoint,
-    CosignatureVerifier,
-    Cosigner,
-    Signer,
-    Verifier,
-    add_signatures,
-    cosigned_by,
-    cosigned_message,
-    open_checkpoint,
-    parse_checkpoint,
-    require_cosignatures,
-    split_note,
-)
+from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint, parse_checkpoint
 from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
-from proctor.ledger._tiles import tile_path
+from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 
 __all__ = [
@@ -52,8 +39,6 @@ __all__ = [
     "Appended",
     "Checkpoint",
     "ConsistencyProof",
-    "CosignatureVerifier",
-    "Cosigner",
     "Decision",
     "EventDraft",
     "EventFilter",
@@ -62,13 +47,11 @@ __all__ = [
     "LogHead",
     "Receipt",
     "Signer",
+    "TileRef",
     "TxHook",
     "Verifier",
     "VerifyReport",
-    "add_signatures",
     "canonical_json",
-    "cosigned_by",
-    "cosigned_message",
     "iter_events",
     "leaf_hash",
     "make_receipt",
@@ -76,11 +59,10 @@ __all__ = [
     "open_checkpoint",
     "parse_canonical",
     "parse_checkpoint",
+    "parse_tile_path",
     "path_from_ranges",
     "query_events",
-    "require_cosignatures",
     "root_from_inclusion",
-    "split_note",
     "tile_path",
     "utc_now",
     "verify_consistency",

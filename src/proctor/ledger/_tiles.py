@@ -7,7 +7,9 @@ therefore at most 128 hashes of one tile away (level ``h // 8``).
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from proctor.errors import LedgerError
 from proctor.ledger._merkle import HASH_SIZE, node_hash
@@ -17,8 +19,9 @@ TILE_WIDTH = 256
 _TILE_BYTES = TILE_WIDTH * HASH_SIZE
 
 
-def tile_path(level: int, index: int, width: int = TILE_WIDTH) -> str:
-    """The C2SP tlog-tiles path ``tile/<L>/<N>[.p/<W>]`` (N as x001/x234/067)."""
+def tile_path(level: int | str, index: int, width: int = TILE_WIDTH) -> str:
+    """The C2SP tlog-tiles path ``tile/<L>/<N>[.p/<W>]`` (N as x001/x234/067);
+    ``level="entries"`` gives an entry bundle's path."""
     digits = f"{index:03d}"
     while len(digits) % 3:
         digits = "0" + digits
@@ -26,6 +29,47 @@ def tile_path(level: int, index: int, width: int = TILE_WIDTH) -> str:
     n = "/".join([f"x{g}" for g in groups[:-1]] + [groups[-1]])
     suffix = "" if width == TILE_WIDTH else f".p/{width}"
     return f"tile/{level}/{n}{suffix}"
+
+
+# Loose on purpose: anything that could name a tile is parsed, then held to the one
+# canonical spelling (as golang.org/x/mod/sumdb/tlog's ParseTilePath does).
+_TILE_PATH_RE = re.compile(
+    r"^tile/(entries|[0-9]{1,3})/((?:x[0-9]{1,4}/){0,7}[0-9]{1,4})(?:\.p/([0-9]{1,4}))?$"
+)
+#: The highest tile level C2SP tlog-tiles allows.
+MAX_LEVEL = 63
+
+
+@dataclass(frozen=True)
+class TileRef:
+    """A parsed tile path: ``level`` None for an entry bundle."""
+
+    level: int | None
+    index: int
+    width: int
+
+    @property
+    def partial(self) -> bool:
+        return self.width < TILE_WIDTH
+
+
+def parse_tile_path(path: str) -> TileRef | None:
+    """``tile/<L>/<N>[.p/<W>]`` or ``tile/entries/<N>[.p/<W>]`` in its one canonical
+    form (no leading zeroes in L or W, N in 3-digit groups all but the last led by
+    ``x``, W from 1 to 255), else None."""
+    m = _TILE_PATH_RE.match(path)
+    if m is None:
+        return None
+    level_s, n_s, w_s = m.groups()
+    level = None if level_s == "entries" else int(level_s)
+    if level is not None and level > MAX_LEVEL:
+        return None
+    index = int("".join(g.lstrip("x") for g in n_s.split("/")))
+    width = int(w_s) if w_s is not None else TILE_WIDTH
+    if not 1 <= width <= TILE_WIDTH or (w_s is not None and width == TILE_WIDTH):
+        return None
+    canonical = tile_path("entries" if level is None else level, index, width)
+    return TileRef(level, index, width) if canonical == path else None
 
 
 class FullTileCache:
