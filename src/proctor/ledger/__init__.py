@@ -26,7 +26,20 @@ from proctor.ledger._merkle import (
     verify_consistency,
     verify_inclusion,
 )
-from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint, parse_checkpoint
+from proctor.ledger._note import (
+    Checkpoint,
+    CosignatureVerifier,
+    Cosigner,
+    Signer,
+    Verifier,
+    add_signatures,
+    cosigned_by,
+    cosigned_message,
+    open_checkpoint,
+    parse_checkpoint,
+    require_cosignatures,
+    split_note,
+)
 from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
@@ -39,6 +52,8 @@ __all__ = [
     "Appended",
     "Checkpoint",
     "ConsistencyProof",
+    "CosignatureVerifier",
+    "Cosigner",
     "Decision",
     "EventDraft",
     "EventFilter",
@@ -51,7 +66,10 @@ __all__ = [
     "TxHook",
     "Verifier",
     "VerifyReport",
+    "add_signatures",
     "canonical_json",
+    "cosigned_by",
+    "cosigned_message",
     "iter_events",
     "leaf_hash",
     "make_receipt",
@@ -62,7 +80,9 @@ __all__ = [
     "parse_tile_path",
     "path_from_ranges",
     "query_events",
+    "require_cosignatures",
     "root_from_inclusion",
+    "split_note",
     "tile_path",
     "utc_now",
     "verify_consistency",
