@@ -26,7 +26,7 @@ from proctor.broker import (
     StatementTimeout,
     handle_sql,
 )
-from proctor.ledger import Actor, EventDraft
+from proctor.ledger import Actor, EventDraft, check_lineage_object, lineage_keys, read_objects
 from proctor.policy import capability_policies, compile_policies
 from tests.conftest import LedgerEnv
 
@@ -136,6 +136,18 @@ def events(env: LedgerEnv, action_prefix: str = "") -> list[dict[str, Any]]:
     return out
 
 
+def row_keys(env: LedgerEnv, details: Mapping[str, Any]) -> list[str]:
+    """The row keys an event's lineage object holds (checked against its reference);
+    [] for an event without one (``lineage: "table"``)."""
+    ref = details.get("lineage_object")
+    if ref is None:
+        return []
+    data = read_objects(env.store, TENANT, [ref["digest"]]).get(ref["digest"])
+    assert check_lineage_object(ref, data) is None
+    assert data is not None
+    return lineage_keys(data)
+
+
 def last_event(env: LedgerEnv) -> dict[str, Any]:
     evs = events(env)
     assert evs, "no event recorded"
@@ -194,7 +206,7 @@ def test_permitted_columns_are_answered_and_recorded(env: Env) -> None:
     ]
     assert d["row_count"] == 2 and d["truncated"] is False
     assert d["lineage"] == "rows"
-    assert d["keys_hmac"] == env.scope.key_hmacs(["1", "3"])
+    assert row_keys(env.ledger, d) == env.scope.key_hmacs(["1", "3"])
     assert d["policy_version"] == env.scope.policies.version
     # The statement is a keyed hash, never text: "GB" is a row value.
     assert "GB" not in json.dumps(ev) and "Ada" not in json.dumps(ev)
@@ -206,7 +218,7 @@ def test_named_parameters_and_count(env: Env) -> None:
     d = last_event(env.ledger)["details"]
     assert d["tables"][0]["columns"] == ["plan"]
     # An aggregate row is not one customer: lineage falls back to the table.
-    assert d["lineage"] == "table" and d["keys_hmac"] == []
+    assert d["lineage"] == "table" and "lineage_object" not in d
 
 
 def test_join_of_two_permitted_tables(env: Env) -> None:
@@ -232,7 +244,7 @@ def test_row_limit_truncates(ledger_env: LedgerEnv, tmp_path: Path) -> None:
     assert out["row_count"] == 10 and len(out["rows"]) == 10 and out["truncated"] is True
     d = last_event(ledger_env)["details"]
     assert d["row_count"] == 10 and d["truncated"] is True
-    assert len(d["keys_hmac"]) == 10  # only the rows answered
+    assert len(row_keys(ledger_env, d)) == 10  # only the rows answered
 
 
 def test_statement_timeout_stops_a_runaway_cte(ledger_env: LedgerEnv, tmp_path: Path) -> None:
@@ -260,18 +272,18 @@ def test_lineage_is_stable_across_runs(ledger_env: LedgerEnv, tmp_path: Path) ->
     sql(second, "SELECT plan, mrr FROM customers c WHERE c.plan = 'enterprise'")
     a, b = events(ledger_env, "sql.")[-2:]
     assert a["run"] == "r1" and b["run"] == "r2"
-    assert a["details"]["keys_hmac"] == b["details"]["keys_hmac"]
+    assert a["details"]["lineage_object"] == b["details"]["lineage_object"]
     # "Which runs read customer 42?": hash 42 with the tenant's key and look.
     (h,) = first.key_hmacs(["42"])
-    assert a["details"]["keys_hmac"] == [h]
-    assert "42" not in json.dumps(a["details"]["keys_hmac"])
+    assert row_keys(ledger_env, a["details"]) == [h]
+    assert "42" not in json.dumps(a["details"]["lineage_object"])
 
 
 def test_lineage_falls_back_to_rowid_without_a_primary_key(env: Env) -> None:
     sql(env.scope, "SELECT kind FROM events WHERE customer = 42")
     d = last_event(env.ledger)["details"]
     assert d["lineage"] == "rows"
-    assert d["keys_hmac"] == env.scope.key_hmacs(["3"])  # the third row's rowid
+    assert row_keys(env.ledger, d) == env.scope.key_hmacs(["3"])  # the third row's rowid
 
 
 def test_select_star_with_all_columns_permitted(ledger_env: LedgerEnv, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from proctor.evidence import (
     verify_pack,
     verify_receipt,
 )
-from proctor.ledger import leaf_hash, verify_inclusion
+from proctor.ledger import leaf_hash, lineage_keys, read_objects, verify_inclusion
 from proctor.runtime import Runtime
 from tests.conftest import PROCTOR
 
@@ -119,9 +119,12 @@ def test_lineage_finds_the_runs_that_read_a_record(rt: Runtime) -> None:
     read = next(
         e
         for e in events(rt)
-        if e["action"] == "sql.select" and e["deployment"] == "churn" and e["details"]["keys_hmac"]
+        if e["action"] == "sql.select"
+        and e["deployment"] == "churn"
+        and e["details"].get("lineage_object", {}).get("count")
     )  # type: ignore[index]
-    wanted = set(read["details"]["keys_hmac"])  # type: ignore[index]
+    ref = read["details"]["lineage_object"]  # type: ignore[index]
+    wanted = set(lineage_keys(read_objects(rt.store, "acme", [ref["digest"]])[ref["digest"]]))
     customer = next(str(i) for i in range(1, 20001) if key_hmac(key, str(i)) in wanted)
     doc = lineage(rt, "acme", "crm", customer)
     runs = {r["run"] for r in doc["read"]}

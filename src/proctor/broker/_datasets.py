@@ -12,6 +12,7 @@ answer path, so every outcome on every engine is recorded before it is answered.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
+from proctor.ledger import LedgerObject, clip, lineage_object
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, EntitySet, Request, decide
 
 #: Longest statement text accepted from a guest.
@@ -374,20 +376,22 @@ async def answer(
     first. For a read ``{"columns", "rows", "row_count", "truncated"}``, for a
     write ``{"rows_affected"}``."""
 
-    def analyse_decide_read() -> tuple[Accesses, list[Grant], Outcome | Exception | None]:
+    def analyse_decide_read() -> tuple[Accesses, list[Grant], Outcome | Exception | None, Lineage]:
         # One trip to a worker thread for the common case: a permitted read runs
         # at once; its event is recorded below, before anything is answered.
         accesses = stmt.analyse()
         grants = decide_tables(scope, dataset, binding, accesses)
         if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
-            return accesses, grants, None
+            return accesses, grants, None, None
         try:
-            return accesses, grants, stmt.run_read(accesses, scope.row_limit)
+            outcome = stmt.run_read(accesses, scope.row_limit)
         except (TimedOut, Failed, DatabaseRefused) as exc:
-            return accesses, grants, exc
+            return accesses, grants, exc, None
+        # Hashing one key per row is CPU work: here, not on the event loop.
+        return accesses, grants, outcome, _lineage(scope, outcome)
 
     try:
-        accesses, grants, read = await run_blocking(scope, analyse_decide_read)
+        accesses, grants, read, lineage = await run_blocking(scope, analyse_decide_read)
     except Refused as exc:
         refused = "sql.write" if exc.write else "sql.select"
         await scope.record_refusal(refused, f"dataset/{dataset}", exc.reason, details=details)
@@ -402,9 +406,9 @@ async def answer(
     action = "sql.write" if accesses.is_write else "sql.select"
     tables = sorted({g.table for g in grants})
     resource = _resource(dataset, tables)
-    details = {**details, "tables": [g.as_json() for g in grants]}
+    details = {**details, **_grants_json(grants)}
     if accesses.plan:
-        details["plan"] = [p.as_json() for p in accesses.plan]
+        details.update(_plan_json(accesses.plan))
     denied = [g for g in grants if not g.decision.allowed]
     if not grants:
         # Deny by default holds here too: no policy names a statement on no table.
@@ -412,7 +416,7 @@ async def answer(
         await scope.record_refusal(action, resource, reason, details=details)
         raise CallDenied(f"sql: refused: {reason}")
     if denied:
-        reason = _deny_reason(denied, accesses.plan)
+        reason = clip(_deny_reason(denied, accesses.plan), MAX_REASON)
         decision = _combined(scope, grants, allowed=False)
         await scope.record(action, resource, decision, reason=reason, details=details)
         raise CallDenied(f"sql: {reason}", policies=decision.policies)
@@ -458,12 +462,77 @@ async def answer(
 
     details["row_count"] = len(outcome.rows)
     details["truncated"] = outcome.truncated
-    details["lineage"] = "rows" if outcome.keys is not None else "table"
-    details["keys_hmac"] = scope.key_hmacs(outcome.keys) if outcome.keys is not None else []
-    await scope.record(action, resource, decision, reason=reason, details=details)
+    details["lineage"] = "rows" if lineage is not None else "table"
+    objects: tuple[LedgerObject, ...] = ()
+    if lineage is not None:
+        # The event names the rows by a reference of fixed size (ledger/_objects.py).
+        objects = (lineage[0],)
+        details["lineage_object"] = lineage[1]
+    await scope.record(action, resource, decision, reason=reason, details=details, objects=objects)
     return {
         "columns": outcome.columns,
         "rows": outcome.rows,
         "row_count": len(outcome.rows),
         "truncated": outcome.truncated,
     }
+
+
+# -- fixed budgets: an event's size must not follow its statement (docs/ledger.md) --
+
+#: Lineage of one read: the object and the reference its event carries; None when
+#: the statement's rows are not known one by one (``lineage: "table"``).
+Lineage = tuple[LedgerObject, dict[str, Any]] | None
+#: The longest refusal reason recorded (it names the denied tables and columns).
+MAX_REASON = 2048
+#: How many bytes of an event the per-table grants, and the plan's reads, may take.
+_GRANTS_BUDGET = 8192
+_PLAN_BUDGET = 2048
+_COLUMNS_BUDGET = 2048
+
+
+def _lineage(scope: RunScope, outcome: Outcome) -> Lineage:
+    if outcome.keys is None:
+        return None
+    return lineage_object(scope.key_hmacs(outcome.keys))
+
+
+def _json_len(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":"))) + 1
+
+
+def _grants_json(grants: Sequence[Grant]) -> dict[str, Any]:
+    """``{"tables": [...]}``, each grant's column list and the list itself cut to
+    a fixed budget; what was cut is counted (``columns_cut``, ``tables_cut``)."""
+    tables: list[dict[str, Any]] = []
+    used = 0
+    for i, g in enumerate(grants):
+        item = g.as_json()
+        cols: list[str] = item["columns"]
+        if _json_len(cols) > _COLUMNS_BUDGET:
+            kept: list[str] = []
+            size = 2
+            for c in cols:
+                size += _json_len(c)
+                if size > _COLUMNS_BUDGET:
+                    break
+                kept.append(c)
+            item["columns"] = kept
+            item["columns_cut"] = len(cols) - len(kept)
+        item["table"] = clip(item["table"], 256)
+        used += _json_len(item)
+        if used > _GRANTS_BUDGET:
+            return {"tables": tables, "tables_cut": len(grants) - i}
+        tables.append(item)
+    return {"tables": tables}
+
+
+def _plan_json(plan: Sequence[PlanRead]) -> dict[str, Any]:
+    items: list[dict[str, Any]] = []
+    used = 0
+    for i, p in enumerate(plan):
+        item = p.as_json()
+        used += _json_len(item)
+        if used > _PLAN_BUDGET:
+            return {"plan": items, "plan_cut": len(plan) - i}
+        items.append(item)
+    return {"plan": items}

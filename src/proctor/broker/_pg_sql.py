@@ -40,7 +40,7 @@ A guest statement then goes:
 4. the statement runs (``row_limit + 1`` fetched) and the transaction is
    rolled back (nothing to keep: it was read-only);
 5. the result event (tables, columns, row count, keyed hashes of the returned
-   rows' primary keys: the same ``keys_hmac`` lineage as SQLite) is recorded
+   rows' primary keys: the same lineage object as SQLite) is recorded
    before anything is answered.
 
 Every guest text (the EXPLAIN, the keyed variant, the fetch) goes over the

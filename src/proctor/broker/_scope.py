@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from proctor.errors import LedgerError, ProctorError, UsageError
-from proctor.ledger import Actor, Appended, EventDraft, Ledger
+from proctor.ledger import Actor, Appended, EventDraft, Ledger, LedgerObject
 from proctor.policy import (
     CompiledPolicies,
     Decision,
@@ -302,8 +302,10 @@ class RunScope:
         *,
         reason: str,
         details: Mapping[str, Any],
+        objects: tuple[LedgerObject, ...] = (),
     ) -> Appended:
-        """Append this call's event; raise CallRefused if it cannot be made durable."""
+        """Append this call's event (and ``objects``, which ``details`` references);
+        raise CallRefused if it cannot be made durable."""
         draft = EventDraft(
             self.actor,
             action,
@@ -319,6 +321,7 @@ class RunScope:
                 **details,
                 **({"policy_version": decision.version} if decision is not None else {}),
             },
+            objects=objects,
         )
         standing = self.standing
         hook = None
@@ -333,7 +336,12 @@ class RunScope:
             appended = await self.ledger.append_async(self.tenant, draft, hook)
         except _NotStanding as exc:
             await self.record_refusal(
-                action, resource, exc.message, policies=(STANDING_RULE,), details=details
+                action,
+                resource,
+                exc.message,
+                policies=(STANDING_RULE,),
+                details=details,
+                objects=objects,
             )
             raise CallDenied(
                 f"{action} on {resource} refused: {exc.message}", policies=(STANDING_RULE,)
@@ -357,13 +365,14 @@ class RunScope:
         *,
         policies: tuple[str, ...] = (),
         details: Mapping[str, Any],
+        objects: tuple[LedgerObject, ...] = (),
     ) -> Appended:
         """Record a call refused before or instead of a policy decision (a malformed
         request, a rule of the broker's own, named in ``policies``), as ``refused: why``;
         raise CallRefused if it cannot be made durable."""
         denied = Decision(False, policies, self.policies.version)
         return await self.record(
-            action, resource, denied, reason=f"refused: {why}", details=details
+            action, resource, denied, reason=f"refused: {why}", details=details, objects=objects
         )
 
     async def decide_and_record(

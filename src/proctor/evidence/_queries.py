@@ -12,6 +12,7 @@ from typing import Any
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
 from proctor.governance import Home, Runs, Subprocessors, covers
+from proctor.ledger import lineage_seqs
 
 
 def key_hmac(lineage_key: bytes, key: str) -> str:
@@ -42,6 +43,9 @@ def lineage(rt: Home, tenant: str, dataset: str, key: str) -> dict[str, Any]:
     rt.tenants.get(tenant)
     wanted = key_hmac(rt.keys.lineage_key(tenant), key_text(key))
     needle = wanted.encode()
+    # Events since lineage objects name their rows through the key index; older
+    # events (before store migration 9) listed the hashes inline, found by the scan.
+    indexed = lineage_seqs(rt.store, tenant, wanted)
     ds = json.dumps(dataset).encode()
     hits: dict[str, dict[str, Any]] = {}
     maybe: dict[str, dict[str, Any]] = {}
@@ -54,7 +58,7 @@ def lineage(rt: Home, tenant: str, dataset: str, key: str) -> dict[str, Any]:
         if ev["decision"] != "allow" or d.get("dataset") != dataset or not ev.get("run"):
             continue
         run = str(ev["run"])
-        if needle in data and wanted in (d.get("keys_hmac") or []):
+        if ev["seq"] in indexed or (needle in data and wanted in (d.get("keys_hmac") or [])):
             item = hits.setdefault(run, {"run": run, "events": [], "first": ev["time"]})
             item["events"].append(ev["seq"])
             item["last"] = ev["time"]

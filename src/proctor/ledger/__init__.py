@@ -7,7 +7,15 @@ verification from an export and the verifier key alone.
 """
 
 from proctor.ledger._canonical import canonical_json, parse_canonical
-from proctor.ledger._event import Actor, Decision, EventDraft, utc_now
+from proctor.ledger._event import (
+    CUT_MARKER,
+    MAX_EVENT_BYTES,
+    Actor,
+    Decision,
+    EventDraft,
+    clip,
+    utc_now,
+)
 from proctor.ledger._ledger import (
     SYSTEM_LOG,
     Appended,
@@ -40,13 +48,26 @@ from proctor.ledger._note import (
     require_cosignatures,
     split_note,
 )
+from proctor.ledger._objects import (
+    LINEAGE_FORMAT,
+    LedgerObject,
+    check_lineage_object,
+    lineage_keys,
+    lineage_object,
+    lineage_proof,
+    lineage_seqs,
+    read_objects,
+)
 from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 
 __all__ = [
+    "CUT_MARKER",
     "DECISIONS",
+    "LINEAGE_FORMAT",
+    "MAX_EVENT_BYTES",
     "SYSTEM_LOG",
     "Actor",
     "Appended",
@@ -59,6 +80,7 @@ __all__ = [
     "EventFilter",
     "InclusionProof",
     "Ledger",
+    "LedgerObject",
     "LogHead",
     "Receipt",
     "Signer",
@@ -68,10 +90,16 @@ __all__ = [
     "VerifyReport",
     "add_signatures",
     "canonical_json",
+    "check_lineage_object",
+    "clip",
     "cosigned_by",
     "cosigned_message",
     "iter_events",
     "leaf_hash",
+    "lineage_keys",
+    "lineage_object",
+    "lineage_proof",
+    "lineage_seqs",
     "make_receipt",
     "node_hash",
     "open_checkpoint",
@@ -80,6 +108,7 @@ __all__ = [
     "parse_tile_path",
     "path_from_ranges",
     "query_events",
+    "read_objects",
     "require_cosignatures",
     "root_from_inclusion",
     "split_note",

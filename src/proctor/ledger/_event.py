@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from proctor.errors import UsageError
+from proctor.errors import LedgerError, UsageError
+from proctor.ledger._objects import LedgerObject
 
 EVENT_VERSION = 1
+#: The largest event the ledger appends, in canonical bytes. A C2SP tlog-tiles
+#: entry bundle prefixes each entry with a uint16 length (at most 65,535 bytes);
+#: this leaves room to spare, so every entry of every log is servable. Per-row
+#: data goes to lineage objects, free text is cut (``clip``): an event over the
+#: bound is a bug, and the ledger refuses it (docs/ledger.md).
+MAX_EVENT_BYTES = 16 * 1024
+#: The marker a cut text ends with.
+CUT_MARKER = "…[cut]"
 Decision = Literal["allow", "deny"]
 
 _ACTOR_TYPES = frozenset({"operator", "user", "service", "workload", "runtime"})
@@ -51,6 +61,8 @@ class EventDraft:
     artifact: str | None = None
     approvals: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
+    # Stored with the event, in its transaction; ``details`` carries their references.
+    objects: tuple[LedgerObject, ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here, in the caller's thread, so that the ledger's writer can
@@ -68,6 +80,10 @@ class EventDraft:
                 raise UsageError(f"event field {name!r} must be a tuple of strings")
         if not isinstance(self.details, dict):
             raise UsageError("event details must be a JSON object")
+        if not isinstance(self.objects, tuple) or not all(
+            isinstance(o, LedgerObject) for o in self.objects
+        ):
+            raise UsageError("event objects must be a tuple of LedgerObject")
         if not isinstance(self.actor, Actor):
             raise UsageError("an event needs an Actor")
         if not _ACTION_RE.match(self.action):
@@ -93,3 +109,30 @@ class EventDraft:
             "approvals": list(self.approvals),
             "details": self.details,
         }
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, ending with ``CUT_MARKER`` when
+    it was cut: free text in an event (a message, a path) has a fixed budget."""
+    if len(text) <= limit:
+        return text
+    return text[: max(0, limit - len(CUT_MARKER))] + CUT_MARKER
+
+
+_log = logging.getLogger("proctor.ledger")
+
+
+def bounded_event(data: bytes) -> bytes:
+    """``data`` if it is within ``MAX_EVENT_BYTES``; otherwise the append fails.
+
+    Every event the code makes is built to fit (per-row data in objects, free text
+    clipped), so one that does not is a bug: it is logged as an error and the call
+    it records is refused, as any call that cannot be recorded."""
+    if len(data) <= MAX_EVENT_BYTES:
+        return data
+    head = data[:200].decode("utf-8", "replace")
+    _log.error("event of %d bytes over the %d-byte bound: %s...", len(data), MAX_EVENT_BYTES, head)
+    raise LedgerError(
+        f"an event of {len(data)} bytes is over the ledger's bound of {MAX_EVENT_BYTES}"
+        " bytes (a bug in whatever built it); it was not recorded"
+    )

@@ -23,7 +23,7 @@ from proctor.errors import (
     VerificationFailed,
 )
 from proctor.ledger._canonical import canonical_event, canonical_json
-from proctor.ledger._event import EventDraft, utc_now
+from proctor.ledger._event import EventDraft, bounded_event, utc_now
 from proctor.ledger._merkle import (
     EMPTY_ROOT,
     CompactRange,
@@ -33,6 +33,7 @@ from proctor.ledger._merkle import (
     root_from,
 )
 from proctor.ledger._note import Checkpoint, Signer, Verifier
+from proctor.ledger._objects import store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 from proctor.store import Conn, Store
@@ -396,7 +397,12 @@ class Ledger:
             for item in batch:
                 # An item that writes more than its event (a new log, a hook's rows, a
                 # follow-up) does so inside a savepoint: all of it commits, or none.
-                atomic = item.create or item.hook is not None or item.then is not None
+                atomic = (
+                    item.create
+                    or item.hook is not None
+                    or item.then is not None
+                    or bool(item.draft.objects)
+                )
                 known = set(touched) if atomic else set()
                 if atomic:
                     conn.execute("SAVEPOINT item")
@@ -461,7 +467,8 @@ class Ledger:
             assert item.error is not None
             raise item.error
         seq, time = state.tree.size, max(now, state.last_time)
-        data = canonical_event(item.draft.to_event(seq, time, item.log))
+        data = bounded_event(canonical_event(item.draft.to_event(seq, time, item.log)))
+        store_objects(conn, item.log, seq, item.draft.objects)
         if item.hook is not None:
             item.hook(conn)
         own = (item.log, seq, time, data, True)
@@ -476,7 +483,10 @@ class Ledger:
             assert probe.error is not None
             raise probe.error
         otime = max(now, ostate.last_time)
-        odata = canonical_event(make(leaf_hash(data)).to_event(ostate.tree.size, otime, other))
+        odraft = make(leaf_hash(data))
+        if odraft.objects:
+            raise UsageError("a follow-up event carries no objects")
+        odata = bounded_event(canonical_event(odraft.to_event(ostate.tree.size, otime, other)))
         return own, (other, ostate.tree.size, otime, odata, False)
 
     def _prepare(

@@ -237,4 +237,49 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
         "CREATE UNIQUE INDEX runs_one_per_service ON runs (tenant, service)"
         " WHERE status = 'running' AND service IS NOT NULL",
     ],
+    # 9: lineage objects (ledger/_objects.py): the per-row data of an event (the keyed
+    # hashes of the rows a read returned), content-addressed and referenced from the
+    # event by digest, count and Merkle root, so an event's size does not follow the
+    # rows a call reads. ``ledger_lineage`` finds the events that read one key.
+    [
+        """CREATE TABLE ledger_objects (
+            log TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            data BYTEA NOT NULL,
+            PRIMARY KEY (log, digest)
+        )""",
+        """CREATE TABLE ledger_lineage (
+            log TEXT NOT NULL,
+            key BYTEA NOT NULL,
+            seq BIGINT NOT NULL,
+            PRIMARY KEY (log, key, seq)
+        )""",
+    ],
+    # 10: witnesses (witness/_tenant.py): the ones each tenant submits its checkpoints
+    # to, its witness policy, and the cosignatures they returned (a note signature line
+    # per log, checkpoint size and witness).
+    [
+        """CREATE TABLE tenant_witnesses (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            name TEXT NOT NULL,
+            vkey TEXT NOT NULL,
+            url TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            PRIMARY KEY (tenant, name)
+        )""",
+        """CREATE TABLE witness_policy (
+            tenant TEXT PRIMARY KEY REFERENCES tenants (name),
+            quorum BIGINT NOT NULL,
+            max_age_seconds BIGINT NOT NULL
+        )""",
+        """CREATE TABLE witness_cosignatures (
+            log TEXT NOT NULL,
+            size BIGINT NOT NULL,
+            witness TEXT NOT NULL,
+            line TEXT NOT NULL,
+            time TEXT NOT NULL,
+            PRIMARY KEY (log, size, witness)
+        )""",
+    ],
 ]

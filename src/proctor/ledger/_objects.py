@@ -1,0 +1,161 @@
+"""Lineage objects: per-row data kept beside an event instead of inside it.
+
+An event must stay small whatever a call reads (``MAX_EVENT_BYTES``, so that
+every entry fits a C2SP tlog-tiles entry bundle). The keyed hashes of the rows a
+SQL read returned are one per row, so they go into a content-addressed object,
+and the event carries only its reference: the object's digest, how many keys it
+holds, and the RFC 6962 Merkle root over the sorted keys. The digest binds the
+whole object to the signed log; the root lets one key's presence be proven with
+an inclusion proof that reveals none of the others.
+
+The object is written in the same transaction as its event (``Ledger``), with
+one index row per key (``ledger_lineage``) so that "which events read key K"
+is an index search, not a walk through every object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proctor.ledger._canonical import canonical_json
+from proctor.ledger._merkle import (
+    EMPTY_ROOT,
+    CompactRange,
+    leaf_hash,
+    node_hash,
+    path_from_ranges,
+)
+from proctor.store import Conn, Store
+
+LINEAGE_FORMAT = "proctor-lineage/1"
+#: A lineage key as the broker records it: the first 16 bytes of an HMAC, in hex.
+_KEY_RE = re.compile(r"^[0-9a-f]{32}$")
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class LedgerObject:
+    """Bytes stored with an event, named by their SHA-256; ``keys`` are the index
+    entries (raw 16-byte key hashes) that find the event again."""
+
+    digest: str
+    data: bytes
+    keys: tuple[bytes, ...] = ()
+
+
+def _root(keys: Sequence[str]) -> bytes:
+    if not keys:
+        return EMPTY_ROOT
+    tree = CompactRange()
+    for k in keys:
+        tree.push(leaf_hash(k.encode("ascii")))
+    return tree.root()
+
+
+def lineage_object(hmacs: Iterable[str]) -> tuple[LedgerObject, dict[str, Any]]:
+    """The object holding ``hmacs`` (deduplicated, sorted) and the reference the
+    event carries: ``{"digest", "count", "root"}``."""
+    keys = sorted(set(hmacs))
+    for k in keys:
+        if not _KEY_RE.match(k):
+            raise ValueError(f"not a lineage key: {k[:40]!r}")
+    data = canonical_json({"format": LINEAGE_FORMAT, "keys": keys})
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    ref = {"digest": digest, "count": len(keys), "root": _root(keys).hex()}
+    return LedgerObject(digest, data, tuple(bytes.fromhex(k) for k in keys)), ref
+
+
+def lineage_keys(data: bytes) -> list[str]:
+    """The keys of a lineage object; ValueError if the bytes are not one."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != LINEAGE_FORMAT:
+        raise ValueError("not a lineage object")
+    keys = doc.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) and _KEY_RE.match(k) for k in keys):
+        raise ValueError("a lineage object's keys must be 32 hex digits each")
+    if keys != sorted(set(keys)):
+        raise ValueError("a lineage object's keys must be sorted and distinct")
+    if canonical_json(doc) != data:
+        raise ValueError("a lineage object must be canonical JSON")
+    return keys
+
+
+def check_lineage_object(ref: Mapping[str, Any], data: bytes | None) -> str | None:
+    """Why ``data`` is not the object ``ref`` (an event's reference) names, or None."""
+    digest = ref.get("digest")
+    if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+        return f"the event's lineage reference has no valid digest: {digest!r}"
+    if data is None:
+        return f"lineage object {digest} is missing"
+    if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+        return f"lineage object {digest} does not hash to its digest (altered)"
+    try:
+        keys = lineage_keys(data)
+    except ValueError as exc:
+        return f"lineage object {digest}: {exc}"
+    if ref.get("count") != len(keys):
+        return f"lineage object {digest} holds {len(keys)} keys, the event says {ref.get('count')}"
+    if ref.get("root") != _root(keys).hex():
+        return f"lineage object {digest}: the Merkle root of its keys differs from the event's"
+    return None
+
+
+def lineage_proof(keys: Sequence[str], key: str) -> tuple[int, list[bytes]]:
+    """An RFC 6962 inclusion proof of ``key`` among the sorted ``keys``: (index,
+    path), checked with ``verify_inclusion(root, index, len(keys), leaf, path)``
+    where ``leaf`` is ``leaf_hash(key.encode())``. Reveals no other key."""
+    index = list(keys).index(key)
+    leaves = [leaf_hash(k.encode("ascii")) for k in keys]
+
+    def mth(start: int, end: int) -> bytes:
+        if end - start == 1:
+            return leaves[start]
+        k = 1 << ((end - start - 1).bit_length() - 1)
+        return node_hash(mth(start, start + k), mth(start + k, end))
+
+    return index, path_from_ranges(mth, index, len(keys))
+
+
+def store_objects(conn: Conn, log: str, seq: int, objects: Sequence[LedgerObject]) -> None:
+    """Write ``objects`` of event ``seq`` and their index rows, in the append's
+    transaction. An object already stored (the same rows read again) is kept."""
+    for obj in objects:
+        conn.execute(
+            "INSERT INTO ledger_objects (log, digest, data) VALUES (?, ?, ?)"
+            " ON CONFLICT (log, digest) DO NOTHING",
+            (log, obj.digest, obj.data),
+        )
+        if obj.keys:
+            conn.executemany(
+                "INSERT INTO ledger_lineage (log, key, seq) VALUES (?, ?, ?)"
+                " ON CONFLICT (log, key, seq) DO NOTHING",
+                [(log, k, seq) for k in obj.keys],
+            )
+
+
+def lineage_seqs(store: Store, log: str, key: str) -> set[int]:
+    """The sequence numbers of the events of ``log`` whose lineage object holds
+    ``key`` (32 hex digits): one index search, no object is read."""
+    with store.read() as conn:
+        rows = conn.query(
+            "SELECT seq FROM ledger_lineage WHERE log = ? AND key = ?", (log, bytes.fromhex(key))
+        )
+    return {int(r[0]) for r in rows}
+
+
+def read_objects(store: Store, log: str, digests: Iterable[str]) -> dict[str, bytes]:
+    """The stored objects of ``log`` among ``digests``; a digest not stored is absent."""
+    found: dict[str, bytes] = {}
+    with store.read() as conn:
+        for digest in sorted(set(digests)):
+            row = conn.query_one(
+                "SELECT data FROM ledger_objects WHERE log = ? AND digest = ?", (log, digest)
+            )
+            if row is not None:
+                found[digest] = bytes(row[0])
+    return found
