@@ -15,7 +15,9 @@ Layout (every file listed with its SHA-256 in ``manifest.json``):
   end checkpoint; ``proofs/context.jsonl``: an inclusion proof per context event;
 - ``governance/*.json``: policies with versions, artifacts (manifests, digests),
   approvals, deployments, runs, the subprocessor register, from the store;
-- ``verifier.key``; ``report/report.{md,html,json}``, ``report/activity.png``.
+- ``verifier.key``; ``report/report.{md,html,json}``, ``report/activity.png``;
+- ``lineage/<hex>``: every lineage object a period event references (by
+  ``details.lineage_object.digest``, ``sha256:<hex>``), its bytes as stored.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._render import chart_png, cited_seqs, render_html, render_markdown
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
+from proctor.evidence._witnessed import witness_files
 from proctor.governance import Home, Runs, Subprocessors
-from proctor.ledger import canonical_json, leaf_hash, node_hash, utc_now
+from proctor.ledger import canonical_json, leaf_hash, node_hash, read_objects, utc_now
 
 PACK_FORMAT = "proctor-evidence-pack/1"
 # Governance actions whose earlier events a period's runs may rely on.
@@ -229,6 +232,7 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
         leaves: list[bytes] = []
         governance_events: list[dict[str, Any]] = []
         digests: set[str] = set()
+        lineage: set[str] = set()
         events_out = writer.stream("events/events.jsonl")
         ocsf_out = writer.stream("ocsf/events.ocsf.jsonl", spool=True)
         seq = first - 1
@@ -243,8 +247,10 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
                 governance_events.append(ev)
             if ev.get("artifact"):
                 digests.add(str(ev["artifact"]))
+            _lineage_ref(ev, lineage)
         events_out.close()
         ocsf_out.close()
+        _put_lineage(writer, rt, tenant, lineage)
         stop = seq + 1
         if stop != first + len(leaves):
             raise UsageError("the period's events are not contiguous; run `proctor audit verify`")
@@ -311,6 +317,9 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
             "events": len(leaves),
             "context": len(context_docs),
         }
+        # The tenant's witnesses: how old its newest cosigned checkpoint is, and that one.
+        for name, data in witness_files(rt, tenant, end_size).items():
+            writer.put(name, data)
         writer.put("pack.json", _json(meta))
         report = summary.finish(
             context=context_docs,
@@ -368,3 +377,21 @@ def iter_lines(zf: zipfile.ZipFile, name: str) -> Iterator[bytes]:
     with zf.open(name) as f:
         for line in f:
             yield line.rstrip(b"\n")
+
+
+def _lineage_ref(ev: dict[str, Any], into: set[str]) -> None:
+    ref = (ev.get("details") or {}).get("lineage_object")
+    if isinstance(ref, dict) and isinstance(ref.get("digest"), str):
+        into.add(ref["digest"])
+
+
+def lineage_name(digest: str) -> str:
+    """Where a pack holds the lineage object ``sha256:<hex>``."""
+    return "lineage/" + digest.removeprefix("sha256:")
+
+
+def _put_lineage(writer: _Writer, rt: Home, tenant: str, digests: set[str]) -> None:
+    """The lineage objects the period's events reference; one missing from the store
+    is left out, and `evidence verify` names it."""
+    for digest, data in sorted(read_objects(rt.store, tenant, digests).items()):
+        writer.put(lineage_name(digest), data)

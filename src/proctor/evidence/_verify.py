@@ -24,7 +24,7 @@ from typing import Any
 
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.evidence._ocsf import ocsf_line
-from proctor.evidence._pack import PACK_FORMAT, iter_lines
+from proctor.evidence._pack import PACK_FORMAT, iter_lines, lineage_name
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
 from proctor.governance import (
@@ -37,6 +37,7 @@ from proctor.governance import (
 from proctor.ledger import (
     Checkpoint,
     Verifier,
+    check_lineage_object,
     leaf_hash,
     open_checkpoint,
     parse_canonical,
@@ -202,6 +203,7 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     head = _read_head(zf, vkey)
     end_cp = _check_checkpoints(zf, head)
     period = _check_period(zf, head, end_cp)
+    _check_lineage(zf)
     context_docs = _check_context(zf, head, end_cp, period.events)
     proven = _Proven.index(period.events)
     production, approvals_checked = _check_approvals(proven)
@@ -631,6 +633,31 @@ def _check_records(
                 f"governance/policies.json: the text of {p.get('version')} does not hash "
                 "to its version"
             )
+
+
+def _check_lineage(zf: zipfile.ZipFile) -> int:
+    """Every lineage object a period event references is in the pack and is that
+    object: its digest, its key count and the Merkle root of its keys as the (proven)
+    event says. Returns how many were checked."""
+    names = set(zf.namelist())
+    checked: set[str] = set()
+    for data in iter_lines(zf, "events/events.jsonl"):
+        if b'"lineage_object"' not in data:
+            continue
+        ev = json.loads(data)
+        ref = (ev.get("details") or {}).get("lineage_object")
+        if not isinstance(ref, dict):
+            raise _fail(f"event seq {ev.get('seq')}: its lineage_object is not an object")
+        digest = str(ref.get("digest"))
+        if digest in checked:
+            continue
+        name = lineage_name(digest)
+        blob = zf.read(name) if name in names else None
+        problem = check_lineage_object(ref, blob)
+        if problem is not None:
+            raise _fail(f"event seq {ev.get('seq')}: {name}: {problem}")
+        checked.add(digest)
+    return len(checked)
 
 
 if __name__ == "__main__":
