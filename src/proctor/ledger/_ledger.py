@@ -32,7 +32,7 @@ from proctor.ledger._merkle import (
     leaf_hash,
     root_from,
 )
-from proctor.ledger._note import Checkpoint, Signer, Verifier
+from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint
 from proctor.ledger._objects import store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
@@ -665,48 +665,133 @@ class Ledger:
 
         Layout: ``events.jsonl`` (the hashed bytes, one per line),
         ``checkpoints.jsonl``, ``checkpoint`` (the latest signed note, as
-        signed), ``verifier.key``, ``log.json``, and the tree as C2SP
-        tlog-tiles under ``tile/`` so standard tlog clients can read it.
+        signed), ``verifier.key``, ``log.json``, and next to them a complete
+        static C2SP tlog-tiles tree laid out as the API serves it, so that any
+        static file server or object store serves it to standard tlog clients:
+        ``checkpoint``, every full tile at every level and every full entry
+        bundle (``tile/entries/...``), and the partial tiles and bundles of every
+        checkpoint size the log has signed (a client holding an older checkpoint
+        proves against it). A bundle that would hold an event over 65,535 bytes
+        (possible only in a log written before events were bounded) is left out
+        and named in ``log.json`` (``unbundled``).
         """
         out.mkdir(parents=True, exist_ok=True)
         if any(out.iterdir()):
             raise UsageError(f"export directory {out} is not empty")
         with self._store.read() as conn:
             head = self._head(conn, log)
-            with (out / "events.jsonl").open("wb") as f:
-                for row in conn.iterate(
-                    "SELECT data FROM ledger_entries WHERE log = ? AND seq < ? ORDER BY seq",
-                    (log, head.size),
-                ):
-                    f.write(bytes(row[0]) + b"\n")
+            sizes: list[int] = []
             with (out / "checkpoints.jsonl").open("wb") as f:
                 for size, time, note in conn.query(
                     "SELECT size, time, note FROM ledger_checkpoints"
                     " WHERE log = ? AND size <= ? ORDER BY size",
                     (log, head.size),
                 ):
+                    sizes.append(int(size))
                     f.write(canonical_json({"size": size, "time": time, "note": note}) + b"\n")
+            widths = partial_widths(head.size, sizes)
+            bundles = _Bundles(head.size, widths, lambda rel, b: _write_file(out / rel, b))
+            with (out / "events.jsonl").open("wb") as f:
+                for row in conn.iterate(
+                    "SELECT data FROM ledger_entries WHERE log = ? AND seq < ? ORDER BY seq",
+                    (log, head.size),
+                ):
+                    data = bytes(row[0])
+                    f.write(data + b"\n")
+                    bundles.add(data)
             nodes = TileNodes(conn, log, self._cache)
             level = 0
             while head.size >> (8 * level):
                 count = head.size >> (8 * level)
                 for index in range((count + TILE_WIDTH - 1) // TILE_WIDTH):
+                    tile = nodes.tile(level, index)
                     width = min(TILE_WIDTH, count - index * TILE_WIDTH)
-                    path = out / tile_path(level, index, width)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(nodes.tile(level, index)[: width * 32])
+                    for w in sorted({width} | widths.get((level, index), set())):
+                        _write_file(out / tile_path(level, index, w), tile[: w * 32])
                 level += 1
         (out / "checkpoint").write_text(head.checkpoint, encoding="utf-8")
         (out / "verifier.key").write_text(self.vkey() + "\n", encoding="utf-8")
-        meta = {
+        meta: dict[str, Any] = {
             "format": EXPORT_FORMAT,
             "log": log,
             "origin": head.origin,
             "size": head.size,
             "root": base64.b64encode(head.root).decode(),
+            "tree": TREE_COMPLETE,
         }
+        if bundles.skipped:
+            meta["unbundled"] = bundles.skipped
         (out / "log.json").write_bytes(canonical_json(meta) + b"\n")
         return head
+
+
+#: ``log.json``'s ``tree`` in an export that holds the complete static tlog-tiles
+#: tree (entry bundles, and the partial tiles of every checkpoint size).
+TREE_COMPLETE = "c2sp-tlog-tiles"
+_BUNDLE = "entries"
+
+
+def partial_widths(size: int, sizes: Sequence[int]) -> dict[tuple[int | str, int], set[int]]:
+    """The partial tiles (level, or ``"entries"`` for bundles, and index) and their
+    widths that the trees of ``sizes`` (checkpoint sizes up to ``size``) need."""
+    out: dict[tuple[int | str, int], set[int]] = {}
+    for s in sizes:
+        if not 0 < s <= size:
+            continue
+        if s % TILE_WIDTH:
+            out.setdefault((_BUNDLE, s // TILE_WIDTH), set()).add(s % TILE_WIDTH)
+        level = 0
+        while s >> (8 * level):
+            count = s >> (8 * level)
+            if count % TILE_WIDTH:
+                out.setdefault((level, count // TILE_WIDTH), set()).add(count % TILE_WIDTH)
+            level += 1
+    return out
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+class _Bundles:
+    """Entry bundles (C2SP tlog-tiles: big-endian uint16 length, then the entry),
+    built from the events in order; each is handed to ``sink`` with its path when
+    its 256 entries, or the last entry of the tree, are in."""
+
+    def __init__(
+        self,
+        size: int,
+        widths: dict[tuple[int | str, int], set[int]],
+        sink: Callable[[str, bytes], None],
+    ) -> None:
+        self._size = size
+        self._widths = widths
+        self._sink = sink
+        self._buf = bytearray()
+        self._ends: list[int] = []
+        self._seq = 0
+        self._fits = True
+        self.skipped: list[int] = []
+
+    def add(self, data: bytes) -> None:
+        if len(data) > 0xFFFF:
+            self._fits = False
+        elif self._fits:
+            self._buf += len(data).to_bytes(2, "big") + data
+        self._ends.append(len(self._buf))
+        self._seq += 1
+        if len(self._ends) == TILE_WIDTH or self._seq == self._size:
+            index = (self._seq - 1) // TILE_WIDTH
+            if self._fits:
+                n = len(self._ends)
+                for w in sorted({n} | self._widths.get((_BUNDLE, index), set())):
+                    self._sink(tile_path(_BUNDLE, index, w), bytes(self._buf[: self._ends[w - 1]]))
+            else:
+                self.skipped.append(index)
+            self._buf.clear()
+            self._ends.clear()
+            self._fits = True
 
 
 EXPORT_FORMAT = "proctor-ledger-export/1"
@@ -739,16 +824,37 @@ def verify_export(
         widths = sorted(int(p.name) for p in partials.glob("*") if p.name.isdigit())
         return (partials / str(widths[-1])).read_bytes() if widths else b""
 
+    complete = meta.get("tree") == TREE_COMPLETE
+    expected: dict[tuple[int | str, int], set[int]] = {}
+    if complete:
+        sizes = [open_checkpoint(n, verifier, origin).size for n in notes]
+        expected = partial_widths(int(meta["size"]), sizes)
+
+    def check_bundle(rel: str, data: bytes) -> None:
+        try:
+            stored = (directory / rel).read_bytes()
+        except OSError as exc:
+            raise VerificationFailed(f"the export's tree lacks the entry bundle {rel}") from exc
+        if stored != data:
+            raise VerificationFailed(
+                f"the export's entry bundle {rel} does not hold the exported events"
+            )
+
+    bundles = _Bundles(int(meta.get("size", 0)), expected, check_bundle)
+
     def entries() -> Iterator[bytes]:
         try:
             with (directory / "events.jsonl").open("rb") as f:
                 for line in f:
-                    yield line.rstrip(b"\n")
+                    data = line.rstrip(b"\n")
+                    if complete:
+                        bundles.add(data)
+                    yield data
         except OSError as exc:
             raise VerificationFailed(f"cannot read the export's events: {exc}") from exc
 
     has_tiles = (directory / "tile").is_dir()
-    return verify_log(
+    report = verify_log(
         origin=origin,
         tenant=log,
         entries=entries(),
@@ -756,3 +862,23 @@ def verify_export(
         verifier=verifier,
         tiles=tiles if has_tiles else None,
     )
+    if complete:
+        if report.size != int(meta["size"]):
+            raise VerificationFailed(
+                f"the export's log.json says {meta['size']} events; it holds {report.size}"
+            )
+        # Every older tree's partial tiles are prefixes of the tiles just checked.
+        for (level, index), ws in sorted(expected.items(), key=str):
+            if level == _BUNDLE:
+                continue
+            assert isinstance(level, int)
+            whole = tiles(level, index)
+            for w in ws:
+                rel = tile_path(level, index, w)
+                if not (directory / rel).is_file():
+                    raise VerificationFailed(f"the export's tree lacks the partial tile {rel}")
+                if (directory / rel).read_bytes() != whole[: w * 32]:
+                    raise VerificationFailed(
+                        f"the export's partial tile {rel} does not match the tree"
+                    )
+    return report
