@@ -104,6 +104,12 @@ ARGS: dict[str, list[str]] = {
     "tenant create": ["initech"],
     "tenant freeze": ["globex"],
     "tenant unfreeze": ["globex"],
+    "witness add-log": ["--state", "{TMP}/witness", "proctor.local/tenant/acme", "{VKEY}"],
+    "witness init": ["--state", "{TMP}/witness2", "--name", "walk.test/w2"],
+    "witness show": ["--state", "{TMP}/witness"],
+    "witness use": ["-t", "acme", "walk-w2", "walk.test/w+fad061bf+BKZ5r/Vd/dboNC9WZvVa8Ow84vr8Ad"
+                    "mVYsA3OoWAafxr", "http://127.0.0.1:9"],
+    "witness remove": ["-t", "acme", "walk-w"],
 }
 # fmt: on
 
@@ -114,6 +120,7 @@ NOT_WALKED = {
     "audit tail": "follows the log until Ctrl-C (JSON Lines): the tests of audit tail",
     "run": "runs a sandbox: test_every_printing_command_speaks_json runs it as a subprocess",
     "sandbox run": "runs a sandbox: test_every_printing_command_speaks_json runs it too",
+    "witness serve": "serves until stopped (its --json is one line): tests/integration/test_witness",
 }
 
 #: Commands that print but take no --json, and why.
@@ -236,6 +243,12 @@ def walk_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gov, d
     }))  # fmt: skip
     (tmp / "k.txt").write_text("hello\n")
     rt.resources.put_object("acme", "reports", "in/k.txt", b"hello\n", op)
+    from proctor.witness import TenantWitnesses, Witness  # witness add-log, show and remove
+
+    witness = Witness.init(tmp / "witness", "walk.test/w")
+    TenantWitnesses(rt.store, rt.ledger).use(
+        "acme", "walk-w", witness.vkey, "http://127.0.0.1:9", op
+    )
     values = {
         "D": digest, "D2": other, "A": approval.id, "TMP": str(tmp), "CRM": str(tmp / "crm.db"),
         "NEWART": str(gov.artifact_dir("walked", JOB, CAPS)), "VKEY": rt.ledger.vkey(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import subprocess
@@ -25,10 +26,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from proctor.ledger import Ledger, Signer
 from proctor.store import open_store
-from proctor.witness import add_checkpoint_body
+from proctor.witness import Witness, add_checkpoint_body
 from tests.conftest import PROCTOR, draft, run_cli
 
 ORIGIN = "test.local/tenant/acme"
+# One number per namespace made by this process: names and /30 subnets never collide.
+_NETNS_NUMBERS = itertools.count()
 
 
 # ---- witnesses in their own network namespaces -------------------------------------
@@ -50,8 +53,7 @@ class Netns:
     def make(cls, index: int) -> Netns | None:
         tag = f"{os.getpid() % 100000}{index}"
         name, host_if, ns_if = f"pw{tag}", f"pwh{tag}", f"pwn{tag}"
-        subnet = f"10.214.{os.getpid() % 250}.{index * 4}"
-        base = subnet.rsplit(".", 1)[0]
+        base = f"10.214.{os.getpid() % 250}"
         host_ip, ns_ip = f"{base}.{index * 4 + 1}", f"{base}.{index * 4 + 2}"
         ok = (
             _ip("netns", "add", name)
@@ -85,7 +87,13 @@ class WitnessProc:
     proc: subprocess.Popen[bytes] | None = None
     port: int = 7380
 
-    def init(self, logs: list[tuple[str, str]]) -> WitnessProc:
+    def init(self, logs: list[tuple[str, str]], cli: bool = False) -> WitnessProc:
+        if not cli:  # the library, as the CLI calls it: a process start saved per witness
+            w = Witness.init(self.state, self.name)
+            for origin, vkey in logs:
+                w.add_log(origin, vkey)
+            self.vkey = w.vkey
+            return self
         out = run_cli("witness", "init", "--state", str(self.state), "--name", self.name, "--json")
         self.vkey = json.loads(out.out)["vkey"]
         for origin, vkey in logs:
@@ -132,14 +140,16 @@ class Witnesses:
     nets: list[Netns] = field(default_factory=list)
     in_namespaces: bool = True
 
-    def new(self, state: Path, name: str, logs: list[tuple[str, str]]) -> WitnessProc:
-        netns = Netns.make(len(self.nets)) if self.in_namespaces else None
+    def new(
+        self, state: Path, name: str, logs: list[tuple[str, str]], cli: bool = False
+    ) -> WitnessProc:
+        netns = Netns.make(next(_NETNS_NUMBERS)) if self.in_namespaces else None
         if netns is None:
             # No namespaces here (no CAP_NET_ADMIN, no iproute2): loopback instead.
             self.in_namespaces = False
         else:
             self.nets.append(netns)
-        w = WitnessProc(state, name, netns).init(logs).start()
+        w = WitnessProc(state, name, netns).init(logs, cli).start()
         self.made.append(w)
         return w
 
@@ -214,7 +224,7 @@ def test_cosigns_consistent_checkpoints_and_refuses_forks_rollbacks_and_races(
     honest.create_log("acme", draft(0))
     for i in range(1, 5):
         honest.append("acme", draft(i))
-    w = witnesses.new(tmp_path / "w1", "witness.test/w1", [(ORIGIN, honest.vkey())])
+    w = witnesses.new(tmp_path / "w1", "witness.test/w1", [(ORIGIN, honest.vkey())], cli=True)
     assert honest.origin("acme") == ORIGIN
 
     # A first checkpoint: cosigned, and the line verifies with an independent check.
@@ -269,7 +279,8 @@ def test_cosigns_consistent_checkpoints_and_refuses_forks_rollbacks_and_races(
     finally:
         alien.close()
     text, _, sig = eight.checkpoint.rpartition("\n\n")
-    raw = bytearray(base64.b64decode(sig.split(" ")[2]))
+    legacy = next(line for line in sig.splitlines() if line.split(" ")[1] == "test.local")
+    raw = bytearray(base64.b64decode(legacy.split(" ")[2]))
     raw[-1] ^= 1
     bad = f"{text}\n\n\u2014 test.local {base64.b64encode(bytes(raw)).decode()}\n"
     assert post(w, 8, [], bad).status_code == 403

@@ -26,6 +26,7 @@ from proctor.cli._common import (
     parse_time,
     remote,
 )
+from proctor.cli._witness import WitnessOpt, WitnessQuorumOpt
 from proctor.errors import UsageError, VerificationFailed
 from proctor.governance import unbacked_rows
 from proctor.ledger import (
@@ -340,21 +341,38 @@ def verify(
         list[Path] | None,
         typer.Option(help="A signed checkpoint held elsewhere that the log must extend"),
     ] = None,
+    witness: WitnessOpt = None,
+    witness_quorum: WitnessQuorumOpt = None,
     as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Recompute every leaf and root, check every signed checkpoint, and hold every
     governance row of the store (artifacts, approvals, deployments, principals, the
-    quorum rule) to the events that back it."""
+    quorum rule) to the events that back it. With --witness: the log must also extend
+    a checkpoint that a quorum of those witnesses cosigned."""
     trusted = [p.read_text(encoding="utf-8") for p in checkpoint or []]
     verifier = Verifier.parse(key) if key else None
     backing = None
+    witnessed_size = None
+    quorum = 0
+    if witness:
+        from proctor.witness import check_policy, witnessed
+
+        quorum = check_policy(witness, witness_quorum)
+    elif witness_quorum is not None:
+        raise UsageError("--witness-quorum needs at least one --witness KEY")
     if from_export is not None:
         if verifier is None:
             vkey = (from_export / "verifier.key").read_text(encoding="utf-8").strip()
             Console(stderr=True, highlight=False).print(
                 f"[yellow]trusting the export's own key[/] {vkey}"
             )
+        if witness:
+            # The export's checkpoint, or one held elsewhere (--checkpoint), must be
+            # cosigned; the log is then held to it like any trusted checkpoint.
+            own = (from_export / "checkpoint").read_text(encoding="utf-8")
+            witnessed_size, note = witnessed([own, *trusted], witness, quorum)
+            trusted.append(note)
         report = verify_export(from_export, verifier, trusted)
         if tenant is not None and report.origin.rsplit("/", 1)[-1] != tenant:
             raise VerificationFailed(f"the export is of {report.origin}, not tenant {tenant!r}")
@@ -365,6 +383,12 @@ def verify(
             if verifier is not None and verifier.vkey() != rt.ledger.vkey():
                 raise VerificationFailed("the runtime's key is not the key you trust")
             log = rt.log_name(tenant)
+            if witness:
+                from proctor.witness import TenantWitnesses
+
+                notes = TenantWitnesses(rt.store, rt.ledger).cosigned_notes(log)
+                witnessed_size, note = witnessed([*notes, *trusted], witness, quorum)
+                trusted.append(note)
             report = rt.ledger.verify(log, trusted)
             if log != SYSTEM_LOG:
                 # The log is sound; now every governance row must be one it backs.
@@ -376,6 +400,11 @@ def verify(
         f"[green]verified[/] {report.origin}: {report.size} events, "
         f"{report.checkpoints} signed checkpoints consistent"
     )
+    if witnessed_size is not None:
+        say.print(
+            f"[green]witnessed[/]: the log extends the checkpoint of size {witnessed_size} that "
+            f"{quorum} of your witnesses cosigned ({report.size - witnessed_size} newer events)"
+        )
     if backing is not None:
         problems, counts = backing
         checked = ", ".join(f"{n} {k}" for k, n in counts.items())
@@ -392,7 +421,8 @@ def verify(
     if as_json:
         _emit_json({"origin": report.origin, "size": report.size,
                     "checkpoints": report.checkpoints, "verified": True,
-                    "rows_backed": None if backing is None else backing[1]})  # fmt: skip
+                    "rows_backed": None if backing is None else backing[1],
+                    "witnessed_size": witnessed_size})  # fmt: skip
 
 
 @audit_app.command("export")

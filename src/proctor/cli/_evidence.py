@@ -26,6 +26,7 @@ from proctor.cli._common import (
     parse_time,
     print_table,
 )
+from proctor.cli._witness import WitnessOpt, WitnessQuorumOpt
 from proctor.errors import UsageError
 from proctor.governance import Subprocessors
 
@@ -98,11 +99,15 @@ def export(
 def verify(
     pack: Annotated[Path, typer.Argument(help="An evidence pack (.zip)")],
     key: KeyOpt = None,
+    witness: WitnessOpt = None,
+    witness_quorum: WitnessQuorumOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Verify a pack offline: signatures, proofs, approvals, capabilities, records, report."""
-    from proctor.evidence import verify_pack
+    """Verify a pack offline: signatures, proofs, approvals, capabilities, records, report;
+    with --witness, also that witnesses you trust cosigned a checkpoint covering its period."""
+    from proctor.evidence import verify_pack, verify_pack_witnesses
 
+    quorum = _witness_policy(witness, witness_quorum)
     if key is None:
         # On stderr: stdout is the report's, which --json makes one JSON object.
         Console(stderr=True, highlight=False).print(
@@ -110,9 +115,15 @@ def verify(
             "against the key you hold[/]"
         )
     report = verify_pack(pack, key)
+    witnessed = verify_pack_witnesses(pack, key, witness, quorum) if witness else None
     if as_json:
-        _emit(report.__dict__)
+        _emit({**report.__dict__, **({"witness": witnessed} if witnessed is not None else {})})
         return
+    if witnessed is not None:
+        console.print(
+            f"[green]witnessed[/]: {quorum} of your witnesses cosigned the checkpoint of size "
+            f"{witnessed['witnessed_size']}, which extends the pack's end checkpoint"
+        )
     console.print(
         f"[green]verified[/] {report.origin}: {report.events} events (seq {report.first_seq} to "
         f"{report.end_seq - 1}) and {report.context} context events in the signed tree of size "
@@ -237,16 +248,20 @@ def lineage_cmd(
 def receipt_verify(
     file: Annotated[Path, typer.Argument(help="A .tlog-proof receipt")],
     key: Annotated[str, typer.Option("--key", help="The verifier key you trust")],
+    witness: WitnessOpt = None,
+    witness_quorum: WitnessQuorumOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check a run receipt offline against the verifier key."""
+    """Check a run receipt offline against the verifier key (and, with --witness, that
+    witnesses you trust cosigned its checkpoint)."""
     from proctor.evidence import verify_receipt
 
+    quorum = _witness_policy(witness, witness_quorum)
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read {file}: {exc.strerror}") from exc
-    r = verify_receipt(text, key)
+    r = verify_receipt(text, key, witness or (), quorum)
     if as_json:
         _emit({"origin": r.origin, "index": r.index, "size": r.size, "event": r.event})
         return
@@ -395,3 +410,14 @@ def register(app: typer.Typer) -> None:
     app.add_typer(subprocessor_app, name="subprocessor")
     app.add_typer(receipt_app, name="receipt")
     app.command("lineage")(lineage_cmd)
+
+
+def _witness_policy(witness: list[str] | None, quorum: int | None) -> int:
+    """The quorum a --witness policy asks (0: no policy)."""
+    if not witness:
+        if quorum is not None:
+            raise UsageError("--witness-quorum needs at least one --witness KEY")
+        return 0
+    from proctor.witness import check_policy
+
+    return check_policy(witness, quorum)

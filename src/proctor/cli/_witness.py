@@ -43,6 +43,26 @@ StateOpt = Annotated[
 ]  # fmt: skip
 
 
+#: A verifier's witness policy (audit verify, evidence verify, receipt verify).
+WitnessOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--witness",
+        help="A witness's cosignature key you trust (repeatable): the checkpoint relied on "
+        "must carry its cosignature",
+        show_default=False,
+    ),
+]
+WitnessQuorumOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--witness-quorum",
+        help="How many of the --witness keys must have cosigned [default: all of them]",
+        show_default=False,
+    ),
+]
+
+
 def _manage(rt: Runtime, token: str | None, tenant: str, name: str) -> None:
     """Choosing witnesses is part of the tenant's trust policy: the policy.set action."""
     _, principal = acting(rt, token)

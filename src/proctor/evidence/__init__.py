@@ -17,6 +17,7 @@ from proctor.evidence._queries import dpa_annex, key_hmac, lineage, ropa, sample
 from proctor.evidence._receipt import Receipt, make_receipt, verify_receipt
 from proctor.evidence._tree import RangeTree
 from proctor.evidence._verify import PackReport, verify_pack
+from proctor.evidence._witnessed import verify_pack_witnesses
 
 __all__ = [
     "OCSF_VERSION",
@@ -34,5 +35,6 @@ __all__ = [
     "sample_runs",
     "to_ocsf",
     "verify_pack",
+    "verify_pack_witnesses",
     "verify_receipt",
 ]

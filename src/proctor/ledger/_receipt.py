@@ -22,13 +22,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.ledger._ledger import Ledger
 from proctor.ledger._merkle import leaf_hash, verify_inclusion
-from proctor.ledger._note import Verifier, open_checkpoint
+from proctor.ledger._note import Verifier, open_checkpoint, require_cosignatures
 
 HEADER = "c2sp.org/tlog-proof@v1"
 
@@ -41,22 +42,32 @@ class Receipt:
     event: dict[str, Any]
 
 
-def make_receipt(ledger: Ledger, tenant: str, seq: int) -> str:
-    """The receipt of event ``seq`` of ``tenant``'s log, against the current checkpoint."""
+def make_receipt(
+    ledger: Ledger, tenant: str, seq: int, checkpoint: tuple[int, str] | None = None
+) -> str:
+    """The receipt of event ``seq`` of ``tenant``'s log, against the current checkpoint,
+    or against ``checkpoint`` (size, note): a checkpoint its witnesses cosigned, whose
+    cosignatures the receipt then carries."""
     head = ledger.head(tenant)
     if head.size == 0:
         raise VerificationFailed(f"the log of {tenant} is empty")
     data = next(iter(ledger.entries(tenant, seq, seq + 1)), None)
     if data is None:
         raise VerificationFailed(f"event seq {seq} is not in the log of {tenant}")
-    proof = ledger.inclusion_proof(tenant, seq, head.size)
+    size, note = checkpoint if checkpoint is not None else (head.size, head.checkpoint)
+    if not seq < size <= head.size:
+        raise VerificationFailed(f"the checkpoint of size {size} does not hold event seq {seq}")
+    proof = ledger.inclusion_proof(tenant, seq, size)
     lines = [HEADER, "extra " + base64.b64encode(data).decode(), f"index {seq}"]
     lines += [base64.b64encode(h).decode() for h in proof.hashes]
-    return "\n".join(lines) + "\n\n" + head.checkpoint
+    return "\n".join(lines) + "\n\n" + note
 
 
-def verify_receipt(text: str, vkey: str) -> Receipt:
-    """Check a receipt offline with the verifier key; returns what it proves."""
+def verify_receipt(text: str, vkey: str, witnesses: Sequence[str] = (), quorum: int = 0) -> Receipt:
+    """Check a receipt offline with the verifier key; returns what it proves.
+
+    With ``witnesses`` (their cosignature verifier keys) and ``quorum``, the
+    receipt's checkpoint must also carry ``quorum`` valid cosignatures of them."""
     try:
         verifier = Verifier.parse(vkey)
     except ProctorError as exc:
@@ -85,6 +96,8 @@ def verify_receipt(text: str, vkey: str) -> Receipt:
     if data is None:
         raise VerificationFailed("receipt: no event (extra line) to check")
     checkpoint = open_checkpoint(note, verifier)
+    if witnesses or quorum:
+        require_cosignatures(note, list(witnesses), quorum)
     verify_inclusion(index, checkpoint.size, leaf_hash(data), hashes, checkpoint.root)
     try:
         event = json.loads(data)

@@ -1,9 +1,11 @@
-"""A production run's signed receipt, as the supervisor wrote it at the run's end."""
+"""A production run's signed receipt, as the supervisor wrote it at the run's end (made
+again against a checkpoint the tenant's witnesses cosigned since, when there is one)."""
 
 from __future__ import annotations
 
 from proctor.errors import NotFound
 from proctor.governance import Home, Runs
+from proctor.witness import TenantWitnesses, witnessed_receipt
 
 RECEIPT_NAME = "receipt.tlog-proof"
 
@@ -14,9 +16,13 @@ def run_receipt(rt: Home, tenant: str, run_id: str) -> str:
     record = Runs(rt.store).get(tenant, run_id)
     path = rt.home / "runs" / record.id / RECEIPT_NAME
     try:
-        return path.read_text(encoding="utf-8")
+        written = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         pass
+    else:
+        # Made again against the newest checkpoint the tenant's witnesses cosigned, if
+        # it holds the run's end: the receipt then carries their cosignatures.
+        return witnessed_receipt(TenantWitnesses(rt.store, rt.ledger), rt.ledger, tenant, written)
     if record.status == "running":
         why, hint = "is still running", "its receipt is written when it ends"
     elif record.environment != "production":

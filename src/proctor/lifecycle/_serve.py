@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -35,10 +36,14 @@ from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
 from proctor.lifecycle._supervisor import AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
+from proctor.witness import DEFAULT_INTERVAL, Submitter, TenantWitnesses
 
 log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 SWEEP_SECONDS = 5.0
+#: How often, at most, new checkpoints go to the tenants' witnesses (seconds);
+#: PROCTOR_WITNESS_INTERVAL overrides it.
+WITNESS_INTERVAL = float(os.environ.get("PROCTOR_WITNESS_INTERVAL", DEFAULT_INTERVAL))
 
 
 @dataclass
@@ -120,6 +125,10 @@ class Server:
     def serve(self) -> None:
         self.reap()
         next_sweep = time.monotonic() + self.sweep_seconds
+        # Checkpoints go to each tenant's witnesses from a thread of their own: a
+        # witness that is slow or down never holds up a tick or a call.
+        submitter = Submitter(TenantWitnesses(self.rt.store, self.rt.ledger), WITNESS_INTERVAL)
+        submitter.start()
         try:
             while not self._stop.is_set():
                 # A failed tick (a busy store, say) is tried again at the next one.
@@ -134,6 +143,7 @@ class Server:
             # Every run of this process, whoever started it (a slot, the API), is
             # stopped and its end recorded before we exit: a run left 'running'
             # with its sandbox alive would wait for the next serve to be closed.
+            submitter.stop()
             unfinished = self.supervisor.shutdown()
             if unfinished:
                 log.error("proctor serve: runs %s did not end in time", ", ".join(unfinished))

@@ -12,6 +12,7 @@ Two sides, one component, built on the ledger's notes and proofs:
   checkpoints beside the calls, never on their path.
 """
 
+from proctor.witness._policy import check_policy, witnessed
 from proctor.witness._server import WitnessServer, parse_listen
 from proctor.witness._tenant import (
     DEFAULT_INTERVAL,
@@ -22,6 +23,7 @@ from proctor.witness._tenant import (
     TenantWitnesses,
     WitnessPolicy,
     add_checkpoint_body,
+    witnessed_receipt,
 )
 from proctor.witness._witness import SIZE_TYPE, Answer, LogState, Witness
 
@@ -39,5 +41,8 @@ __all__ = [
     "WitnessPolicy",
     "WitnessServer",
     "add_checkpoint_body",
+    "check_policy",
     "parse_listen",
+    "witnessed",
+    "witnessed_receipt",
 ]

@@ -35,6 +35,7 @@ from proctor.ledger import (
     Ledger,
     add_signatures,
     cosigned_by,
+    make_receipt,
     split_note,
     utc_now,
 )
@@ -254,6 +255,27 @@ class TenantWitnesses:
             lines = self._lines(conn, log, size)
         return add_signatures(note, lines) if lines else note
 
+    def cosigned_notes(self, log: str) -> builtins.list[str]:
+        """Every checkpoint of ``log`` that a witness cosigned, with the stored
+        cosignatures, newest first (a witness policy then picks one)."""
+        with self._store.read() as conn:
+            sizes = [
+                int(r[0])
+                for r in conn.query(
+                    "SELECT DISTINCT size FROM witness_cosignatures WHERE log = ?"
+                    " ORDER BY size DESC",
+                    (log,),
+                )
+            ]
+            notes = []
+            for size in sizes:
+                row = conn.query_one(
+                    "SELECT note FROM ledger_checkpoints WHERE log = ? AND size = ?", (log, size)
+                )
+                if row is not None:
+                    notes.append(add_signatures(str(row[0]), self._lines(conn, log, size)))
+        return notes
+
     def newest_cosigned(self, log: str, quorum: int = 1) -> tuple[int, str] | None:
         """The largest checkpoint of ``log`` holding ``quorum`` stored cosignatures:
         (size, the note with them)."""
@@ -462,3 +484,20 @@ class Submitter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=_TIMEOUT * 2)
+
+
+def witnessed_receipt(witnesses: TenantWitnesses, ledger: Ledger, tenant: str, receipt: str) -> str:
+    """``receipt`` (a tlog-proof of one event of ``tenant``) made again against the
+    newest checkpoint its witnesses cosigned, if that one holds the event, so that it
+    carries their cosignatures; else ``receipt`` as it is."""
+    index_line = next((ln for ln in receipt.split("\n") if ln.startswith("index ")), "")
+    if not index_line[6:].isdigit():
+        return receipt
+    seq = int(index_line[6:])
+    try:
+        cosigned = witnesses.newest_cosigned(tenant)
+    except ProctorError:
+        return receipt  # no witnesses' tables (an older store): the receipt as written
+    if cosigned is None or cosigned[0] <= seq:
+        return receipt
+    return make_receipt(ledger, tenant, seq, cosigned)

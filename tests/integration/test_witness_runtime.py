@@ -1,0 +1,143 @@
+"""The runtime's side of witnessing, for real: a tenant uses two witnesses (each a
+``proctor witness serve`` in its own network namespace), the submitter thread sends
+them new checkpoints beside the appends, a witness that is down is caught up when it
+comes back, and ``audit verify --witness`` passes on the honest home while it fails
+on a home whose operator rebuilt the log without one event and re-signed it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from proctor.errors import UsageError
+from proctor.ledger import Actor, EventDraft, Ledger
+from proctor.runtime import Runtime
+from proctor.witness import Submitter, TenantWitnesses, check_policy
+from tests.conftest import copy_home, run_cli
+from tests.integration.test_witness import (  # noqa: F401  (the fixture)
+    Witnesses,
+    check_cosignature,
+    witnesses,
+)
+
+OP = Actor("operator", "test-operator")
+
+
+def _until(what: Callable[[], bool], message: str) -> None:
+    """Wait for a background effect (the submitter's next pass); no time is asserted."""
+    deadline = time.monotonic() + 60
+    while not what():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.05)
+
+
+def _fork(home: Path, tenant: str, drop: int, extra: int) -> None:
+    """What an operator holding the signing key can do: rebuild ``tenant``'s log
+    without event ``drop`` (plus ``extra`` new events), every checkpoint re-signed."""
+    rt = Runtime.open(home)
+    try:
+        events = [json.loads(d) for d in rt.ledger.entries(tenant)]
+        with rt.store.write() as conn:
+            for table in ("ledger_entries", "ledger_tiles", "ledger_checkpoints", "ledger_logs"):
+                conn.execute(f"DELETE FROM {table} WHERE log = ?", (tenant,))
+        ledger = Ledger(rt.store, rt.signer, rt.config.trust_domain)
+        drafts = [
+            EventDraft(Actor(e["actor"]["type"], e["actor"]["id"]), e["action"], e["resource"],
+                       e["decision"], tuple(e["policies"]), e["reason"], e["deployment"],
+                       e["run"], e["artifact"], tuple(e["approvals"]), e["details"])
+            for e in events if e["seq"] != drop
+        ] + [EventDraft(OP, "test.filler", f"thing/{i}") for i in range(extra)]  # fmt: skip
+        ledger.create_log(tenant, drafts[0])
+        for d in drafts[1:]:
+            ledger.append(tenant, d)
+        ledger.close()
+    finally:
+        rt.close()
+
+
+def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
+    home: Path,
+    witnesses: Witnesses,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    rt = Runtime.open(home)
+    rt.tenants.create("acme", OP)
+    origin, vkey = rt.ledger.origin("acme"), rt.ledger.vkey()
+    tw = TenantWitnesses(rt.store, rt.ledger)
+    w1 = witnesses.new(tmp_path / "w1", "witness.test/r1", [(origin, vkey)])
+    w2 = witnesses.new(tmp_path / "w2", "witness.test/r2", [(origin, vkey)])
+    run_cli("witness", "use", "-t", "acme", "r1", w1.vkey, w1.url, home=home)
+    tw.use("acme", "r2", w2.vkey, w2.url, OP)
+    listed = json.loads(run_cli("witness", "list", "-t", "acme", "--json", home=home).out)
+    assert [w["name"] for w in listed["witnesses"]] == ["r1", "r2"]
+    # Nothing cosigned yet, but the log is younger than the tenant's max age.
+    assert listed["newest_cosigned_size"] is None and listed["within_policy"] is True
+    policy_set = run_cli("witness", "policy", "-t", "acme", "--quorum", "2", "--max-age", "600",
+                         "--json", home=home)  # fmt: skip
+    assert json.loads(policy_set.out) == {"tenant": "acme", "quorum": 2, "max_age_seconds": 600}
+    events = [json.loads(e) for e in rt.ledger.entries("acme")]
+    assert [(e["action"], e["resource"]) for e in events if e["action"].startswith("witness.")] == [
+        ("witness.use", "witness/r1"), ("witness.use", "witness/r2"),
+        ("witness.policy", "tenant/acme"),
+    ]  # fmt: skip
+
+    submitter = Submitter(tw, interval=0.05)
+    submitter.start()
+    try:
+        head = rt.ledger.head("acme")
+        _until(lambda: tw.status("acme")["per_witness"] == {"r1": head.size, "r2": head.size},
+               "both witnesses cosign the head")  # fmt: skip
+
+        # w2 goes down: appends (each one a call's record) go on and are durable at
+        # once; w1 keeps cosigning, w2 falls behind.
+        w2.stop()
+        for i in range(20):
+            rt.ledger.append("acme", EventDraft(OP, "test.call", f"thing/{i}"))
+        head = rt.ledger.head("acme")
+        _until(lambda: tw.status("acme")["per_witness"]["r1"] == head.size, "w1 keeps up")
+        assert tw.status("acme")["per_witness"]["r2"] < head.size
+        passes = submitter.passes
+        _until(lambda: submitter.passes > passes + 2, "the submitter keeps trying")
+        # w2 comes back on its state: caught up from its last size with one proof.
+        w2.start()
+        _until(lambda: tw.status("acme")["per_witness"]["r2"] == head.size, "w2 catches up")
+        status = tw.status("acme")
+        assert status["within_policy"] is True and status["newest_cosigned_size"] == head.size
+        # The stored cosignatures verify independently, on the checkpoint the log signed.
+        note = tw.cosigned_notes("acme")[0]
+    finally:
+        submitter.stop()
+        rt.close()
+    body, _, sigs = note.rpartition("\n\n")
+    lines = sigs.strip().split("\n")
+    assert len(lines) == 3  # the log's signature and two cosignatures
+    for w, line in zip((w1, w2), lines[1:], strict=True):
+        check_cosignature(line, body + "\n", w.vkey)
+
+    policy = ["--witness", w1.vkey, "--witness", w2.vkey]
+    ok = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "2", "--json",
+                 home=home)  # fmt: skip
+    assert json.loads(ok.out)["witnessed_size"] == head.size
+    with pytest.raises(UsageError, match="--witness-quorum 3"):
+        check_policy([w1.vkey, w2.vkey, w1.vkey], 3)  # one witness twice is one witness
+
+    # The operator rebuilds the log without event 2 and re-signs it, at a larger size.
+    forked = copy_home(home, tmp_path / "forked")
+    _fork(forked, "acme", drop=2, extra=3)
+    rt = Runtime.open(forked)
+    try:
+        assert rt.ledger.verify("acme").size == head.size + 2  # the signatures alone pass
+    finally:
+        rt.close()
+    caught = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "1",
+                     home=forked, check=False)  # fmt: skip
+    assert caught.code == 3, caught.out + caught.err
+    assert "cosignature" in caught.err
+    # ... and the witnesses refuse to cosign the rebuilt log.
+    refused = json.loads(run_cli("witness", "submit", "-t", "acme", "--json", home=forked).out)
+    assert [(s["ok"], s["status"]) for s in refused] == [(False, 422), (False, 422)], refused
+    assert w1.show()["logs"][0]["size"] == head.size  # type: ignore[index]
