@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from proctor.errors import LedgerError, ProctorError, UsageError
-from proctor.ledger import Actor, Appended, EventDraft, Ledger, LedgerObject
+from proctor.ledger import Actor, Appended, EventDraft, Ledger, LedgerObject, bound_details, clip
 from proctor.policy import (
     CompiledPolicies,
     Decision,
@@ -306,21 +306,25 @@ class RunScope:
     ) -> Appended:
         """Append this call's event (and ``objects``, which ``details`` references);
         raise CallRefused if it cannot be made durable."""
+        # A broker event's text comes from the guest or an upstream: fixed budgets,
+        # so that no call can make its event outgrow the ledger's bound.
         draft = EventDraft(
             self.actor,
             action,
-            resource,
+            clip(resource, 512),
             decision="allow" if decision is None or decision.allowed else "deny",
             policies=decision.policies if decision is not None else (),
-            reason=reason,
+            reason=clip(reason, 2048),
             deployment=self.deployment,
             run=self.run_id,
             artifact=self.artifact,
             approvals=self.approvals,
-            details={
-                **details,
-                **({"policy_version": decision.version} if decision is not None else {}),
-            },
+            details=bound_details(
+                {
+                    **details,
+                    **({"policy_version": decision.version} if decision is not None else {}),
+                }
+            ),
             objects=objects,
         )
         standing = self.standing

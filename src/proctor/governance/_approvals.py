@@ -29,7 +29,7 @@ from proctor.governance._backing import Record
 from proctor.governance._control import ControlPlane
 from proctor.governance._prefixes import find_by_prefix
 from proctor.governance._principals import ROLES, Principal
-from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import Actor, EventDraft, Ledger, canonical_json, utc_now
 from proctor.policy import EntityRef
 from proctor.store import Conn, Store
 
@@ -178,6 +178,9 @@ class Approvals:
         # The author is whoever the record says submitted it, not the row.
         author = artifact.author if submitted is None else str(submitted["actor"]["id"])
         is_author = principal.id in (author, artifact.author)
+        # Recorded whole in the approval's event, which has a fixed bound.
+        if len(canonical_json(comment)) > 2048:
+            raise UsageError("the comment takes more than 2048 bytes as the audit log records it")
         self._control.authorize(
             principal,
             action,

@@ -254,6 +254,16 @@ class Deployments:
                 "a deployment needs an --instruction: the documented instruction for this "
                 "processing (GDPR Art. 28(3)(a))"
             )
+        # Recorded whole in the deployment's event, which has a fixed bound.
+        for option, text, most in (
+            ("--instruction", instruction, 2048),
+            ("--reference", reference, 512),
+        ):
+            if len(json.dumps(text, ensure_ascii=False)) > most:
+                raise UsageError(
+                    f"{option} takes more than {most} bytes as the audit log records it",
+                    hint="cite the document (--reference) instead of pasting it",
+                )
         self.check_name(tenant, name, environment, None)
         approvals: list[str] = []
         if environment == "production":

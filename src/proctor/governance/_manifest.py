@@ -216,6 +216,7 @@ def parse_manifest(source: bytes | str) -> Manifest:
         "buckets": _parse_buckets(data.get("buckets")),
     }
     _check_with_policy(capabilities)
+    _check_recorded_size(name, entrypoint, purpose, capabilities)
     return Manifest(
         name=name,
         entrypoint=entrypoint,
@@ -603,3 +604,22 @@ def _normalize_capabilities(capabilities: dict[str, Any]) -> dict[str, Any]:
 def egress_entry(entry: str, field: str) -> str:
     """Normalize an egress entry (``host[:port]``, ``*.domain``) the way manifests do."""
     return _egress_entry(entry, field)
+
+
+#: The most bytes the manifest's recorded part (name, entrypoint, purpose and
+#: capabilities, which artifact.submit, approval and deployment events carry) may
+#: take as canonical JSON: those events stay under the ledger's MAX_EVENT_BYTES.
+MAX_RECORDED_BYTES = 10 * 1024
+
+
+def _check_recorded_size(
+    name: str, entrypoint: tuple[str, ...], purpose: str, capabilities: dict[str, Any]
+) -> None:
+    doc = {"name": name, "entrypoint": list(entrypoint), "purpose": purpose}
+    size = len(canonical_json({**doc, "capabilities": capabilities}))
+    if size > MAX_RECORDED_BYTES:
+        raise UsageError(
+            f"{MANIFEST_FILE}: its name, entrypoint, purpose and capabilities take {size}"
+            f" bytes as the audit log records them; at most {MAX_RECORDED_BYTES} are allowed",
+            hint="ask for what one job needs (split a larger job into several artifacts)",
+        )

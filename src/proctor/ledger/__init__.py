@@ -13,6 +13,7 @@ from proctor.ledger._event import (
     Actor,
     Decision,
     EventDraft,
+    bound_details,
     clip,
     utc_now,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "Verifier",
     "VerifyReport",
     "add_signatures",
+    "bound_details",
     "canonical_json",
     "check_lineage_object",
     "clip",

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -136,3 +138,81 @@ def bounded_event(data: bytes) -> bytes:
         f"an event of {len(data)} bytes is over the ledger's bound of {MAX_EVENT_BYTES}"
         " bytes (a bug in whatever built it); it was not recorded"
     )
+
+
+#: Fixed budgets of ``bound_details``: the longest string, the longest list, and
+#: all the details together (in canonical bytes, leaving the rest of the event's
+#: bound to its fixed fields, a clipped reason and resource).
+MAX_DETAIL_TEXT = 1024
+MAX_DETAIL_ITEMS = 64
+MAX_DETAILS_BYTES = 12 * 1024
+
+
+def bound_details(details: Mapping[str, Any]) -> dict[str, Any]:
+    """``details`` with every string cut to ``MAX_DETAIL_TEXT`` characters (``clip``),
+    every list to ``MAX_DETAIL_ITEMS`` items, and the whole to about
+    ``MAX_DETAILS_BYTES``: what comes after the budget is spent is cut. A list cut
+    in an object gets a sibling ``<key>_cut`` counting what was left out, one in a
+    list ends with ``CUT_MARKER``. For details built from what a guest or an
+    upstream sends (a path, an error message, the addresses a name resolves to):
+    their size then no longer follows the input. Details within the budgets are
+    returned unchanged."""
+    return _Budget(MAX_DETAILS_BYTES).object(details, 0)
+
+
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False).encode())
+
+
+class _Budget:
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def text(self, value: str) -> str:
+        value = clip(value, MAX_DETAIL_TEXT)
+        cost = _json_bytes(value) + 1
+        while cost > self.left and len(value) > len(CUT_MARKER):
+            value = clip(value, max(len(CUT_MARKER), len(value) // 2))
+            cost = _json_bytes(value) + 1
+        self.left -= cost
+        return value
+
+    def value(self, value: Any, depth: int) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            return self.object(value, depth + 1)
+        if isinstance(value, list | tuple):
+            items, cut = self.items(value, depth)
+            return [*items, CUT_MARKER] if cut else items
+        self.left -= _json_bytes(value) + 1
+        return value
+
+    def items(self, values: Sequence[Any], depth: int) -> tuple[list[Any], int]:
+        out: list[Any] = []
+        for v in values[:MAX_DETAIL_ITEMS]:
+            if self.left <= 0:
+                break
+            out.append(self.value(v, depth + 1))
+        return out, len(values) - len(out)
+
+    def object(self, obj: Mapping[str, Any], depth: int) -> dict[str, Any]:
+        if depth > 8:
+            raise UsageError("event details nest deeper than 8 levels")
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            name = clip(str(key), 128)
+            if name in out:
+                continue  # a count set with its list, below
+            self.left -= len(name) + 4
+            if isinstance(value, list | tuple):
+                items, cut = self.items(value, depth)
+                out[name] = items
+                if cut:
+                    # A list its maker already cut keeps counting from there.
+                    prior = obj.get(f"{name}_cut")
+                    more = prior if isinstance(prior, int) and not isinstance(prior, bool) else 0
+                    out[f"{name}_cut"] = cut + more
+            else:
+                out[name] = self.value(value, depth)
+        return out

@@ -468,7 +468,7 @@ class Ledger:
             raise item.error
         seq, time = state.tree.size, max(now, state.last_time)
         data = bounded_event(canonical_event(item.draft.to_event(seq, time, item.log)))
-        store_objects(conn, item.log, seq, item.draft.objects)
+        store_objects(conn, item.log, seq, item.draft.objects, self._store.engine)
         if item.hook is not None:
             item.hook(conn)
         own = (item.log, seq, time, data, True)
