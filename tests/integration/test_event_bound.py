@@ -16,6 +16,7 @@ import pytest
 from proctor.broker import CallDenied
 from proctor.errors import LedgerError
 from proctor.evidence import key_hmac
+from proctor.governance import Policies
 from proctor.ledger import (
     CUT_MARKER,
     MAX_EVENT_BYTES,
@@ -33,6 +34,7 @@ from tests.conftest import LedgerEnv
 from tests.integration.test_broker_sql import TENANT, ensure_log, make_dataset, make_scope, sql
 
 ROWS = 100_000
+OPERATOR = Actor("operator", "test")
 
 
 def _last(env: LedgerEnv) -> tuple[bytes, dict[str, object]]:
@@ -137,3 +139,23 @@ def test_an_event_over_the_bound_is_refused_loudly_and_changes_nothing(
     # The next event takes the place the refused one did not.
     ok = ledger.append(TENANT, EventDraft(Actor("operator", "test"), "test.event", "r"))
     assert ok.seq == before.size
+
+
+def test_a_policy_set_of_400_policies_is_recorded_under_the_bound(ledger_env: LedgerEnv) -> None:
+    ensure_log(ledger_env)
+    with ledger_env.store.write() as conn:
+        conn.execute(
+            "INSERT INTO tenants (name, created_at, created_by) VALUES (?, ?, ?)",
+            (TENANT, "2026-01-01T00:00:00.000000Z", "test"),
+        )
+    text = "\n".join(
+        f'@id("policy-number-{i:04d}-with-a-rather-long-name")\n'
+        "forbid (principal, action, resource);"
+        for i in range(400)
+    )
+    version = Policies(ledger_env.store, ledger_env.ledger).set(TENANT, text, OPERATOR).version
+    data, ev = _last(ledger_env)
+    assert len(data) <= MAX_EVENT_BYTES and ev["action"] == "policy.set"
+    d = ev["details"]
+    assert isinstance(d, dict) and d["version"] == version  # the version pins the text
+    assert len(d["policies"]) == 64 and d["policies_cut"] == 400 - 64

@@ -4,7 +4,7 @@ import threading
 from dataclasses import dataclass
 
 from proctor.errors import NotFound
-from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import Actor, EventDraft, Ledger, bound_details, utc_now
 from proctor.policy import CompiledPolicies, compile_policies, policy_version
 from proctor.store import Conn, Store
 
@@ -61,11 +61,14 @@ class Policies:
                 "policy.set",
                 f"policy/{tenant}",
                 reason="policy set",
-                details={
-                    "version": compiled.version,
-                    "previous": previous,
-                    "policies": list(compiled.policy_ids),
-                },
+                # The version pins the text; the ids are for people, cut past 64.
+                details=bound_details(
+                    {
+                        "version": compiled.version,
+                        "previous": previous,
+                        "policies": list(compiled.policy_ids),
+                    }
+                ),
             ),
             hook=insert,
         )
