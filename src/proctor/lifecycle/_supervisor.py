@@ -41,7 +41,7 @@ from proctor.governance import (
     bindings,
     require_backed,
 )
-from proctor.ledger import Actor, EventDraft, make_receipt, utc_now
+from proctor.ledger import Actor, EventDraft, clip, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.lifecycle._jsonlog import log_event
 from proctor.policy import capability_policies
@@ -496,7 +496,8 @@ class Supervisor:
             )
         end = self.rt.ledger.append(
             tenant,
-            EventDraft(actor, "run.end", f"run/{run_id}", reason=event_reason or reason,
+            # A start failure's text comes from the sandbox: cut to the event's budget.
+            EventDraft(actor, "run.end", f"run/{run_id}", reason=clip(event_reason or reason, 2048),
                        deployment=dep.name, run=run_id, artifact=dep.digest, details=details),
             hook=update,
         )  # fmt: skip
