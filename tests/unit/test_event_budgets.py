@@ -28,6 +28,8 @@ def test_clip_and_bound_details_cut_with_a_marker_and_count_what_was_cut() -> No
     assert len(cut) == 100 and cut.endswith(CUT_MARKER)
     small = {"a": "b", "n": 1, "l": [1, 2], "o": {"k": None}}
     assert bound_details(small) == small
+    # A value JSON cannot hold is passed on, for canonicalisation to refuse.
+    assert bound_details({"b": b"x"}) == {"b": b"x"}
     hostile = {
         "error": "e" * 100_000,
         "resolved": [f"10.0.{i // 256}.{i % 256}" for i in range(5000)],

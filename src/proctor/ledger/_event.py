@@ -161,7 +161,8 @@ def bound_details(details: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _json_bytes(value: Any) -> int:
-    return len(json.dumps(value, ensure_ascii=False).encode())
+    # An estimate only: a value JSON cannot hold is left for canonicalisation to refuse.
+    return len(json.dumps(value, ensure_ascii=False, default=repr).encode())
 
 
 class _Budget:
