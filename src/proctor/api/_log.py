@@ -42,6 +42,7 @@ from proctor.ledger import (
     query_events,
 )
 from proctor.policy import EntityRef
+from proctor.witness import TenantWitnesses
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["audit"])
 CtxDep = Annotated[Ctx, Depends(current)]
@@ -286,7 +287,10 @@ def log_checkpoint(r: ReaderDep, tenant: str) -> Response:
     """The latest signed checkpoint (C2SP tlog-checkpoint), for tlog clients. Its
     reads are counted in the system log, not recorded in the log read."""
     scope = _read_tiles(r, tenant, "checkpoint")
-    note = r.state.rt.ledger.head(tenant).checkpoint
+    rt = r.state.rt
+    # With the cosignatures its witnesses returned for this size (extra signature
+    # lines, which a tlog client that does not know the witnesses ignores).
+    note = TenantWitnesses(rt.store, rt.ledger).cosigned(tenant, rt.ledger.head(tenant).checkpoint)
     return Response(
         note,
         media_type="text/plain; charset=utf-8",
