@@ -176,14 +176,30 @@ def tenant_list(as_json: JsonOpt = False, wide: WideOpt = False, home: HomeOpt =
 
 
 @key_app.command("show")
-def key_show(as_json: JsonOpt = False, home: HomeOpt = None) -> None:
-    """Print the verifier key line (C2SP signed-note vkey)."""
+def key_show(
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant",
+            "-t",
+            help="The line named for this log's origin ('system' for the runtime's log), "
+            "as standard tlog tools expect [default: the runtime's line, which verifies "
+            "every log]",
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    home: HomeOpt = None,
+) -> None:
+    """Print the verifier key line (C2SP signed-note vkey). One Ed25519 key signs every
+    log's checkpoints, under the runtime's name and under the log's origin."""
     with open_runtime(home) as rt:
-        vkey = rt.ledger.vkey()
+        log = rt.log_name(tenant) if tenant is not None else None
+        vkey = rt.ledger.vkey(log)
+        origin = rt.ledger.origin(log) if log is not None else None
     if as_json:
-        emit_json({"vkey": vkey})
+        emit_json({"vkey": vkey, **({"tenant": tenant, "origin": origin} if log else {})})
         return
-    console.print(vkey)
+    console.print(vkey, soft_wrap=True)
 
 
 @app.command()

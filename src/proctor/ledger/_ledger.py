@@ -239,6 +239,7 @@ class Ledger:
     ) -> None:
         self._store = store
         self._signer = signer
+        self._origin_signers: dict[str, Signer] = {}
         self._trust_domain = trust_domain
         self._max_batch = max_batch
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
@@ -254,13 +255,30 @@ class Ledger:
     def signer_name(self) -> str:
         return self._signer.name
 
+    def _origin_signer(self, origin: str) -> Signer:
+        signer = self._origin_signers.get(origin)
+        if signer is None:
+            signer = self._origin_signers[origin] = self._signer.named(origin)
+        return signer
+
+    def _sign(self, checkpoint: Checkpoint) -> str:
+        # Signed under the log's origin (C2SP tlog-checkpoint: the key name SHOULD be
+        # the origin), then under the runtime's own name, which every verifier key
+        # given out before per-origin names (and every older checkpoint) carries.
+        return self._origin_signer(checkpoint.origin).sign_note(checkpoint.body(), self._signer)
+
     def origin(self, log: str) -> str:
         if log == SYSTEM_LOG:
             return f"{self._trust_domain}/system"
         return f"{self._trust_domain}/tenant/{log}"
 
-    def vkey(self) -> str:
-        return self._signer.verifier.vkey()
+    def vkey(self, log: str | None = None) -> str:
+        """The verifier key line: the runtime's (it verifies every checkpoint of every
+        log), or, given ``log``, the one named for that log's origin (it verifies the
+        log's checkpoints signed since per-origin names; what standard tools expect)."""
+        if log is None:
+            return self._signer.verifier.vkey()
+        return self._origin_signer(self.origin(log)).verifier.vkey()
 
     # -- writing ------------------------------------------------------------
 
@@ -433,7 +451,7 @@ class Ledger:
             for log, state in touched.items():
                 size = state.tree.size
                 root = state.tree.root()
-                note = self._signer.sign_note(Checkpoint(state.origin, size, root).body())
+                note = self._sign(Checkpoint(state.origin, size, root))
                 notes[log] = note
                 conn.executemany(
                     _UPSERT_TILE,
@@ -501,7 +519,7 @@ class Ledger:
                 item.error = AlreadyExists(f"log {item.log!r} exists already")
                 return None
             origin = self.origin(item.log)
-            note = self._signer.sign_note(Checkpoint(origin, 0, EMPTY_ROOT).body())
+            note = self._sign(Checkpoint(origin, 0, EMPTY_ROOT))
             conn.execute(
                 "INSERT INTO ledger_logs (log, origin, size, root, last_time, checkpoint)"
                 " VALUES (?, ?, 0, ?, '', ?)",

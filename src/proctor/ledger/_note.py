@@ -128,12 +128,22 @@ class Signer:
             f.flush()
             os.fsync(f.fileno())
 
-    def sign_note(self, text: str) -> str:
-        if not text.endswith("\n") or "\n\n" in text:
-            raise ValueError("note text must end in a newline and have no blank line")
+    def named(self, name: str) -> Signer:
+        """The same key under another name (a key id of its own): one Ed25519 key
+        signs each log's checkpoints under that log's origin."""
+        return Signer(name, self._key)
+
+    def signature_line(self, text: str) -> str:
         sig = self._key.sign(text.encode())
         b64 = base64.b64encode(self.verifier.key_id + sig).decode()
-        return f"{text}\n{_EM_DASH} {self.name} {b64}\n"
+        return f"{_EM_DASH} {self.name} {b64}\n"
+
+    def sign_note(self, text: str, *also: Signer) -> str:
+        """``text`` as a signed note, signed by this key then by each of ``also``."""
+        if not text.endswith("\n") or "\n\n" in text:
+            raise ValueError("note text must end in a newline and have no blank line")
+        lines = "".join(s.signature_line(text) for s in (self, *also))
+        return f"{text}\n{lines}"
 
 
 @dataclass(frozen=True)
@@ -188,11 +198,34 @@ def parse_checkpoint(text: str) -> Checkpoint:
 
 
 def open_checkpoint(note: str, verifier: Verifier, origin: str | None = None) -> Checkpoint:
-    """Verify a signed checkpoint and return it; optionally require its origin."""
-    cp = parse_checkpoint(open_note(note, verifier))
+    """Verify a signed checkpoint and return it; optionally require its origin.
+
+    The runtime's one key signs a checkpoint twice, under the log's origin and
+    under the trust domain's name (what older checkpoints carry): ``verifier`` may
+    be either line. The other signature of the same key, when present, must be
+    valid too, so an altered signature is caught whichever line the caller holds."""
+    text = open_note(note, verifier)
+    cp = parse_checkpoint(text)
     if origin is not None and cp.origin != origin:
         raise VerificationFailed(f"checkpoint is for log {cp.origin!r}, expected {origin!r}")
+    for name in {cp.origin, cp.origin.split("/", 1)[0]} - {verifier.name}:
+        if _NAME_RE.match(name):
+            _check_signatures(note, text, Verifier(name, verifier.public))
     return cp
+
+
+def _check_signatures(note: str, text: str, verifier: Verifier) -> None:
+    """Every signature line of ``verifier`` (its name and key id) on ``note`` verifies."""
+    for line in note[len(text) + 1 : -1].split("\n"):
+        parts = line.split(" ")
+        if len(parts) != 3 or parts[1] != verifier.name:
+            continue
+        try:
+            raw = base64.b64decode(parts[2], validate=True)
+        except binascii.Error as exc:
+            raise VerificationFailed(f"malformed signature line {line!r}") from exc
+        if raw[:4] == verifier.key_id and not verifier.verify(text.encode(), raw[4:]):
+            raise VerificationFailed(f"the signature of {verifier.name} on the note is not valid")
 
 
 # -- C2SP tlog-cosignature (https://c2sp.org/tlog-cosignature), Ed25519 ------------
