@@ -188,7 +188,7 @@ def test_tlog_tiles_checkpoint_and_proofs(api_env: ApiEnv) -> None:
     full = aud.tile("globex", 0, 0)
     assert len(full) == 256 * 32
     partial_width = (size - 1) % 256 + 1 if size % 256 else 256
-    # The log grows with every request (each is recorded): read the tile at this size.
+    # The partial tile of the checkpoint's size (reading through these paths adds no event).
     part = aud.tile("globex", 0, 1, width=partial_width - 0 if size % 256 else 256)
     assert len(part) == partial_width * 32
     # Leaf hashes from the tiles match the events served.

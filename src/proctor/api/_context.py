@@ -3,7 +3,8 @@
 Every request a principal makes is decided by Cedar (the control plane's role
 policy, on the principal and the tenant that owns the resource) and recorded in
 the principal's tenant log as an ``api.request`` event, allowed or denied, with
-the request id and source address, before anything is answered. A request the
+the request id and source address, before anything is answered (reads through the
+tlog-tiles paths are counted in the system log instead: ``_log_reads``). A request the
 ledger cannot record is refused (503). A principal asking about another tenant
 gets the same 404 as for a tenant that does not exist, so tenants cannot be
 enumerated across the boundary.
