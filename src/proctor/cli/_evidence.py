@@ -270,6 +270,7 @@ def receipt_verify(
         f"[green]verified[/] event {r.index} of {r.origin} (tree size {r.size}): "
         f"{escape(str(ev.get('action')))} {escape(str(ev.get('resource')))} at {ev.get('time')}"
         f" ({escape(str(ev.get('reason')))})"
+        + (f"; cosigned by {quorum} of your witnesses" if quorum else "")
     )
 
 

@@ -235,7 +235,7 @@ def list_cmd(
     if as_json:
         emit_json(status)
         return
-    table = make_table("name", "url", "cosigned up to", "key", ids=("name", "key"))
+    table = make_table("name", "url", "cosigned up to", "key", ids=("name", "url", "key"))
     for w in status["witnesses"]:
         table.add_row(w["name"], w["url"], str(status["per_witness"][w["name"]]), w["vkey"])
     print_table(table, wide)

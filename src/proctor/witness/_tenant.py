@@ -308,8 +308,9 @@ class TenantWitnesses:
         """How well witnessed the tenant's log is, for the evidence pack and `witness list`.
 
         ``newest_cosigned_age_seconds`` is how long ago the newest checkpoint with
-        the policy's quorum was cosigned; ``within_policy`` whether the log's head is
-        that checkpoint or it is younger than the tenant's ``max_age_seconds``.
+        the policy's quorum was cosigned; ``uncosigned_for_seconds`` how long the log
+        has had a newer checkpoint without that quorum (0 when the head has it);
+        ``within_policy`` whether that is within the tenant's ``max_age_seconds``.
         """
         policy = self.policy(tenant)
         witnesses = self.list(tenant)
@@ -323,15 +324,10 @@ class TenantWitnesses:
             stamps = sorted(cosigned_by(note, verifiers).values(), reverse=True)
             if len(stamps) >= policy.quorum:
                 age = _seconds_since(stamps[policy.quorum - 1])
-        if not witnesses:
-            within = False
-        elif size == head.size:
-            within = True
-        else:
-            # The head is not cosigned yet: how long since the newest quorum, or
-            # (none yet) since the first uncosigned checkpoint was signed.
-            since = age if age is not None else self._uncosigned_age(tenant, size or 0)
-            within = since is not None and since <= policy.max_age_seconds
+        # How long since the first checkpoint after the newest cosigned one was signed:
+        # the log has gone that long without enough cosignatures.
+        since = 0.0 if size == head.size else self._uncosigned_age(tenant, size or 0)
+        within = bool(witnesses) and since is not None and since <= policy.max_age_seconds
         return {
             "tenant": tenant,
             "witnesses": [w.as_json() for w in witnesses],
@@ -339,6 +335,7 @@ class TenantWitnesses:
             "log_size": head.size,
             "newest_cosigned_size": size,
             "newest_cosigned_age_seconds": None if age is None else round(age, 1),
+            "uncosigned_for_seconds": None if since is None else round(since, 1),
             "within_policy": within,
             "per_witness": {w.name: self._last_size(tenant, w.name) for w in witnesses},
         }
