@@ -70,8 +70,10 @@ def test_a_static_server_serves_the_export_to_a_tlog_client(
     verifier = Verifier.parse((exported / "verifier.key").read_text())
     with httpx.Client(base_url=static_server, timeout=30) as http:
 
-        def fetch(p: str) -> bytes:
+        def fetch(p: str) -> bytes | None:
             r = http.get(p)
+            if r.status_code == 404:
+                return None
             assert r.status_code == 200, f"{p}: {r.status_code}"
             return r.content
 
@@ -81,6 +83,7 @@ def test_a_static_server_serves_the_export_to_a_tlog_client(
         assert got.entries == events
         # A client holding any older checkpoint proves against it from the tree too.
         olds = [json.loads(x)["note"] for x in (exported / "checkpoints.jsonl").open()]
+        sizes = [json.loads(x)["size"] for x in (exported / "checkpoints.jsonl").open()]
         assert len(olds) > 10
         for note in olds:
             cp = open_checkpoint(note, verifier, meta["origin"])
@@ -89,8 +92,12 @@ def test_a_static_server_serves_the_export_to_a_tlog_client(
             entries, leaves, _ = read_tree(fetch, cp.size)
             assert mth(leaves) == cp.root, cp.size
             assert entries == events[: cp.size]
-        # Paths the tree does not have are not there (a static server's 404).
+        # Paths the tree does not have are not there (a static server's 404); an
+        # older size's partial bundle in a bundle now full is read from the full one.
         assert http.get(path(0, 1, 255)).status_code == 404
+        older = next(s for s in sizes if 0 < s < 256)
+        assert http.get(path(0, 0, older)).status_code == 200
+        assert http.get(path("entries", 0, older)).status_code == 404
     # And the offline verifier, through the CLI, checks the same tree.
     res = run_cli("audit", "verify", "--from-export", str(exported), "--key", verifier.vkey())
     assert "verified" in res.out
@@ -100,14 +107,18 @@ def test_the_offline_verifier_catches_an_altered_or_missing_tree_file(
     exported: Path, tmp_path: Path
 ) -> None:
     notes = [json.loads(x) for x in (exported / "checkpoints.jsonl").open()]
-    old = next(n["size"] for n in notes if 256 > n["size"] > 0 and n["size"] % 256)
+    size = json.loads((exported / "log.json").read_text())["size"]
+    old = next(n["size"] for n in notes if 256 > n["size"] > 0)
+    # An older size in the bundle still partial: its own partial bundle is there.
+    edge = next(n["size"] for n in notes if 256 < n["size"] < size)
     cases = {
         "an altered full bundle": (path("entries", 0), "flip"),
         "a missing full bundle": (path("entries", 0), "remove"),
-        "an older partial bundle altered": (path("entries", 0, old), "flip"),
-        "an older partial bundle missing": (path("entries", 0, old), "remove"),
+        "an older partial bundle altered": (path("entries", 1, edge % 256), "flip"),
+        "an older partial bundle missing": (path("entries", 1, edge % 256), "remove"),
         "an older partial tile altered": (path(0, 0, old), "flip"),
         "an older partial tile missing": (path(0, 0, old), "remove"),
+        "an older partial level-1 tile altered": (path(1, 0, 1), "flip"),
     }
     for what, (rel, how) in cases.items():
         copy = tmp_path / what.replace(" ", "-")
@@ -120,7 +131,7 @@ def test_the_offline_verifier_catches_an_altered_or_missing_tree_file(
             data = bytearray(target.read_bytes())
             data[-1] ^= 1
             target.write_bytes(bytes(data))
-        with pytest.raises(VerificationFailed, match="export's"):
+        with pytest.raises(VerificationFailed, match=r"export's|was altered"):
             verify_export(copy)
     # An export written before the static tree (no "tree" in log.json, no bundles)
     # still verifies.

@@ -21,7 +21,7 @@ import pytest
 from proctor.api import ApiServer, serve_api
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Verifier
 from proctor.runtime import Runtime
-from tests.integration.tlog_client import path, read_log
+from tests.integration.tlog_client import Fetch, path, read_log
 
 IMMUTABLE = "max-age=31536000, immutable"
 
@@ -63,8 +63,8 @@ def served(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     rt.close()
 
 
-def _fetcher(http: httpx.Client, prefix: str = "/tenants/acme/log/") -> object:
-    def fetch(p: str) -> bytes:
+def _fetcher(http: httpx.Client, prefix: str = "/tenants/acme/log/") -> Fetch:
+    def fetch(p: str) -> bytes | None:
         r = http.get(prefix + p)
         assert r.status_code == 200, f"{p}: {r.status_code} {r.text}"
         return r.content
@@ -79,7 +79,7 @@ def test_a_tlog_client_reads_and_proves_the_whole_served_log(served: Served) -> 
     before = rt.ledger.head("acme").size
     assert 256 + 3 < before < 512
     with served.http(served.aud) as http:
-        got = read_log(_fetcher(http), verifier, origin)  # type: ignore[arg-type]
+        got = read_log(_fetcher(http), verifier, origin)
         # Every entry is the event as stored, byte for byte.
         assert got.entries == list(rt.ledger.entries("acme", 0, got.checkpoint.size))
         # The served reads (a few hundred) appended nothing to the log read.

@@ -687,9 +687,10 @@ class Ledger:
         static C2SP tlog-tiles tree laid out as the API serves it, so that any
         static file server or object store serves it to standard tlog clients:
         ``checkpoint``, every full tile at every level and every full entry
-        bundle (``tile/entries/...``), and the partial tiles and bundles of every
-        checkpoint size the log has signed (a client holding an older checkpoint
-        proves against it). A bundle that would hold an event over 65,535 bytes
+        bundle (``tile/entries/...``), the partial tiles of every checkpoint size
+        the log has signed (a client holding an older checkpoint proves against
+        it), and the partial bundles of the checkpoint sizes in the last bundle
+        (see :func:`partial_widths`). A bundle that would hold an event over 65,535 bytes
         (possible only in a log written before events were bounded) is left out
         and named in ``log.json`` (``unbundled``).
         """
@@ -751,12 +752,17 @@ _BUNDLE = "entries"
 
 def partial_widths(size: int, sizes: Sequence[int]) -> dict[tuple[int | str, int], set[int]]:
     """The partial tiles (level, or ``"entries"`` for bundles, and index) and their
-    widths that the trees of ``sizes`` (checkpoint sizes up to ``size``) need."""
+    widths that the trees of ``sizes`` (checkpoint sizes up to ``size``) need: every
+    partial hash tile (a proof against an older checkpoint needs them), and the
+    partial bundles of the one bundle not yet full. An older size's entries are
+    the prefix of a full bundle, which C2SP tlog-tiles lets a client fetch instead
+    once it exists; writing each of them again for every checkpoint would cost up to
+    128 times the events' bytes in a log checkpointed at every event."""
     out: dict[tuple[int | str, int], set[int]] = {}
     for s in sizes:
         if not 0 < s <= size:
             continue
-        if s % TILE_WIDTH:
+        if s % TILE_WIDTH and s // TILE_WIDTH == size // TILE_WIDTH:
             out.setdefault((_BUNDLE, s // TILE_WIDTH), set()).add(s % TILE_WIDTH)
         level = 0
         while s >> (8 * level):
