@@ -70,6 +70,17 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     tw = TenantWitnesses(rt.store, rt.ledger)
     w1 = witnesses.new(tmp_path / "w1", "witness.test/r1", [(origin, vkey)])
     w2 = witnesses.new(tmp_path / "w2", "witness.test/r2", [(origin, vkey)])
+    # Bad input is refused before anything is written: the log's own key (a note
+    # key, 0x01) is not a witness key, a URL must be http(s), names are checked.
+    size = rt.ledger.head("acme").size
+    for name, key, url in [
+        ("r1", vkey, w1.url),
+        ("r1", w1.vkey, "ftp://x"),
+        ("R 1", w1.vkey, w1.url),
+    ]:
+        with pytest.raises(UsageError):
+            tw.use("acme", name, key, url, OP)
+    assert rt.ledger.head("acme").size == size and tw.list("acme") == []
     run_cli("witness", "use", "-t", "acme", "r1", w1.vkey, w1.url, home=home)
     tw.use("acme", "r2", w2.vkey, w2.url, OP)
     listed = json.loads(run_cli("witness", "list", "-t", "acme", "--json", home=home).out)

@@ -449,16 +449,20 @@ class Submitter:
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._http: httpx.Client | None = None
         self.passes = 0
 
     def run_once(self) -> builtins.list[Submission]:
         done: builtins.list[Submission] = []
-        with httpx.Client(timeout=_TIMEOUT) as http:
-            for tenant in self._witnesses.tenants():
-                try:
-                    done += self._witnesses.submit(tenant, http)
-                except ProctorError as exc:
-                    log.warning("witness submission for %s failed: %s", tenant, exc.message)
+        if self._http is None:
+            # One client for the submitter's life: kept-alive connections to the
+            # witnesses, and one TLS context instead of one a pass.
+            self._http = httpx.Client(timeout=_TIMEOUT)
+        for tenant in self._witnesses.tenants():
+            try:
+                done += self._witnesses.submit(tenant, self._http)
+            except ProctorError as exc:
+                log.warning("witness submission for %s failed: %s", tenant, exc.message)
         for s in done:
             if not s.ok:
                 log.warning("witness %s refused or missed size %d: %s", s.witness, s.size, s.detail)
@@ -481,6 +485,9 @@ class Submitter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=_TIMEOUT * 2)
+        if self._http is not None and (self._thread is None or not self._thread.is_alive()):
+            self._http.close()
+            self._http = None
 
 
 def witnessed_receipt(witnesses: TenantWitnesses, ledger: Ledger, tenant: str, receipt: str) -> str:
