@@ -432,7 +432,8 @@ def export(
     as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
-    """Export a log so that `verify --from-export` needs nothing else."""
+    """Export a log so that `verify --from-export` needs nothing else, with a complete
+    static C2SP tlog-tiles tree beside it (serve the directory as the log's URL prefix)."""
     with open_runtime(home) as rt:
         log = rt.log_name(tenant)
         head = rt.ledger.export(log, out)
@@ -451,6 +452,7 @@ def export(
         _emit_json({"origin": head.origin, "size": head.size, "out": str(out)})
         return
     console.print(f"exported {head.size} events of {head.origin} to {out}")
+    console.print(f"a static tlog-tiles tree of the log: serve {out} as its URL prefix")
 
 
 @dataclass
