@@ -83,13 +83,12 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     assert rt.ledger.head("acme").size == size and tw.list("acme") == []
     run_cli("witness", "use", "-t", "acme", "r1", w1.vkey, w1.url, home=home)
     tw.use("acme", "r2", w2.vkey, w2.url, OP)
-    listed = json.loads(run_cli("witness", "list", "-t", "acme", "--json", home=home).out)
+    listed = tw.status("acme")
     assert [w["name"] for w in listed["witnesses"]] == ["r1", "r2"]
     # Nothing cosigned yet, but the log is younger than the tenant's max age.
     assert listed["newest_cosigned_size"] is None and listed["within_policy"] is True
-    policy_set = run_cli("witness", "policy", "-t", "acme", "--quorum", "2", "--max-age", "600",
-                         "--json", home=home)  # fmt: skip
-    assert json.loads(policy_set.out) == {"tenant": "acme", "quorum": 2, "max_age_seconds": 600}
+    policy_set = tw.set_policy("acme", OP, quorum=2, max_age=600)
+    assert policy_set.as_json() == {"quorum": 2, "max_age_seconds": 600}
     events = [json.loads(e) for e in rt.ledger.entries("acme")]
     assert [(e["action"], e["resource"]) for e in events if e["action"].startswith("witness.")] == [
         ("witness.use", "witness/r1"), ("witness.use", "witness/r2"),
@@ -142,13 +141,13 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     rt = Runtime.open(forked)
     try:
         assert rt.ledger.verify("acme").size == head.size + 2  # the signatures alone pass
+        # ... and the witnesses refuse to cosign the rebuilt log.
+        refused = TenantWitnesses(rt.store, rt.ledger).submit("acme")
     finally:
         rt.close()
+    assert [(s.ok, s.status) for s in refused] == [(False, 422), (False, 422)], refused
     caught = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "1",
                      home=forked, check=False)  # fmt: skip
     assert caught.code == 3, caught.out + caught.err
     assert "cosignature" in caught.err
-    # ... and the witnesses refuse to cosign the rebuilt log.
-    refused = json.loads(run_cli("witness", "submit", "-t", "acme", "--json", home=forked).out)
-    assert [(s["ok"], s["status"]) for s in refused] == [(False, 422), (False, 422)], refused
     assert w1.show()["logs"][0]["size"] == head.size  # type: ignore[index]
