@@ -157,7 +157,22 @@ def bound_details(details: Mapping[str, Any]) -> dict[str, Any]:
     upstream sends (a path, an error message, the addresses a name resolves to):
     their size then no longer follows the input. Details within the budgets are
     returned unchanged."""
+    if _within(details, 0) and _json_bytes(details) <= MAX_DETAILS_BYTES:
+        return dict(details)  # the common case, at the cost of one encoding
     return _Budget(MAX_DETAILS_BYTES).object(details, 0)
+
+
+def _within(value: Any, depth: int) -> bool:
+    """Whether no string, list or nesting in ``value`` is past its budget."""
+    if isinstance(value, str):
+        return len(value) <= MAX_DETAIL_TEXT
+    if isinstance(value, Mapping):
+        return depth <= 8 and all(
+            len(str(k)) <= 128 and _within(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list | tuple):
+        return len(value) <= MAX_DETAIL_ITEMS and all(_within(v, depth + 1) for v in value)
+    return True
 
 
 def _json_bytes(value: Any) -> int:

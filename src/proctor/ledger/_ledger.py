@@ -415,12 +415,7 @@ class Ledger:
             for item in batch:
                 # An item that writes more than its event (a new log, a hook's rows, a
                 # follow-up) does so inside a savepoint: all of it commits, or none.
-                atomic = (
-                    item.create
-                    or item.hook is not None
-                    or item.then is not None
-                    or bool(item.draft.objects)
-                )
+                atomic = item.create or item.hook is not None or item.then is not None
                 known = set(touched) if atomic else set()
                 if atomic:
                     conn.execute("SAVEPOINT item")
@@ -446,6 +441,12 @@ class Ledger:
             conn.executemany(
                 "INSERT INTO ledger_entries (log, seq, time, data) VALUES (?, ?, ?, ?)",
                 [(log, seq, time, data) for _, log, seq, time, _, data, _ in results],
+            )
+            # Objects go in with their events, all of the batch at once, like the entries.
+            store_objects(
+                conn,
+                [(r[1], r[2], r[0].draft.objects) for r in results if r[6] and r[0].draft.objects],
+                self._store.engine,
             )
             notes: dict[str, str] = {}
             for log, state in touched.items():
@@ -486,7 +487,6 @@ class Ledger:
             raise item.error
         seq, time = state.tree.size, max(now, state.last_time)
         data = bounded_event(canonical_event(item.draft.to_event(seq, time, item.log)))
-        store_objects(conn, item.log, seq, item.draft.objects, self._store.engine)
         if item.hook is not None:
             item.hook(conn)
         own = (item.log, seq, time, data, True)

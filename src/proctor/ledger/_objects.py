@@ -142,30 +142,41 @@ def lineage_proof(keys: Sequence[str], key: str) -> tuple[int, list[bytes]]:
 
 
 def store_objects(
-    conn: Conn, log: str, seq: int, objects: Sequence[LedgerObject], engine: str = "sqlite"
+    conn: Conn,
+    staged: Sequence[tuple[str, int, Sequence[LedgerObject]]],
+    engine: str = "sqlite",
 ) -> None:
-    """Write ``objects`` of event ``seq`` and their index rows, in the append's
-    transaction. An object already stored (the same rows read again) is kept."""
-    for obj in objects:
-        conn.execute(
-            "INSERT INTO ledger_objects (log, digest, data) VALUES (?, ?, ?)"
-            " ON CONFLICT (log, digest) DO NOTHING",
-            (log, obj.digest, obj.data),
-        )
-        if not obj.keys:
-            continue
-        if engine == "postgresql":
-            # One statement with an array: row by row, 100,000 keys take seconds of
-            # the one writer's time (bench/lineage.py).
-            conn.execute(
-                "INSERT INTO ledger_lineage (log, key, seq) SELECT ?, k, ? FROM unnest(?) AS k",
-                (log, seq, list(obj.keys)),
-            )
-        else:
-            conn.executemany(
-                "INSERT INTO ledger_lineage (log, key, seq) VALUES (?, ?, ?)",
-                [(log, k, seq) for k in obj.keys],
-            )
+    """Write the objects of a batch's events, given as (log, seq, objects), and their
+    key index rows, in the append's transaction. An object already stored (the same
+    rows read again) is kept."""
+    if not staged:
+        return
+    conn.executemany(
+        "INSERT INTO ledger_objects (log, digest, data) VALUES (?, ?, ?)"
+        " ON CONFLICT (log, digest) DO NOTHING",
+        [(log, o.digest, o.data) for log, _, objects in staged for o in objects],
+    )
+    if engine == "postgresql":
+        # One statement per log with two arrays: row by row, 100,000 keys take
+        # seconds of the one writer's time (bench/lineage.py).
+        by_log: dict[str, tuple[list[bytes], list[int]]] = {}
+        for log, seq, objects in staged:
+            keys, seqs = by_log.setdefault(log, ([], []))
+            for o in objects:
+                keys.extend(o.keys)
+                seqs.extend([seq] * len(o.keys))
+        for log, (keys, seqs) in by_log.items():
+            if keys:
+                conn.execute(
+                    "INSERT INTO ledger_lineage (log, key, seq)"
+                    " SELECT ?, u.k, u.s FROM unnest(?::bytea[], ?::bigint[]) AS u(k, s)",
+                    (log, keys, seqs),
+                )
+        return
+    conn.executemany(
+        "INSERT INTO ledger_lineage (log, key, seq) VALUES (?, ?, ?)",
+        [(log, k, seq) for log, seq, objects in staged for o in objects for k in o.keys],
+    )
 
 
 def lineage_seqs(store: Store, log: str, key: str) -> set[int]:
