@@ -25,6 +25,7 @@ from proctor.ledger import (
     check_lineage_object,
     leaf_hash,
     lineage_keys,
+    lineage_object,
     lineage_proof,
     lineage_seqs,
     read_objects,
@@ -139,6 +140,26 @@ def test_an_event_over_the_bound_is_refused_loudly_and_changes_nothing(
     # The next event takes the place the refused one did not.
     ok = ledger.append(TENANT, EventDraft(Actor("operator", "test"), "test.event", "r"))
     assert ok.seq == before.size
+
+    # In one batch, an event over the bound fails alone: the others' objects are
+    # indexed at their own places, the failed one's are not stored at all.
+    drafts = []
+    for i in range(3):
+        obj, ref = lineage_object([f"{i:032x}"])
+        pad = {"p": "x" * 20_000} if i == 1 else {}
+        drafts.append(
+            EventDraft(OPERATOR, "test.event", "r", details={"lineage_object": ref, **pad},
+                       objects=(obj,))
+        )  # fmt: skip
+    with pytest.raises(LedgerError, match="over the ledger's bound"):
+        ledger.append_many(TENANT, drafts)
+    got = [json.loads(e) for e in ledger.entries(TENANT, ok.seq + 1)]
+    assert [lineage_seqs(ledger_env.store, TENANT, f"{i:032x}") for i in range(3)] == [
+        {got[0]["seq"]},
+        set(),
+        {got[1]["seq"]},
+    ]
+    assert read_objects(ledger_env.store, TENANT, [drafts[1].objects[0].digest]) == {}
 
 
 def test_a_policy_set_of_400_policies_is_recorded_under_the_bound(ledger_env: LedgerEnv) -> None:
