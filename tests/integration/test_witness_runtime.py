@@ -119,6 +119,7 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
         assert status["within_policy"] is True and status["newest_cosigned_size"] == head.size
         # The stored cosignatures verify independently, on the checkpoint the log signed.
         note = tw.cosigned_notes("acme")[0]
+        rt.ledger.export("acme", tmp_path / "export")
     finally:
         submitter.stop()
         rt.close()
@@ -132,6 +133,12 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     ok = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "2", "--json",
                  home=home)  # fmt: skip
     assert json.loads(ok.out)["witnessed_size"] == head.size
+    # An export is held to a cosigned checkpoint the auditor holds (a receipt's, the
+    # served log/checkpoint): its own checkpoint file carries no cosignature.
+    (tmp_path / "cosigned.note").write_text(note)
+    exported = run_cli("audit", "verify", "--from-export", str(tmp_path / "export"), "--key", vkey,
+                       "--checkpoint", str(tmp_path / "cosigned.note"), *policy, "--json")  # fmt: skip
+    assert json.loads(exported.out)["witnessed_size"] == head.size
     with pytest.raises(UsageError, match="--witness-quorum 3"):
         check_policy([w1.vkey, w2.vkey, w1.vkey], 3)  # one witness twice is one witness
 
