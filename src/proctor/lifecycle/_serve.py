@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -36,14 +35,11 @@ from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
 from proctor.lifecycle._supervisor import AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
-from proctor.witness import DEFAULT_INTERVAL, Submitter, TenantWitnesses
+from proctor.witness import Submitter, TenantWitnesses, submit_interval
 
 log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 SWEEP_SECONDS = 5.0
-#: How often, at most, new checkpoints go to the tenants' witnesses (seconds);
-#: PROCTOR_WITNESS_INTERVAL overrides it.
-WITNESS_INTERVAL = float(os.environ.get("PROCTOR_WITNESS_INTERVAL", DEFAULT_INTERVAL))
 
 
 @dataclass
@@ -127,7 +123,7 @@ class Server:
         next_sweep = time.monotonic() + self.sweep_seconds
         # Checkpoints go to each tenant's witnesses from a thread of their own: a
         # witness that is slow or down never holds up a tick or a call.
-        submitter = Submitter(TenantWitnesses(self.rt.store, self.rt.ledger), WITNESS_INTERVAL)
+        submitter = Submitter(TenantWitnesses(self.rt.store, self.rt.ledger), submit_interval())
         submitter.start()
         try:
             while not self._stop.is_set():

@@ -23,6 +23,7 @@ from proctor.witness._tenant import (
     TenantWitnesses,
     WitnessPolicy,
     add_checkpoint_body,
+    submit_interval,
     witnessed_receipt,
 )
 from proctor.witness._witness import SIZE_TYPE, Answer, LogState, Witness
@@ -43,6 +44,7 @@ __all__ = [
     "add_checkpoint_body",
     "check_policy",
     "parse_listen",
+    "submit_interval",
     "witnessed",
     "witnessed_receipt",
 ]

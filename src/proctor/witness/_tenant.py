@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import os
 import re
 import threading
 import time
@@ -49,6 +50,17 @@ DEFAULT_INTERVAL = 10.0
 #: The default tenant setting: how long the newest checkpoint may go uncosigned.
 DEFAULT_MAX_AGE = 3600
 _TIMEOUT = 5.0
+
+
+def submit_interval() -> float:
+    """How often ``proctor serve`` submits: ``PROCTOR_WITNESS_INTERVAL`` seconds if it
+    is a number of at least 0.1, else the default (a bad value must not stop serve)."""
+    try:
+        value = float(os.environ.get("PROCTOR_WITNESS_INTERVAL", DEFAULT_INTERVAL))
+    except ValueError:
+        log.warning("PROCTOR_WITNESS_INTERVAL is not a number: using %s s", DEFAULT_INTERVAL)
+        return DEFAULT_INTERVAL
+    return max(0.1, value)
 
 
 @dataclass(frozen=True)
@@ -458,7 +470,12 @@ class Submitter:
             # One client for the submitter's life: kept-alive connections to the
             # witnesses, and one TLS context instead of one a pass.
             self._http = httpx.Client(timeout=_TIMEOUT)
-        for tenant in self._witnesses.tenants():
+        try:
+            tenants = self._witnesses.tenants()
+        except ProctorError as exc:  # the store is down: the next pass tries again
+            log.warning("witness submission skipped: %s", exc.message)
+            tenants = []
+        for tenant in tenants:
             try:
                 done += self._witnesses.submit(tenant, self._http)
             except ProctorError as exc:
