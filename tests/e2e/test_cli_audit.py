@@ -201,6 +201,7 @@ def test_uninitialised_home_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.host
 def test_demo_runs(tmp_path: Path) -> None:
     res = run_cli("demo", "--home", str(tmp_path / "demo"))
     assert "rejected" in res.out

@@ -289,6 +289,7 @@ def _args(path: str, cmd: Any) -> list[str]:
     return ["-t", "acme"] if "tenant" in params else []
 
 
+@pytest.mark.host
 def test_every_printing_command_speaks_json(walk_home: tuple[Gov, dict[str, str]]) -> None:
     gov, values = walk_home
     env = {"PROCTOR_HOME": str(gov.home)}

@@ -94,6 +94,7 @@ def test_bad_limits_are_refused_before_anything_runs(home: Path) -> None:
     assert run_cli("tenant", "list", home=home).out.count("sandbox") == 0
 
 
+@pytest.mark.host
 def test_backends_lists_both_drivers(home: Path) -> None:
     out = run_cli("sandbox", "backends").out
     assert "gvisor" in out and "bubblewrap" in out

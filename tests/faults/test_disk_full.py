@@ -312,6 +312,7 @@ def fill(path: Path) -> int:
     return written
 
 
+@pytest.mark.host
 def test_disk_full_refuses_then_recovers_by_itself(tmp_path: Path) -> None:
     dataset = make_dataset(tmp_path / "crm.db")  # the data read is not on the full disk
     with small_tmpfs(tmp_path / "mnt", "24m") as mnt:

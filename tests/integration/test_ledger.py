@@ -218,6 +218,7 @@ def tiny_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.host
 def test_full_disk_fails_closed_and_recovers(tiny_fs: Path) -> None:
     """A real ENOSPC: appends raise LedgerError, nothing half-written; once space is
     freed, appends go on and the log verifies."""

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 _ = no_leftovers
 
 
+@pytest.mark.host
 def test_backends_say_why() -> None:
     statuses = {s.name: s for s in backends()}
     assert set(statuses) == {"gvisor", "bubblewrap"}

@@ -244,6 +244,7 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.host
 @pytest.mark.skipif(not _can_unshare(), reason="needs unshare --net (root or user namespaces)")
 def test_real_dials_in_a_private_network_namespace(tmp_path: Path) -> None:
     script = tmp_path / "netns_proxy.py"

@@ -83,6 +83,7 @@ def _audit(gov: Gov) -> Any:
     return run_cli("audit", "verify", "-t", "acme", home=gov.home, check=False)
 
 
+@pytest.mark.host
 def test_an_untouched_store_runs_and_verifies(gov: Gov) -> None:
     any_backend()
     _approved(gov)
