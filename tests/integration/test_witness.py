@@ -29,6 +29,8 @@ from proctor.store import open_store
 from proctor.witness import Witness, add_checkpoint_body
 from tests.conftest import PROCTOR, draft, run_cli
 
+# Each test makes network namespaces and veth pairs (tests/host_group.py).
+pytestmark = pytest.mark.host
 ORIGIN = "test.local/tenant/acme"
 # One number per namespace made by this process: names and /30 subnets never collide.
 _NETNS_NUMBERS = itertools.count()

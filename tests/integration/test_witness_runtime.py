@@ -24,6 +24,8 @@ from tests.integration.test_witness import (  # noqa: F401  (the fixture)
     witnesses,
 )
 
+# Each test makes network namespaces and veth pairs (tests/host_group.py).
+pytestmark = pytest.mark.host
 OP = Actor("operator", "test-operator")
 
 
