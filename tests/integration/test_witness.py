@@ -151,9 +151,9 @@ class Witnesses:
             self.in_namespaces = False
         else:
             self.nets.append(netns)
-        w = WitnessProc(state, name, netns).init(logs, cli).start()
-        self.made.append(w)
-        return w
+        w = WitnessProc(state, name, netns).init(logs, cli)
+        self.made.append(w)  # before it starts: a start that fails is stopped too
+        return w.start()
 
     def close(self) -> None:
         for w in self.made:
