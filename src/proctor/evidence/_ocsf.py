@@ -1,16 +1,24 @@
-"""Ledger events as OCSF 1.1 events, for SIEMs, beside the native ones.
+"""Ledger events as OCSF 1.8.0 events, for SIEMs, beside the native ones.
 
 The mapping is a pure function of the event bytes, so a verifier regenerates it
 and compares: the OCSF file cannot say something the signed log does not.
 
-- ``sql.select`` / ``sql.write``: Datastore Activity (6005), Read / Write;
-- ``http.request``: HTTP Activity (4002), activity by method;
-- ``http.request.end``: Network Activity (4001), Close;
-- everything else (files, control actions): API Activity (6003).
+1.8.0 is the newest released OCSF version (1.9.0, with its ``record_integrity``
+profile, is unreleased). Each line is valid against the official schema with
+the profiles it declares in ``metadata.profiles`` (tests/ocsf_validate.py):
 
-The decision is in ``action_id`` (1 Allowed, 2 Denied), the deciding policies
-in ``policy`` (the first in ``policy.uid``, all of them in ``policy.desc``), and
-Proctor's own fields (seq, run, deployment, artifact, approvals) in ``unmapped``.
+- ``sql.*`` and ``file.*``: Datastore Activity (6005) with ``database`` /
+  ``table`` or ``databucket``;
+- ``http.request``: HTTP Activity (4002), activity by method;
+- ``http.request.end``: Network Activity (4001), Close, with the traffic;
+- everything else (secrets, control-plane actions): API Activity (6003).
+
+The decision is in ``action`` / ``disposition`` / ``status`` (the
+``security_control`` profile), the deciding policies in ``policy`` (the first)
+and ``authorizations`` (all); the run is ``metadata.correlation_uid``; a
+workload's deployment and artifact are ``actor.app_name`` / ``actor.app_uid``
+(another actor's are ``resources`` of an API Activity). What has no home in the
+schema goes to ``unmapped`` (docs/evidence.md lists it).
 """
 
 from __future__ import annotations
@@ -19,16 +27,36 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-OCSF_VERSION = "1.1.0"
+from proctor import __version__
+
+OCSF_VERSION = "1.8.0"
 _HTTP_ACTIVITY = {
-    "CONNECT": 1,
-    "DELETE": 2,
-    "GET": 3,
-    "HEAD": 4,
-    "OPTIONS": 5,
-    "POST": 6,
-    "PUT": 7,
-    "TRACE": 8,
+    "CONNECT": (1, "Connect"),
+    "DELETE": (2, "Delete"),
+    "GET": (3, "Get"),
+    "HEAD": (4, "Head"),
+    "OPTIONS": (5, "Options"),
+    "POST": (6, "Post"),
+    "PUT": (7, "Put"),
+    "TRACE": (8, "Trace"),
+    "PATCH": (9, "Patch"),
+}
+# Proctor's actor types as OCSF user types (the user object's type_id enum).
+_USER_TYPE = {
+    "user": (1, "User"),
+    "operator": (2, "Admin"),
+    "runtime": (3, "System"),
+    "service": (4, "Service"),
+    "workload": (4, "Service"),
+}
+_CATEGORY = {4: "Network Activity", 6: "Application Activity"}
+# The profiles each class is declared with: ``host`` is what lets an HTTP or
+# Network Activity event carry ``actor``.
+_PROFILES = {
+    6003: ["security_control"],
+    6005: ["security_control"],
+    4002: ["host", "security_control"],
+    4001: ["host", "security_control"],
 }
 _encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode
 
@@ -55,27 +83,117 @@ def _api_activity(action: str) -> tuple[int, str]:
         "allow",
         "init",
         "write",
+        "issue",
     ):
         return 1, "Create"
-    if verb in ("read", "export", "show", "list"):
+    if verb in ("read", "export", "show", "list", "use", "key"):
         return 2, "Read"
+    if verb in ("rollback", "unfreeze", "enable", "disable", "restart", "manage", "policy"):
+        return 3, "Update"
     if verb in ("revoke", "remove", "stop", "delete", "reject", "end", "freeze"):
         return 4, "Delete"
     return 99, "Other"
 
 
-def _endpoint(ev: dict[str, Any]) -> dict[str, Any]:
-    actor = ev["actor"]
-    return {"uid": actor["id"], "name": actor["type"]}
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _put(obj: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        obj[key] = value
+
+
+def _policy(uid: str, version: str | None, desc: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"uid": uid, "name": uid, "is_applied": True}
+    _put(out, "version", version)
+    _put(out, "desc", desc)
+    return out
+
+
+def _dst(host: str | None, port: int | None, address: str | None) -> dict[str, Any] | None:
+    out: dict[str, Any] = {}
+    _put(out, "hostname", host)
+    _put(out, "port", port)
+    _put(out, "ip", address)
+    return out or None
 
 
 def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
     """The OCSF event for one parsed ledger event."""
-    action = ev["action"]
-    details = ev.get("details") or {}
+    action = str(ev["action"])
+    resource = str(ev["resource"])
+    raw_details = ev.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+    # Details keys that land in a standard attribute; the rest go to ``unmapped``.
+    mapped: set[str] = {"policy_version"}
     allowed = ev["decision"] == "allow"
+    seq = int(ev["seq"])
+    time_ms = _epoch_ms(ev["time"])
+    run = _str(ev.get("run"))
+    deployment = _str(ev.get("deployment"))
+    artifact = _str(ev.get("artifact"))
+    actor_type, actor_id = str(ev["actor"]["type"]), str(ev["actor"]["id"])
+    workload = actor_type == "workload"
+    unmapped: dict[str, Any] = {}
+
+    metadata: dict[str, Any] = {
+        "version": OCSF_VERSION,
+        "uid": f"{ev['tenant']}:{seq}",
+        "sequence": seq,
+        "event_code": action,
+        "log_name": origin,
+        "log_provider": "Proctor ledger",
+        "tenant_uid": str(ev["tenant"]),
+        "original_time": str(ev["time"]),
+        "logged_time": time_ms,
+        "product": {
+            "name": "Proctor",
+            "vendor_name": "Proctor",
+            "uid": "proctor",
+            "version": __version__,
+        },
+    }
+    _put(metadata, "correlation_uid", run)
+
+    type_id, type_name = _USER_TYPE.get(actor_type, (99, "Other"))
+    user: dict[str, Any] = {"uid": actor_id, "name": actor_id, "type_id": type_id}
+    user["type"] = actor_type if type_id == 99 else type_name
+    actor: dict[str, Any] = {"user": user}
+    if workload:
+        _put(actor, "app_name", deployment)
+        _put(actor, "app_uid", artifact)
+        # A workload calls from its run's sandbox: that is the source endpoint.
+        src: dict[str, Any] = {"uid": run or actor_id, "name": f"sandbox of run {run}"}
+        _put(src, "svc_name", deployment)
+    else:
+        # A principal's address is not recorded in the event; saying so beats
+        # passing an identity off as a network endpoint.
+        src = {"name": "not recorded"}
+    observables: list[dict[str, Any]] = [
+        {"name": "actor.user.uid", "type_id": 31, "type": "User Object: uid", "value": actor_id},
+    ]
+
+    policies = [str(p) for p in ev.get("policies") or []]
+    version = _str(details.get("policy_version"))
+    decision = "allow" if allowed else "deny"
+    if policies:
+        authorizations = [{"decision": decision, "policy": _policy(p, version)} for p in policies]
+        policy = _policy(policies[0], version)
+    else:
+        authorizations = [
+            {"decision": decision, "policy": _policy("default-deny", None, "no policy permits it")}
+        ]
+        policy = _policy("default-deny", None, "no policy permits it")
+
     out: dict[str, Any] = {
-        "time": _epoch_ms(ev["time"]),
+        "time": time_ms,
         "severity_id": 1 if allowed else 3,
         "severity": "Informational" if allowed else "Medium",
         "status_id": 1 if allowed else 2,
@@ -83,89 +201,159 @@ def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
         "action_id": 1 if allowed else 2,
         "action": "Allowed" if allowed else "Denied",
         "disposition_id": 1 if allowed else 2,
-        "message": ev["reason"],
-        "metadata": {
-            "version": OCSF_VERSION,
-            "uid": f"{ev['tenant']}:{ev['seq']}",
-            "log_name": origin,
-            "original_time": ev["time"],
-            "product": {"name": "Proctor", "vendor_name": "Proctor"},
-        },
-        "actor": {"user": {"uid": ev["actor"]["id"], "type": ev["actor"]["type"]}},
-        "src_endpoint": _endpoint(ev),
-        "unmapped": {
-            "seq": ev["seq"],
-            "tenant": ev["tenant"],
-            "proctor_action": action,
-            "resource": ev["resource"],
-            "run": ev.get("run"),
-            "deployment": ev.get("deployment"),
-            "artifact": ev.get("artifact"),
-            "approvals": ev.get("approvals", []),
-        },
+        "disposition": "Allowed" if allowed else "Blocked",
+        # A refused call is what a security team wants raised; an allowed one is not.
+        "is_alert": not allowed,
+        "timezone_offset": 0,
+        "message": str(ev["reason"]),
+        "metadata": metadata,
+        "actor": actor,
+        "policy": policy,
+        "authorizations": authorizations,
     }
-    policies = ev.get("policies") or []
-    out["policy"] = {
-        "uid": policies[0] if policies else "default-deny",
-        "name": policies[0] if policies else "default-deny",
-        "desc": ", ".join(policies) if policies else "no policy permits it",
-        "version": str(details.get("policy_version", "")),
-    }
-    if action in ("sql.select", "sql.write"):
-        activity, name = (1, "Read") if action == "sql.select" else (5, "Write")
+
+    if action.startswith(("sql.", "file.")):
         class_uid, class_name = 6005, "Datastore Activity"
-        tables = details.get("tables") or []
-        out["database"] = {"name": str(details.get("dataset", "")), "type_id": 99, "type": "SQLite"}
-        if tables:
-            out["table"] = {"name": str(tables[0].get("table", ""))}
-        out["query_info"] = {"uid": str(details.get("sql_hmac", "")), "data": _encode(tables)}
+        out["src_endpoint"] = src
+        if action.startswith("sql."):
+            activity, name = (4, "Query") if action == "sql.select" else (5, "Write")
+            out["type_id"], out["type"] = 1, "Database"
+            out["database"] = {
+                "name": str(details.get("dataset") or resource.removeprefix("dataset/")),
+                "type_id": 1,
+                "type": "Relational",
+            }
+            mapped.add("dataset")
+            tables = details.get("tables")
+            if isinstance(tables, list) and tables and isinstance(tables[0], dict):
+                table = _str(tables[0].get("table"))
+                if table:
+                    out["table"] = {"name": table}
+        else:
+            activity, name = (1, "Read") if action == "file.read" else (5, "Write")
+            out["type_id"], out["type"] = 2, "Databucket"
+            bucket = _str(details.get("bucket"))
+            out["databucket"] = {
+                "name": bucket or resource,
+                "type_id": 99,
+                "type": "Proctor bucket",
+            }
+            mapped.add("bucket")
+            key = _str(details.get("key"))
+            if key:
+                file: dict[str, Any] = {"name": key.rsplit("/", 1)[-1], "path": key, "type_id": 1}
+                file["type"] = "Regular File"
+                _put(file, "size", _int(details.get("bytes")))
+                digest = _str(details.get("sha256"))
+                if digest:
+                    file["hashes"] = [{"algorithm_id": 3, "algorithm": "SHA-256", "value": digest}]
+                out["databucket"]["file"] = file
+                mapped.update(("key", "bytes", "sha256"))
     elif action == "http.request":
-        method = str(details.get("method", "")).upper()
-        activity = _HTTP_ACTIVITY.get(method, 99)
-        name = method.title() if activity != 99 else "Other"
         class_uid, class_name = 4002, "HTTP Activity"
-        host = str(details.get("host", ev["resource"].removeprefix("host/")))
-        out["dst_endpoint"] = {"hostname": host, "port": int(details.get("port") or 0)}
-        if details.get("address"):
-            out["dst_endpoint"]["ip"] = str(details["address"])
-        out["http_request"] = {
-            "http_method": method,
-            "url": {
-                "hostname": host,
-                "path": str(details.get("path", "")),
-                "scheme": str(details.get("scheme", "")),
-                "port": int(details.get("port") or 0),
-            },
-        }
+        method = str(details.get("method") or "").upper()
+        activity, name = _HTTP_ACTIVITY.get(method, (99, "Other"))
+        host = _str(details.get("host"))
+        port = _int(details.get("port"))
+        scheme = _str(details.get("scheme"))
+        path = _str(details.get("path"))
+        _put(out, "dst_endpoint", _dst(host, port, _str(details.get("address"))))
+        mapped.update(("host", "port", "address"))
+        request: dict[str, Any] = {}
+        if activity != 99:
+            request["http_method"] = method
+            mapped.add("method")
+        target = f"{host}:{port}" if host and port is not None else host
+        if target:
+            url: dict[str, Any] = {
+                "url_string": f"{scheme}://{target}{path or ''}" if scheme else target
+            }
+            _put(url, "hostname", host)
+            _put(url, "port", port)
+            _put(url, "scheme", scheme)
+            _put(url, "path", path)
+            request["url"] = url
+            mapped.update(("scheme", "path"))
+        if not request:
+            # The class needs an http_request or http_response; a refused request
+            # with neither a known method nor a host still has its raw target.
+            request["url"] = {"url_string": str(details.get("target") or resource)}
+            mapped.add("target")
+        out["http_request"] = request
+        out["src_endpoint"] = src
     elif action == "http.request.end":
-        activity, name = 2, "Close"
         class_uid, class_name = 4001, "Network Activity"
-        out["dst_endpoint"] = {
-            "hostname": str(details.get("host", "")),
-            "port": int(details.get("port") or 0),
-        }
-        out["traffic"] = {
-            "bytes_out": int(details.get("bytes_up") or 0),
-            "bytes_in": int(details.get("bytes_down") or 0),
-        }
+        activity, name = 2, "Close"
+        host = _str(details.get("host"))
+        out["dst_endpoint"] = _dst(
+            host, _int(details.get("port")), _str(details.get("address"))
+        ) or {"name": resource}
+        up, down = _int(details.get("bytes_up")) or 0, _int(details.get("bytes_down")) or 0
+        out["traffic"] = {"bytes_out": up, "bytes_in": down, "bytes": up + down}
+        _put(out, "duration", _int(details.get("duration_ms")))
+        # duration is whole ms: the exact figure stays in unmapped.
+        mapped.update(("host", "port", "address", "bytes_up", "bytes_down"))
+        out["src_endpoint"] = src
     else:
-        activity, name = _api_activity(action)
         class_uid, class_name = 6003, "API Activity"
+        activity, name = _api_activity(action)
+        out["src_endpoint"] = src
         out["api"] = {"operation": action, "service": {"name": "proctor"}}
-        out["resources"] = [{"uid": ev["resource"], "type": ev["resource"].split("/", 1)[0]}]
+        resources = [{"uid": resource, "type": resource.split("/", 1)[0]}]
+        if not workload:
+            if deployment and resource != f"deployment/{deployment}":
+                resources.append({"uid": f"deployment/{deployment}", "type": "deployment"})
+            if artifact and resource != f"artifact/{artifact}":
+                resources.append({"uid": artifact, "type": "artifact"})
+        out["resources"] = resources
+        for i, r in enumerate(resources):
+            observables.append(
+                {
+                    "name": f"resources[{i}].uid",
+                    "type_id": 10,
+                    "type": "Resource UID",
+                    "value": r["uid"],
+                }
+            )
+    if not workload and class_uid != 6003:
+        _put(unmapped, "deployment", deployment)
+        _put(unmapped, "artifact", artifact)
+
+    dst = out.get("dst_endpoint") or {}
+    if "hostname" in dst:
+        observables.append(
+            {
+                "name": "dst_endpoint.hostname",
+                "type_id": 1,
+                "type": "Hostname",
+                "value": dst["hostname"],
+            }
+        )
+    if "ip" in dst:
+        observables.append(
+            {"name": "dst_endpoint.ip", "type_id": 2, "type": "IP Address", "value": dst["ip"]}
+        )
+    out["observables"] = observables
+
+    approvals = ev.get("approvals") or []
+    if approvals:
+        unmapped["approvals"] = approvals
+    rest = {k: v for k, v in details.items() if k not in mapped}
+    if rest:
+        unmapped["details"] = rest
+    if unmapped:
+        out["unmapped"] = unmapped
+    metadata["profiles"] = _PROFILES[class_uid]
     category = class_uid // 1000
     out.update(
         class_uid=class_uid,
         class_name=class_name,
         category_uid=category,
-        category_name={
-            3: "Identity & Access Management",
-            4: "Network Activity",
-            6: "Application Activity",
-        }[category],
+        category_name=_CATEGORY[category],
         activity_id=activity,
         activity_name=name,
         type_uid=class_uid * 100 + activity,
+        type_name=f"{class_name}: {name}",
     )
     return out
 
