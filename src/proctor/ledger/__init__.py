@@ -59,6 +59,10 @@ from proctor.ledger._objects import (
     lineage_seqs,
     read_objects,
 )
+from proctor.ledger._prune import MAX_PER_EVENT as MAX_PRUNED_PER_EVENT
+from proctor.ledger._prune import MAX_RANGES as MAX_PRUNE_RANGES
+from proctor.ledger._prune import PRUNE_ACTION, PRUNED_ACTION, PrunePlan, prune_draft
+from proctor.ledger._prune import is_marker as is_pruned_marker
 from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
@@ -69,6 +73,10 @@ __all__ = [
     "DECISIONS",
     "LINEAGE_FORMAT",
     "MAX_EVENT_BYTES",
+    "MAX_PRUNED_PER_EVENT",
+    "MAX_PRUNE_RANGES",
+    "PRUNED_ACTION",
+    "PRUNE_ACTION",
     "SYSTEM_LOG",
     "Actor",
     "Appended",
@@ -83,6 +91,7 @@ __all__ = [
     "Ledger",
     "LedgerObject",
     "LogHead",
+    "PrunePlan",
     "Receipt",
     "Signer",
     "TileRef",
@@ -96,6 +105,7 @@ __all__ = [
     "clip",
     "cosigned_by",
     "cosigned_message",
+    "is_pruned_marker",
     "iter_events",
     "leaf_hash",
     "lineage_keys",
@@ -109,6 +119,7 @@ __all__ = [
     "parse_checkpoint",
     "parse_tile_path",
     "path_from_ranges",
+    "prune_draft",
     "query_events",
     "read_objects",
     "require_cosignatures",

@@ -13,6 +13,7 @@ from proctor.errors import VerificationFailed
 from proctor.ledger._canonical import parse_canonical
 from proctor.ledger._merkle import EMPTY_ROOT, HASH_SIZE, CompactRange, leaf_hash
 from proctor.ledger._note import Checkpoint, Verifier, open_checkpoint
+from proctor.ledger._prune import MarkerCheck, is_marker
 from proctor.ledger._tiles import TILE_WIDTH, tile_path
 
 TileFn = Callable[[int, int], bytes]
@@ -24,6 +25,8 @@ class VerifyReport:
     size: int
     root: bytes
     checkpoints: int
+    #: Entries whose payload was pruned past retention (markers held to their prune).
+    pruned: int = 0
 
 
 class _TileCheck:
@@ -79,6 +82,7 @@ def verify_log(
     pending = sorted(s for s in by_size if s > 0)
     check = _TileCheck(tiles) if tiles is not None else None
     tree = CompactRange()
+    marks = MarkerCheck()
     verified = 0
     pi = 0
     seq = -1
@@ -105,9 +109,21 @@ def verify_log(
             )
         if not canonical:
             raise VerificationFailed(f"event seq {seq}: bytes are not canonical JSON")
-        leaf = leaf_hash(data)
-        if check is not None:
-            check.check(0, seq, leaf, seq)
+        if is_marker(event):
+            leaf = marks.marker(seq, event, data) or leaf_hash(data)
+            if check is not None:
+                try:
+                    check.check(0, seq, leaf, seq)
+                except VerificationFailed as exc:
+                    raise VerificationFailed(
+                        f"event seq {seq}: a pruned marker whose leaf hash does not match "
+                        "the tree: the marker or the tree was altered"
+                    ) from exc
+        else:
+            marks.event(seq, event)
+            leaf = leaf_hash(data)
+            if check is not None:
+                check.check(0, seq, leaf, seq)
         tree.push(leaf, on_node)
         while pi < len(pending) and pending[pi] == tree.size:
             if tree.root() != by_size[tree.size].root:
@@ -133,4 +149,11 @@ def verify_log(
         )
     if not pending and tree.size:
         raise VerificationFailed("event seq 0: no signed checkpoint covers the log")
-    return VerifyReport(origin, tree.size, root, len(by_size))
+    marks.finish()
+    if marks.problems:
+        # The leaves all hash to the signed roots; what fails is a marker's own record.
+        raise VerificationFailed(
+            f"{len(marks.problems)} tampered pruned marker(s) among {marks.pruned} pruned "
+            f"entries: {marks.problems[0]}"
+        )
+    return VerifyReport(origin, tree.size, root, len(by_size), marks.pruned)

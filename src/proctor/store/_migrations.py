@@ -291,4 +291,29 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (log, size, witness)
         ) WITHOUT ROWID""",
     ],
+    # 11: retention per tenant and legal holds (governance/_retention.py): the period
+    # past which an event's payload is pruned (its leaf hash stays), and the holds that
+    # suspend pruning for a tenant, a deployment or a run. A hold is never deleted:
+    # removing it stamps removed_at, so the history stays in the store as in the log.
+    [
+        """CREATE TABLE retention_rules (
+            tenant TEXT PRIMARY KEY REFERENCES tenants (name),
+            days INTEGER NOT NULL,
+            below_minimum_reason TEXT,
+            set_by TEXT NOT NULL,
+            set_at TEXT NOT NULL
+        )""",
+        """CREATE TABLE legal_holds (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            scope TEXT NOT NULL,
+            target TEXT NOT NULL,
+            reason TEXT NOT NULL,
+            created_by TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            removed_by TEXT,
+            removed_at TEXT
+        )""",
+        "CREATE INDEX legal_holds_tenant ON legal_holds (tenant)",
+    ],
 ]

@@ -1,0 +1,415 @@
+"""Retention per tenant, legal holds, and pruning past the period.
+
+A tenant's rule is a period in days. Past it, an event's payload is pruned: its
+stored bytes become a marker that keeps the leaf hash (``proctor.ledger``'s
+``_prune``), so every proof and checkpoint still verifies. Nothing under a legal
+hold is pruned (a hold on the tenant suspends pruning of the whole log; on a
+deployment or a run, of the events that name it). Events that back the store's
+governance rows (approvals, deployments, principals, quorum, policies, and the
+retention record itself) are kept for the tenant's life: ``audit verify`` holds
+the rows to them.
+
+The EU AI Act (Art. 19(1), 26(6)) asks for at least six months: a period under
+:data:`LEGAL_MINIMUM_DAYS` is refused unless the operator gives a reason, which
+is recorded in the ``retention.set`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from proctor.errors import NotFound, UsageError
+from proctor.ledger import (
+    MAX_PRUNE_RANGES,
+    MAX_PRUNED_PER_EVENT,
+    Actor,
+    EventDraft,
+    Ledger,
+    PrunePlan,
+    is_pruned_marker,
+    prune_draft,
+)
+from proctor.store import Conn, Store
+
+#: Six months and a few days: EU AI Act Art. 19(1) and 26(6) ("at least six months").
+LEGAL_MINIMUM_DAYS = 183
+MAX_DAYS = 36_500
+HOLD_SCOPES = ("tenant", "deployment", "run")
+MAX_REASON = 512
+
+#: Events never pruned: they back the store's rows (governance/_backing.py) or are
+#: the record of retention itself.
+KEPT_ACTIONS = frozenset(
+    {
+        "tenant.create",
+        "tenant.freeze",
+        "tenant.unfreeze",
+        "artifact.submit",
+        "approval.grant",
+        "approval.reject",
+        "approval.revoke",
+        "deployment.create",
+        "deployment.rollback",
+        "deployment.stopped",
+        "principal.create",
+        "principal.disable",
+        "principal.enable",
+        "token.issue",
+        "quorum.set",
+        "policy.set",
+    }
+)
+KEPT_PREFIXES = ("retention.", "hold.", "erasure.", "ledger.", "subprocessor.", "witness.")
+
+
+def kept(action: str) -> bool:
+    return action in KEPT_ACTIONS or action.startswith(KEPT_PREFIXES)
+
+
+def _parse_time(value: str) -> datetime:
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+def _format_time(value: datetime) -> str:
+    return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class RetentionRule:
+    tenant: str
+    days: int
+    below_minimum_reason: str | None
+    set_by: str
+    set_at: str
+
+    @property
+    def name(self) -> str:
+        return f"retention/{self.days}d"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "days": self.days,
+            "rule": self.name,
+            "below_legal_minimum": self.below_minimum_reason,
+            "set_by": self.set_by,
+            "set_at": self.set_at,
+        }
+
+
+@dataclass(frozen=True)
+class Hold:
+    id: str
+    tenant: str
+    scope: str
+    target: str
+    reason: str
+    created_by: str
+    created_at: str
+    removed_by: str | None
+    removed_at: str | None
+
+    @property
+    def active(self) -> bool:
+        return self.removed_at is None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "tenant": self.tenant,
+            "scope": self.scope,
+            "target": self.target,
+            "reason": self.reason,
+            "created_by": self.created_by,
+            "created_at": self.created_at,
+            "removed_by": self.removed_by,
+            "removed_at": self.removed_at,
+            "active": self.active,
+        }
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    tenant: str
+    rule: str | None
+    cutoff: str | None
+    pruned: int
+    held: int
+    events: tuple[int, ...]  # the seqs of the retention.prune events written
+    why_none: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "rule": self.rule,
+            "cutoff": self.cutoff,
+            "pruned": self.pruned,
+            "held": self.held,
+            "prune_events": list(self.events),
+            "why_none": self.why_none,
+        }
+
+
+_HOLD_COLS = "id, tenant, scope, target, reason, created_by, created_at, removed_by, removed_at"
+
+
+def _hold(row: Any) -> Hold:
+    def opt(v: Any) -> str | None:
+        return None if v is None else str(v)
+
+    a, b, c, d, e, f, g = (str(v) for v in row[:7])
+    return Hold(a, b, c, d, e, f, g, opt(row[7]), opt(row[8]))
+
+
+def _reason(reason: str, what: str) -> str:
+    reason = reason.strip()
+    if not reason:
+        raise UsageError(f"{what} needs a reason", hint="--reason 'TEXT'")
+    if len(reason) > MAX_REASON:
+        raise UsageError(f"{what}'s reason is over {MAX_REASON} characters")
+    return reason
+
+
+class Retention:
+    """A tenant's retention rule, its legal holds, and pruning."""
+
+    def __init__(self, store: Store, ledger: Ledger) -> None:
+        self._store = store
+        self._ledger = ledger
+
+    def _tenant(self, conn: Conn, tenant: str) -> None:
+        if conn.query_one("SELECT 1 FROM tenants WHERE name = ?", (tenant,)) is None:
+            raise NotFound(f"no tenant {tenant!r}")
+
+    # -- the rule -----------------------------------------------------------
+
+    def rule(self, tenant: str) -> RetentionRule | None:
+        with self._store.read() as conn:
+            self._tenant(conn, tenant)
+            row = conn.query_one(
+                "SELECT tenant, days, below_minimum_reason, set_by, set_at"
+                " FROM retention_rules WHERE tenant = ?",
+                (tenant,),
+            )
+        if row is None:
+            return None
+        return RetentionRule(
+            str(row[0]), int(row[1]), None if row[2] is None else str(row[2]),
+            str(row[3]), str(row[4]),
+        )  # fmt: skip
+
+    def set(
+        self, tenant: str, days: int, actor: Actor, *, below_legal_minimum: str | None = None
+    ) -> RetentionRule:
+        if not 1 <= days <= MAX_DAYS:
+            raise UsageError(f"a retention period is 1 to {MAX_DAYS} days, not {days}")
+        reason = None
+        if days < LEGAL_MINIMUM_DAYS:
+            if below_legal_minimum is None:
+                raise UsageError(
+                    f"{days} days is under the legal minimum of {LEGAL_MINIMUM_DAYS} days"
+                    " (EU AI Act Art. 19(1) and 26(6): logs kept at least six months)",
+                    hint="give --below-legal-minimum 'REASON' if another law allows it;"
+                    " the reason is recorded",
+                )
+            reason = _reason(below_legal_minimum, "a period under the legal minimum")
+        previous = self.rule(tenant)
+        now = self._ledger.now()
+        details: dict[str, Any] = {
+            "days": days,
+            "rule": f"retention/{days}d",
+            "previous_days": previous.days if previous else None,
+        }
+        if reason is not None:
+            details["below_legal_minimum"] = reason
+
+        def write(conn: Conn) -> None:
+            conn.execute("DELETE FROM retention_rules WHERE tenant = ?", (tenant,))
+            conn.execute(
+                "INSERT INTO retention_rules (tenant, days, below_minimum_reason, set_by, set_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (tenant, days, reason, actor.id, now),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(actor, "retention.set", f"tenant/{tenant}",
+                       reason=f"retention set to {days} days", details=details),
+            hook=write,
+        )  # fmt: skip
+        rule = self.rule(tenant)
+        assert rule is not None
+        return rule
+
+    # -- holds --------------------------------------------------------------
+
+    def holds(self, tenant: str, *, all_: bool = False) -> list[Hold]:
+        with self._store.read() as conn:
+            self._tenant(conn, tenant)
+            rows = conn.query(
+                f"SELECT {_HOLD_COLS} FROM legal_holds WHERE tenant = ?"  # noqa: S608 - fixed columns
+                + ("" if all_ else " AND removed_at IS NULL")
+                + " ORDER BY created_at, id",
+                (tenant,),
+            )
+        return [_hold(r) for r in rows]
+
+    def add_hold(
+        self, tenant: str, scope: str, target: str | None, reason: str, actor: Actor
+    ) -> Hold:
+        if scope not in HOLD_SCOPES:
+            raise UsageError(f"a hold is on one of {', '.join(HOLD_SCOPES)}, not {scope!r}")
+        if scope == "tenant":
+            target = tenant
+        elif not target:
+            raise UsageError(f"a hold on a {scope} names it", hint=f"--{scope} ID")
+        reason = _reason(reason, "a legal hold")
+        hold_id = "hold-" + secrets.token_hex(6)
+        now = self._ledger.now()
+        with self._store.read() as conn:
+            self._tenant(conn, tenant)
+
+        def write(conn: Conn) -> None:
+            conn.execute(
+                f"INSERT INTO legal_holds ({_HOLD_COLS})"  # noqa: S608 - fixed columns
+                " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, NULL)",
+                (hold_id, tenant, scope, target, reason, actor.id, now),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor, "hold.add", f"hold/{hold_id}",
+                reason=f"legal hold on {scope} {target}",
+                deployment=target if scope == "deployment" else None,
+                run=target if scope == "run" else None,
+                details={"hold": hold_id, "scope": scope, "target": target, "reason": reason},
+            ),
+            hook=write,
+        )  # fmt: skip
+        return self.hold(tenant, hold_id)
+
+    def hold(self, tenant: str, hold_id: str) -> Hold:
+        with self._store.read() as conn:
+            row = conn.query_one(
+                f"SELECT {_HOLD_COLS} FROM legal_holds WHERE tenant = ? AND id = ?",  # noqa: S608
+                (tenant, hold_id),
+            )
+        if row is None:
+            raise NotFound(f"no legal hold {hold_id!r} in tenant {tenant!r}",
+                           hint=f"proctor hold list -t {tenant}")  # fmt: skip
+        return _hold(row)
+
+    def remove_hold(self, tenant: str, hold_id: str, actor: Actor) -> Hold:
+        held = self.hold(tenant, hold_id)
+        if not held.active:
+            raise UsageError(f"legal hold {hold_id} was removed already ({held.removed_at})")
+        now = self._ledger.now()
+
+        def write(conn: Conn) -> None:
+            conn.execute(
+                "UPDATE legal_holds SET removed_by = ?, removed_at = ? WHERE id = ?",
+                (actor.id, now, hold_id),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor, "hold.remove", f"hold/{hold_id}",
+                reason=f"legal hold on {held.scope} {held.target} removed",
+                details={"hold": hold_id, "scope": held.scope, "target": held.target},
+            ),
+            hook=write,
+        )  # fmt: skip
+        return self.hold(tenant, hold_id)
+
+    # -- pruning ------------------------------------------------------------
+
+    def prune(self, tenant: str, actor: Actor) -> PruneResult:
+        """Prune the tenant's events past its period, save what a hold covers or
+        what backs the store; one ``retention.prune`` event per batch of markers."""
+        rule = self.rule(tenant)
+        if rule is None:
+            return PruneResult(tenant, None, None, 0, 0, (), "no retention rule: kept forever")
+        holds = self.holds(tenant)
+        if any(h.scope == "tenant" for h in holds):
+            return PruneResult(tenant, rule.name, None, 0, 0, (), "the tenant is under legal hold")
+        at = self._ledger.now()
+        cutoff = _format_time(_parse_time(at) - timedelta(days=rule.days))
+        held_runs = {h.target for h in holds if h.scope == "run"}
+        held_deps = {h.target for h in holds if h.scope == "deployment"}
+        chosen: list[tuple[int, str, bytes]] = []
+        held = 0
+        with self._store.read() as conn:
+            rows = conn.iterate(
+                "SELECT seq, time, data FROM ledger_entries WHERE log = ? AND time < ?"
+                " ORDER BY seq",
+                (tenant, cutoff),
+            )
+            for seq, time, raw in rows:
+                data = bytes(raw)
+                ev = json.loads(data)
+                if is_pruned_marker(ev) or kept(str(ev.get("action", ""))):
+                    continue
+                if ev.get("run") in held_runs or ev.get("deployment") in held_deps:
+                    held += 1
+                    continue
+                chosen.append((int(seq), str(time), data))
+        written: list[int] = []
+        extra = {"days": rule.days, "holds": [h.id for h in holds][:64], "held": held}
+        for part in _chunks(chosen):
+            draft, markers = prune_draft(
+                PrunePlan(tenant, tuple(part), rule.name, at, cutoff, extra), actor
+            )
+
+            def write(conn: Conn, markers: list[tuple[bytes, str, int]] = markers) -> None:
+                conn.executemany(
+                    "UPDATE ledger_entries SET data = ? WHERE log = ? AND seq = ?", markers
+                )
+                # A pruned event's lineage index rows go with it: nothing finds it by key.
+                conn.executemany(
+                    "DELETE FROM ledger_lineage WHERE log = ? AND seq = ?",
+                    [(log, seq) for _, log, seq in markers],
+                )
+
+            written.append(self._ledger.append(tenant, draft, hook=write).seq)
+        return PruneResult(tenant, rule.name, cutoff, len(chosen), held, tuple(written))
+
+    def history(self, tenant: str) -> list[dict[str, Any]]:
+        """The retention record of the tenant's log: rule changes, holds, prunes and
+        erasures, oldest first (what the evidence pack and report show)."""
+        out: list[dict[str, Any]] = []
+        with self._store.read() as conn:
+            for seq, raw in conn.iterate(
+                "SELECT seq, data FROM ledger_entries WHERE log = ? ORDER BY seq", (tenant,)
+            ):
+                ev = json.loads(bytes(raw))
+                action = str(ev.get("action", ""))
+                if action.startswith(("retention.", "hold.", "erasure.")):
+                    out.append(
+                        {"seq": int(seq), "time": ev.get("time"), "action": action,
+                         "actor": ev.get("actor", {}).get("id"), "decision": ev.get("decision"),
+                         "details": ev.get("details", {})}
+                    )  # fmt: skip
+        return out
+
+
+def _chunks(chosen: list[tuple[int, str, bytes]]) -> list[list[tuple[int, str, bytes]]]:
+    """Split into parts of at most MAX_PRUNED_PER_EVENT entries and MAX_PRUNE_RANGES seq ranges."""
+    parts: list[list[tuple[int, str, bytes]]] = []
+    cur: list[tuple[int, str, bytes]] = []
+    runs = 0
+    for item in chosen:
+        gap = not cur or cur[-1][0] + 1 != item[0]
+        if cur and (len(cur) >= MAX_PRUNED_PER_EVENT or (gap and runs >= MAX_PRUNE_RANGES)):
+            parts.append(cur)
+            cur, runs, gap = [], 0, True
+        runs += gap
+        cur.append(item)
+    if cur:
+        parts.append(cur)
+    return parts

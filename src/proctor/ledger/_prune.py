@@ -1,0 +1,210 @@
+"""Pruned entries: an event's payload removed past its retention period, its leaf kept.
+
+A pruned entry's stored bytes are replaced by a *marker*, canonical JSON::
+
+    {"action": "ledger.pruned", "pruned": {"at": T, "by": ID, "leaf_hash": B64,
+     "rule": R}, "seq": N, "tenant": X, "time": T0, "v": 1}
+
+``leaf_hash`` is the RFC 6962 leaf hash of the event that was there (the tile's
+level-0 hash, which never changes), so every tile, root, checkpoint, inclusion and
+consistency proof stays what it was. The marker cannot be hashed back to its leaf:
+what vouches for it is the ``retention.prune`` event ``ID`` names, appended in the
+same transaction that wrote the markers, which commits to all of them (the SHA-256
+of their bytes in order, their count, the rule, the time and the cut-off). A
+verifier (:func:`proctor.ledger.verify_log`) takes a marker's leaf from the marker,
+holds it to the tiles and the signed roots, and holds the marker itself to its
+prune event: an altered leaf hash breaks the root, an altered field breaks the
+prune event's digest, a marker no prune event names was not made by pruning.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proctor.errors import UsageError
+from proctor.ledger._canonical import canonical_json
+from proctor.ledger._event import Actor, EventDraft
+from proctor.ledger._merkle import leaf_hash
+
+#: The action of a marker (never of an appended event) and of the event that prunes.
+PRUNED_ACTION = "ledger.pruned"
+PRUNE_ACTION = "retention.prune"
+_MARKER_KEYS = frozenset({"action", "pruned", "seq", "tenant", "time", "v"})
+_PRUNED_KEYS = frozenset({"at", "by", "leaf_hash", "rule"})
+#: At most this many seq ranges in one prune event (it must stay under the event bound).
+MAX_RANGES = 256
+#: At most this many markers per prune event: one transaction rewrites them all.
+MAX_PER_EVENT = 20_000
+
+
+def is_marker(event: Any) -> bool:
+    return isinstance(event, dict) and "pruned" in event
+
+
+def marker_bytes(
+    seq: int, tenant: str, time: str, leaf: bytes, *, at: str, by: str, rule: str
+) -> bytes:
+    return canonical_json(
+        {
+            "action": PRUNED_ACTION,
+            "pruned": {
+                "at": at,
+                "by": by,
+                "leaf_hash": base64.b64encode(leaf).decode(),
+                "rule": rule,
+            },
+            "seq": seq,
+            "tenant": tenant,
+            "time": time,
+            "v": 1,
+        }
+    )
+
+
+def ranges_of(seqs: Sequence[int]) -> list[list[int]]:
+    """Sorted seqs as half-open ``[start, end)`` runs."""
+    out: list[list[int]] = []
+    for s in seqs:
+        if out and out[-1][1] == s:
+            out[-1][1] = s + 1
+        else:
+            out.append([s, s + 1])
+    return out
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """One prune event's worth of entries: (seq, time, stored bytes) in seq order."""
+
+    tenant: str
+    entries: tuple[tuple[int, str, bytes], ...]
+    rule: str
+    at: str
+    cutoff: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def prune_draft(plan: PrunePlan, actor: Actor) -> tuple[EventDraft, list[tuple[bytes, str, int]]]:
+    """The ``retention.prune`` event for ``plan`` and the rows to rewrite with it
+    ((marker, log, seq)); the caller appends the event with a hook that writes them,
+    so the markers exist exactly when their event does."""
+    if not plan.entries:
+        raise UsageError("nothing to prune")
+    by = secrets.token_hex(8)
+    digest = hashlib.sha256()
+    rows: list[tuple[bytes, str, int]] = []
+    for seq, time, data in plan.entries:
+        if time >= plan.cutoff:
+            raise UsageError(f"event seq {seq} is not past the retention period")
+        m = marker_bytes(seq, plan.tenant, time, leaf_hash(data), at=plan.at, by=by, rule=plan.rule)
+        digest.update(m + b"\n")
+        rows.append((m, plan.tenant, seq))
+    ranges = ranges_of([s for s, _, _ in plan.entries])
+    details: dict[str, Any] = {
+        "prune_id": by,
+        "rule": plan.rule,
+        "at": plan.at,
+        "cutoff": plan.cutoff,
+        "count": len(rows),
+        "first": ranges[0][0],
+        "last": ranges[-1][1] - 1,
+        "ranges": ranges[:MAX_RANGES],
+        "markers": "sha256:" + digest.hexdigest(),
+        **plan.extra,
+    }
+    if len(ranges) > MAX_RANGES:
+        details["ranges_cut"] = len(ranges) - MAX_RANGES
+    draft = EventDraft(
+        actor,
+        PRUNE_ACTION,
+        f"tenant/{plan.tenant}",
+        reason=f"retention: {len(rows)} events pruned past {plan.cutoff} under {plan.rule}",
+        details=details,
+    )
+    return draft, rows
+
+
+class MarkerCheck:
+    """What :func:`verify_log` holds pruned markers to, as it streams a log: each
+    marker's own shape, and, once its prune event comes, the event's commitment."""
+
+    def __init__(self) -> None:
+        # prune id -> (running digest, count, at, rule, latest marker time, first seq)
+        self._open: dict[str, tuple[Any, int, str, str, str, int]] = {}
+        self.pruned = 0
+        self.problems: list[str] = []
+
+    def marker(self, seq: int, event: dict[str, Any], data: bytes) -> bytes | None:
+        """The marker's leaf hash, or None (and a problem noted) if it is malformed."""
+        p = event.get("pruned")
+        if (
+            set(event) != _MARKER_KEYS
+            or event.get("action") != PRUNED_ACTION
+            or event.get("v") != 1
+            or not isinstance(p, dict)
+            or set(p) != _PRUNED_KEYS
+            or not all(isinstance(p[k], str) for k in _PRUNED_KEYS)
+            or not isinstance(event.get("time"), str)
+        ):
+            self.problems.append(f"event seq {seq}: a malformed pruned marker")
+            return None
+        try:
+            leaf = base64.b64decode(p["leaf_hash"], validate=True)
+        except (binascii.Error, ValueError):
+            leaf = b""
+        if len(leaf) != 32:
+            self.problems.append(f"event seq {seq}: a pruned marker without a leaf hash")
+            return None
+        by, at, rule, time = p["by"], p["at"], p["rule"], str(event["time"])
+        cur = self._open.get(by)
+        if cur is None:
+            cur = (hashlib.sha256(), 0, at, rule, time, seq)
+        digest, count, at0, rule0, latest, first = cur
+        if (at0, rule0) != (at, rule):
+            self.problems.append(
+                f"event seq {seq}: pruned marker's time or rule differs from its prune's"
+            )
+        digest.update(data + b"\n")
+        self._open[by] = (digest, count + 1, at0, rule0, max(latest, time), first)
+        self.pruned += 1
+        return leaf
+
+    def event(self, seq: int, event: dict[str, Any]) -> None:
+        """A real event: if it is a prune event, settle the markers it names."""
+        if event.get("action") != PRUNE_ACTION:
+            return
+        d = event.get("details")
+        if not isinstance(d, dict):
+            return
+        by = d.get("prune_id")
+        cur = self._open.pop(str(by), None)
+        if cur is None:
+            # A prune whose entries were all restored from a copy is no tampering.
+            return
+        digest, count, at, rule, latest, first = cur
+        want = d.get("markers")
+        if (
+            want != "sha256:" + digest.hexdigest()
+            or count != d.get("count")
+            or at != d.get("at")
+            or rule != d.get("rule")
+            or not latest < str(d.get("cutoff"))
+        ):
+            self.problems.append(
+                f"event seq {first}: pruned markers do not match their prune event (seq {seq}):"
+                " a marker was altered, added or removed"
+            )
+
+    def finish(self) -> None:
+        for by, cur in self._open.items():
+            self.problems.append(
+                f"event seq {cur[5]}: pruned marker(s) naming prune {by!r}, which no prune"
+                " event in the log records: not pruned by the runtime"
+            )
+        self._open.clear()
