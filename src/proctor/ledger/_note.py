@@ -37,6 +37,19 @@ def _key_id(name: str, public: bytes) -> bytes:
     return hashlib.sha256(name.encode() + b"\n" + _ALG_ED25519 + public).digest()[:4]
 
 
+def _split_vkey(vkey: str, what: str) -> tuple[str, bytes, bytes]:
+    """``name+hexid+base64`` as (name, key id, decoded key with its algorithm byte)."""
+    # The base64 key may itself contain "+": only the first two separate fields.
+    parts = vkey.strip().split("+", 2)
+    if len(parts) != 3:
+        raise UsageError(f"malformed {what} {vkey.strip()!r}")
+    name, hex_id, b64 = parts
+    try:
+        return name, bytes.fromhex(hex_id), base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise UsageError(f"malformed {what} {vkey.strip()!r}: {exc}") from exc
+
+
 def _check_name(name: str) -> None:
     if not _NAME_RE.match(name):
         raise UsageError(f"invalid key name {name!r}: no spaces or '+' allowed")
@@ -57,16 +70,7 @@ class Verifier:
     @classmethod
     def parse(cls, vkey: str) -> Verifier:
         """Parse a verifier key string ``name+hexid+base64key``."""
-        # The base64 key may itself contain "+": only the first two separate fields.
-        parts = vkey.strip().split("+", 2)
-        if len(parts) != 3:
-            raise UsageError(f"malformed verifier key {vkey.strip()!r}")
-        name, hex_id, b64 = parts
-        try:
-            raw = base64.b64decode(b64, validate=True)
-            key_id = bytes.fromhex(hex_id)
-        except (binascii.Error, ValueError) as exc:
-            raise UsageError(f"malformed verifier key {vkey.strip()!r}: {exc}") from exc
+        name, key_id, raw = _split_vkey(vkey, "verifier key")
         if len(raw) != 33 or raw[:1] != _ALG_ED25519:
             raise UsageError("verifier key is not an Ed25519 key (algorithm byte 0x01)")
         verifier = cls(name, raw[1:])
@@ -263,15 +267,7 @@ class CosignatureVerifier:
     @classmethod
     def parse(cls, vkey: str) -> CosignatureVerifier:
         """Parse a cosigner's verifier key ``name+hexid+base64(0x04 || key)``."""
-        parts = vkey.strip().split("+", 2)
-        if len(parts) != 3:
-            raise UsageError(f"malformed witness key {vkey.strip()!r}")
-        name, hex_id, b64 = parts
-        try:
-            raw = base64.b64decode(b64, validate=True)
-            key_id = bytes.fromhex(hex_id)
-        except (binascii.Error, ValueError) as exc:
-            raise UsageError(f"malformed witness key {vkey.strip()!r}: {exc}") from exc
+        name, key_id, raw = _split_vkey(vkey, "witness key")
         if len(raw) != 33 or raw[:1] != _ALG_COSIGNATURE:
             raise UsageError(
                 "not a witness key: a cosignature/v1 key has the algorithm byte 0x04",
