@@ -45,35 +45,109 @@ USER = ("user", "acme/alice")
 # One event of each shape the broker and the control plane record (the details
 # as src/proctor/broker writes them), allowed and refused.
 CASES = [
-    (base("http.request", host="api.example.com", port=443, method="POST", path="/x",
-          scheme="https", address="93.184.215.14", policy_version="sha256:ab"), 4002, 6),
+    (
+        base(
+            "http.request",
+            host="api.example.com",
+            port=443,
+            method="POST",
+            path="/x",
+            scheme="https",
+            address="93.184.215.14",
+            policy_version="sha256:ab",
+        ),
+        4002,
+        6,
+    ),
     (base("http.request", host="api.example.com", port=443, method="PATCH", path="/x"), 4002, 9),
     (base("http.request", "deny", host="x.example", port=443, method="CONNECT"), 4002, 1),
     (base("http.request", "deny", method="BREW", target="coffee://pot"), 4002, 99),
-    (base("http.request", "deny", host="10.0.0.1", port=80, method="GET",
-          address="10.0.0.1", special_ranges=["10.0.0.0/8"], error="private"), 4002, 3),
-    (base("http.request.end", host="api.example.com", port=443, address="93.184.215.14",
-          bytes_up=10, bytes_down=2000, duration_ms=12.5, status=200, requests=1,
-          decision_seq=6, secrets=["stripe"]), 4001, 2),
-    (base("sql.select", resource="dataset/crm", dataset="crm", sql_hmac="ab" * 32,
-          tables=[{"table": "customers", "columns": ["id"]}], row_count=2,
-          truncated=False, lineage="rows"), 6005, 4),
+    (
+        base(
+            "http.request",
+            "deny",
+            host="10.0.0.1",
+            port=80,
+            method="GET",
+            address="10.0.0.1",
+            special_ranges=["10.0.0.0/8"],
+            error="private",
+        ),
+        4002,
+        3,
+    ),
+    (
+        base(
+            "http.request.end",
+            host="api.example.com",
+            port=443,
+            address="93.184.215.14",
+            bytes_up=10,
+            bytes_down=2000,
+            duration_ms=12.5,
+            status=200,
+            requests=1,
+            decision_seq=6,
+            secrets=["stripe"],
+        ),
+        4001,
+        2,
+    ),
+    (
+        base(
+            "sql.select",
+            resource="dataset/crm",
+            dataset="crm",
+            sql_hmac="ab" * 32,
+            tables=[{"table": "customers", "columns": ["id"]}],
+            row_count=2,
+            truncated=False,
+            lineage="rows",
+        ),
+        6005,
+        4,
+    ),
     (base("sql.write", "deny", resource="dataset/crm", dataset="crm", tables=[]), 6005, 5),
     (base("sql.select", "deny", resource="dataset/?", dataset="?", error="bad"), 6005, 4),
-    (base("file.write", resource="bucket/reports/a/k.txt", bucket="reports", key="a/k.txt",
-          bytes=3, sha256="00" * 32), 6005, 5),
+    (
+        base(
+            "file.write",
+            resource="bucket/reports/a/k.txt",
+            bucket="reports",
+            key="a/k.txt",
+            bytes=3,
+            sha256="00" * 32,
+        ),
+        6005,
+        5,
+    ),
     (base("file.read", "deny", resource="bucket/inbox/x", bucket="inbox", key="x"), 6005, 1),
-    (base("secret.use", resource="secret/stripe", secret="stripe", host="api.example.com",
-          port=443), 6003, 2),
-    (base("secret.use", "deny", resource="secret/stripe", secret="stripe",
-          where="url"), 6003, 2),
+    (
+        base(
+            "secret.use",
+            resource="secret/stripe",
+            secret="stripe",
+            host="api.example.com",
+            port=443,
+        ),
+        6003,
+        2,
+    ),
+    (base("secret.use", "deny", resource="secret/stripe", secret="stripe", where="url"), 6003, 2),
     (base("approval.grant", actor=USER, resource="artifact/sha256:00"), 6003, 1),
     (base("run.start", actor=("runtime", "proctor"), resource="run/r"), 6003, 1),
     (base("tenant.freeze", actor=("operator", "root"), resource="tenant/acme"), 6003, 4),
-    (base("deployment.rollback", actor=("service", "acme/ci"), resource="deployment/d"),
-     6003, 3),
+    (base("deployment.rollback", actor=("service", "acme/ci"), resource="deployment/d"), 6003, 3),
     (base("broker.whoami", resource="run/r"), 6003, 99),
-]  # fmt: skip
+]
+MARKER = {
+    "action": "ledger.pruned",
+    "pruned": {"at": "2027-01-01T00:00:00.000000Z", "by": "prn_1", "leaf_hash": "AAAA", "rule": "r"},
+    "seq": 7,
+    "tenant": "acme",
+    "time": "2026-12-02T12:38:20.566531Z",
+    "v": 1,
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(("event", "class_uid", "activity_id"), CASES)
@@ -118,6 +192,13 @@ def test_every_shape_is_valid_ocsf(event: dict[str, Any], class_uid: int, activi
     text = json.dumps(out)
     for key, value in event["details"].items():
         assert json.dumps(value) in text or str(value) in text, key
+
+
+def test_a_pruned_marker_is_valid_ocsf_and_keeps_its_leaf() -> None:
+    out = to_ocsf(MARKER, "o")
+    assert validate(json.loads(json.dumps(out))).errors == []
+    assert (out["class_uid"], out["metadata"]["event_code"]) == (6003, "ledger.pruned")
+    assert out["unmapped"]["pruned"] == MARKER["pruned"]
 
 
 def _planted() -> list[tuple[str, Callable[[dict[str, Any]], None], str]]:

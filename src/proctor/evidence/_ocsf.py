@@ -58,6 +58,10 @@ _PROFILES = {
     4002: ["host", "security_control"],
     4001: ["host", "security_control"],
 }
+_EVENT_KEYS = frozenset(
+    {"v", "seq", "time", "tenant", "actor", "action", "resource", "decision", "policies"}
+    | {"reason", "deployment", "run", "artifact", "approvals", "details"}
+)
 _encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode
 
 
@@ -128,20 +132,23 @@ def _dst(host: str | None, port: int | None, address: str | None) -> dict[str, A
 def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
     """The OCSF event for one parsed ledger event."""
     action = str(ev["action"])
-    resource = str(ev["resource"])
+    seq = int(ev["seq"])
+    # A pruned entry's marker (docs/ledger.md) has no actor, resource or decision.
+    resource = str(ev.get("resource") or f"event/{seq}")
     raw_details = ev.get("details")
     details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     # Details keys that land in a standard attribute; the rest go to ``unmapped``.
     mapped: set[str] = {"policy_version"}
-    allowed = ev["decision"] == "allow"
-    seq = int(ev["seq"])
+    allowed = ev.get("decision", "allow") == "allow"
     time_ms = _epoch_ms(ev["time"])
     run = _str(ev.get("run"))
     deployment = _str(ev.get("deployment"))
     artifact = _str(ev.get("artifact"))
-    actor_type, actor_id = str(ev["actor"]["type"]), str(ev["actor"]["id"])
+    who = ev.get("actor") or {"type": "runtime", "id": "proctor"}
+    actor_type, actor_id = str(who["type"]), str(who["id"])
     workload = actor_type == "workload"
-    unmapped: dict[str, Any] = {}
+    # Top-level fields this mapping does not know (a marker's ``pruned``) are kept.
+    unmapped: dict[str, Any] = {k: v for k, v in ev.items() if k not in _EVENT_KEYS}
 
     metadata: dict[str, Any] = {
         "version": OCSF_VERSION,
@@ -205,7 +212,7 @@ def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
         # A refused call is what a security team wants raised; an allowed one is not.
         "is_alert": not allowed,
         "timezone_offset": 0,
-        "message": str(ev["reason"]),
+        "message": str(ev.get("reason") or action),
         "metadata": metadata,
         "actor": actor,
         "policy": policy,
