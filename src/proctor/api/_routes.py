@@ -228,6 +228,21 @@ def policy_history(ctx: CtxDep, tenant: str) -> list[PolicyOut]:
     return [_policy(pv) for pv in ctx.rt.policies.history(tenant)]
 
 
+@router.get("/tenants/{tenant}/policy/effective", tags=["policies"])
+def effective_policy(
+    ctx: CtxDep,
+    tenant: str,
+    deployment: Annotated[str, Query(min_length=1, max_length=63)],
+    version: Annotated[int | None, Query(ge=1)] = None,
+) -> dict[str, Any]:
+    """The whole set a run of the deployment is decided under (``policy show --effective``)."""
+    from proctor.lifecycle import effective_policy as effective
+
+    ctx.authorize("policy.read", tenant, f"policy/{tenant}")
+    result: dict[str, Any] = effective(ctx.rt, tenant, deployment, version)
+    return result
+
+
 @router.post("/tenants/{tenant}/policy/test", response_model=DecisionOut, tags=["policies"])
 def test_policy(ctx: CtxDep, tenant: str, body: dict[str, Any]) -> DecisionOut:
     """Decide one request (``proctor policy test``'s JSON) against the current policy."""

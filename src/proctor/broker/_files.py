@@ -122,6 +122,8 @@ async def _prepare(
     )
     if not decision.allowed:
         reason = decision.reason
+        # With what was decided on (a write's announced size), so it can be re-decided.
+        details |= dict(context)
         await scope.record(action, resource, decision, reason=reason, details=details)
         raise CallDenied(f"{action} on {resource} {reason}", policies=decision.policies)
     return bucket, key, scope.buckets_dir, decision, details

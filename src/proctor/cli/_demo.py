@@ -296,7 +296,8 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
         console.print(f"   run {r['id']} of {r['deployment']}: {r['status']}; data "
                       f"{escape('; '.join(r['data']))}; hosts {', '.join(r['hosts'])}; "
                       f"{r['denied']} refused")  # fmt: skip
-    console.print(f"   policy version in force: {answer['policy_version'][:23]}…")
+    for version in answer["policy_versions"]:
+        console.print(f"   runs decided under policy {version[:23]}…")
 
     _step(11, "evidence for the auditor: a pack for today, verified offline; the run's receipt")
     from proctor.evidence import export_pack, verify_pack, verify_receipt

@@ -129,7 +129,8 @@ def verify(
         f"{report.end_seq - 1}) and {report.context} context events in the signed tree of size "
         f"{report.end_size}; {report.production_runs} production run(s), "
         f"{report.approvals_checked} approval(s) and {report.accesses_checked} allowed "
-        "access(es) checked"
+        f"access(es) checked; {report.policy_versions} policy text(s) hash to the versions "
+        f"cited, {report.decisions_redecided} recorded decision(s) decided again alike"
     )
 
 

@@ -820,8 +820,10 @@ def history(
 
 
 def _print_history(report: dict[str, Any]) -> None:
+    # The runs' effective sets (tenant set + permits + forbid), not the tenant's own alone.
+    effective = ", ".join(report.get("policy_versions") or []) or "no run here"
     console.print(f"[bold]{report['tenant']}[/] at {report['at']}"
-                  f" (policy {report['policy_version'][:19]}…)")  # fmt: skip
+                  f" (runs decided under policy {effective})")  # fmt: skip
     table = make_table("deployment", "v", "env", "mode", "artifact", "approved by",
                        "instruction", ids=("deployment", "artifact"))  # fmt: skip
     for d in report["deployments"]:
@@ -831,11 +833,11 @@ def _print_history(report: dict[str, Any]) -> None:
         )  # fmt: skip
     print_table(table)
     table = make_table("run", "deployment", "status", "started", "ended", "data", "hosts",
-                       "denied", ids=("run", "deployment"))  # fmt: skip
+                       "denied", "policy", ids=("run", "deployment", "policy"))  # fmt: skip
     for r in report["runs"]:
         table.add_row(r["id"], r["deployment"], r["status"], r["started_at"],
                       r["ended_at"] or "", ", ".join(r["data"]), ", ".join(r["hosts"]),
-                      str(r["denied"]))  # fmt: skip
+                      str(r["denied"]), r.get("policy_version") or "")  # fmt: skip
     print_table(table)
 
 

@@ -23,6 +23,7 @@ from proctor.cli._common import (
     make_table,
     open_runtime,
     print_table,
+    remote,
 )
 from proctor.errors import UsageError
 from proctor.ledger import Actor
@@ -72,31 +73,92 @@ def policy_set(
 def policy_show(
     tenant: TenantOpt,
     history: Annotated[bool, typer.Option(help="List every version")] = False,
+    effective: Annotated[
+        bool,
+        typer.Option(
+            help="The whole set a run of --deployment is decided under: the tenant's set, "
+            "the deployment's permits and its environment's forbid"
+        ),
+    ] = False,
+    deployment: Annotated[str | None, typer.Option(help="With --effective: the deployment")] = None,
+    version: Annotated[
+        int | None,
+        typer.Option(help="With --effective: the deployment's version [default: current]"),
+    ] = None,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
+    token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Print the tenant's current policy text (or its history)."""
-    with open_runtime(home) as rt:
-        if history:
-            versions = rt.policies.history(tenant)
-            if as_json:
-                emit_json([{"tenant": tenant, "seq": pv.seq, "version": pv.version,
-                            "set_at": pv.set_at, "set_by": pv.set_by}
-                           for pv in versions])  # fmt: skip
-                return
-            table = make_table("#", "version", "set at", "by", ids=("version",))
-            for pv in versions:
-                table.add_row(str(pv.seq), pv.version, pv.set_at, pv.set_by)
-            print_table(table, wide)
+    """Print the tenant's current policy text (or its history, or with --effective the
+    full set a deployment's runs are decided under)."""
+    if effective and (deployment is None or history):
+        raise UsageError(
+            "--effective needs --deployment, and does not go with --history",
+            hint="e.g. proctor policy show -t acme --effective --deployment churn",
+        )
+    if not effective and (deployment is not None or version is not None):
+        raise UsageError("--deployment and --version go with --effective",
+                         hint="add --effective")  # fmt: skip
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        if effective:
+            assert deployment is not None
+            doc = client.effective_policy(tenant, deployment, version)
+        elif history:
+            _print_policy_history(tenant, client.policy_history(tenant), as_json, wide)
             return
-        pv = rt.policies.current(tenant)
+        else:
+            doc = client.policy(tenant)
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "policy.read")
+            if effective:
+                from proctor.lifecycle import effective_policy
+
+                assert deployment is not None
+                doc = effective_policy(rt, tenant, deployment, version)
+            elif history:
+                versions = [{"tenant": tenant, "seq": pv.seq, "version": pv.version,
+                             "set_at": pv.set_at, "set_by": pv.set_by}
+                            for pv in rt.policies.history(tenant)]  # fmt: skip
+                _print_policy_history(tenant, versions, as_json, wide)
+                return
+            else:
+                pv = rt.policies.current(tenant)
+                doc = {"tenant": tenant, "version": pv.version, "text": pv.text}
+    text = str(doc.get("text") or "")
     if as_json:
-        emit_json({"tenant": tenant, "version": pv.version, "text": pv.text})
+        emit_json({k: v for k, v in doc.items() if effective or k in ("tenant", "version", "text")})
         return
-    sys.stdout.write(f"// version {pv.version}\n{pv.text}")
-    if pv.text and not pv.text.endswith("\n"):
+    if effective:
+        sys.stdout.write(
+            f"// the set a run of {doc['deployment']} v{doc['version']} ({doc['environment']}) "
+            f"is decided under: version {doc['policy_version']}\n"
+            f"// = the tenant's own set ({doc['tenant_policy_version']}), the deployment's "
+            "permits, the environment's forbid\n"
+        )
+        recorded = [v for v in doc.get("recorded") or [] if v != doc["policy_version"]]
+        if recorded:
+            sys.stdout.write(f"// its runs also recorded: {', '.join(recorded)}\n")
+    else:
+        sys.stdout.write(f"// version {doc['version']}\n")
+    sys.stdout.write(text)
+    if text and not text.endswith("\n"):
         sys.stdout.write("\n")
+
+
+def _print_policy_history(
+    tenant: str, versions: list[dict[str, Any]], as_json: bool, wide: bool
+) -> None:
+    if as_json:
+        emit_json([{k: v.get(k) for k in ("tenant", "seq", "version", "set_at", "set_by")}
+                   for v in versions])  # fmt: skip
+        return
+    table = make_table("#", "version", "set at", "by", ids=("version",))
+    for v in versions:
+        table.add_row(str(v["seq"]), str(v["version"]), str(v["set_at"]), str(v["set_by"]))
+    print_table(table, wide)
 
 
 @policy_app.command("test")

@@ -200,6 +200,13 @@ class Client:
     def policy_history(self, tenant: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/policy/history")
 
+    def effective_policy(self, tenant: str, deployment: str, version: int | None = None) -> Json:
+        """The whole set a run of ``deployment`` is decided under (text and version)."""
+        params: dict[str, Any] = {"deployment": deployment}
+        if version is not None:
+            params["version"] = version
+        return self._json("GET", f"{self._t(tenant)}/policy/effective", params=params)
+
     def test_policy(self, tenant: str, request: Mapping[str, Any]) -> Json:
         return self._json("POST", f"{self._t(tenant)}/policy/test", json=dict(request))
 

@@ -17,7 +17,9 @@ Layout (every file listed with its SHA-256 in ``manifest.json``):
   approvals, deployments, runs, the subprocessor register, from the store;
 - ``verifier.key``; ``report/report.{md,html,json}``, ``report/activity.png``;
 - ``lineage/<hex>``: every lineage object a period event references (by
-  ``details.lineage_object.digest``, ``sha256:<hex>``), its bytes as stored.
+  ``details.lineage_object.digest``, ``sha256:<hex>``), its bytes as stored;
+- ``policies/<hex>.cedar``: the text of every policy version a period event cites
+  (``details.policy_version``), the bytes that hash to it (``_policies.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import IO, Any
 
 from proctor.errors import UsageError
 from proctor.evidence._ocsf import ocsf_line
+from proctor.evidence._policies import cited_version, policy_name, policy_texts
 from proctor.evidence._render import chart_png, cited_seqs, render_html, render_markdown
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
@@ -233,6 +236,7 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
         governance_events: list[dict[str, Any]] = []
         digests: set[str] = set()
         lineage: set[str] = set()
+        versions: set[str] = set()
         events_out = writer.stream("events/events.jsonl")
         ocsf_out = writer.stream("ocsf/events.ocsf.jsonl", spool=True)
         seq = first - 1
@@ -248,9 +252,12 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
             if ev.get("artifact"):
                 digests.add(str(ev["artifact"]))
             _lineage_ref(ev, lineage)
+            if (version := cited_version(data)) is not None:
+                versions.add(version)
         events_out.close()
         ocsf_out.close()
         _put_lineage(writer, rt, tenant, lineage)
+        _put_policies(writer, rt, tenant, versions)
         stop = seq + 1
         if stop != first + len(leaves):
             raise UsageError("the period's events are not contiguous; run `proctor audit verify`")
@@ -395,3 +402,10 @@ def _put_lineage(writer: _Writer, rt: Home, tenant: str, digests: set[str]) -> N
     is left out, and `evidence verify` names it."""
     for digest, data in sorted(read_objects(rt.store, tenant, digests).items()):
         writer.put(lineage_name(digest), data)
+
+
+def _put_policies(writer: _Writer, rt: Home, tenant: str, versions: set[str]) -> None:
+    """The text of each policy version the period's events cite; one that cannot be
+    found is left out, and `evidence verify` names it."""
+    for version, text in sorted(policy_texts(rt, tenant, versions).items()):
+        writer.put(policy_name(version), text.encode("utf-8"))

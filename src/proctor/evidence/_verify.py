@@ -25,6 +25,7 @@ from typing import Any
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._pack import PACK_FORMAT, iter_lines, lineage_name
+from proctor.evidence._policies import PolicyCheck, check_policies
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
 from proctor.governance import (
@@ -62,6 +63,8 @@ class PackReport:
     approvals_checked: int
     accesses_checked: int
     vkey: str
+    policy_versions: int = 0  # cited policy versions whose texts hash to them
+    decisions_redecided: int = 0  # recorded decisions decided again with those texts
 
 
 def _fail(message: str) -> VerificationFailed:
@@ -208,6 +211,7 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     proven = _Proven.index(period.events)
     production, approvals_checked = _check_approvals(proven)
     accesses = _check_accesses(proven, period.data_events)
+    policies = _check_policy_texts(zf, proven)
     _check_records(zf, proven.grants, proven.submits, proven.runs, proven.ordered)
     _check_report(zf, head, period, context_docs)
     return PackReport(
@@ -222,6 +226,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         approvals_checked,
         accesses,
         head.verifier.vkey(),
+        policy_versions=policies.versions,
+        decisions_redecided=policies.redecided,
     )
 
 
@@ -658,6 +664,18 @@ def _check_lineage(zf: zipfile.ZipFile) -> int:
             raise _fail(f"event seq {ev.get('seq')}: {name}: {problem}")
         checked.add(digest)
     return len(checked)
+
+
+def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven) -> PolicyCheck:
+    """The cited policy texts are in the pack and hash to their versions, and a sample
+    of the recorded decisions comes out the same when decided again with them."""
+    # A run that started before the period: its deployment's environment, if the
+    # pack's deployments give it one.
+    by_name: dict[str, set[str]] = {}
+    for dep in _load(zf, "governance/deployments.json"):
+        by_name.setdefault(str(dep.get("name")), set()).add(str(dep.get("environment")))
+    environments = {name: envs.pop() for name, envs in by_name.items() if len(envs) == 1}
+    return check_policies(zf, proven.runs, environments)
 
 
 if __name__ == "__main__":

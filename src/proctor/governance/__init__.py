@@ -43,7 +43,7 @@ from proctor.governance._deployments import (
     readiness,
 )
 from proctor.governance._egress import EgressRanges
-from proctor.governance._environments import Bindings, bindings
+from proctor.governance._environments import Bindings, bindings, environment_forbid
 from proctor.governance._home import Home, HomeConfig
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
@@ -71,7 +71,12 @@ from proctor.governance._objects import (
     stage_object,
 )
 from proctor.governance._policies import EMPTY as EMPTY_POLICY
-from proctor.governance._policies import Policies, PolicyVersion
+from proctor.governance._policies import (
+    Policies,
+    PolicyVersion,
+    effective_policies,
+    policy_object,
+)
 from proctor.governance._principals import (
     KINDS,
     ROLES,
@@ -154,11 +159,14 @@ __all__ = [
     "check_entrypoint",
     "covers",
     "decision_problems",
+    "effective_policies",
     "egress_entry",
+    "environment_forbid",
     "key_problem",
     "list_object_files",
     "load_manifest",
     "parse_manifest",
+    "policy_object",
     "read_object_file",
     "readiness",
     "require_backed",

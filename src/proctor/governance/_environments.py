@@ -79,11 +79,19 @@ def bindings(
         # before it existed get theirs here), so sandbox writes have somewhere to go.
         for name in resources.buckets(tenant):
             (buckets_dir / name).mkdir(mode=0o700, parents=True, exist_ok=True)
-        forbid = egress_forbid(SANDBOX_EGRESS_FORBID_ID, resources.sandbox_hosts(tenant))
-    else:
-        # No egress to a host no registered subprocessor covers (GDPR Art. 28(2)/(4)).
-        forbid = subprocessor_forbid(tenant, subprocessors.list(tenant))
+    forbid = environment_forbid(resources, subprocessors, tenant, environment)
     return Bindings(environment, datasets, secrets, buckets_dir, forbid)
+
+
+def environment_forbid(
+    resources: Resources, subprocessors: Subprocessors, tenant: str, environment: str
+) -> str:
+    """The Cedar forbid every run in ``environment`` gets (read-only: ``policy show
+    --effective`` shows exactly what a run is given)."""
+    if environment == "sandbox":
+        return egress_forbid(SANDBOX_EGRESS_FORBID_ID, resources.sandbox_hosts(tenant))
+    # No egress to a host no registered subprocessor covers (GDPR Art. 28(2)/(4)).
+    return subprocessor_forbid(tenant, subprocessors.list(tenant))
 
 
 def bound_datasets(

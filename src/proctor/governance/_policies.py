@@ -1,11 +1,19 @@
 from __future__ import annotations
 
+import hashlib
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from proctor.errors import NotFound
-from proctor.ledger import Actor, EventDraft, Ledger, bound_details, utc_now
-from proctor.policy import CompiledPolicies, compile_policies, policy_version
+from proctor.ledger import Actor, EventDraft, Ledger, LedgerObject, bound_details, utc_now
+from proctor.policy import (
+    CompiledPolicies,
+    capability_policies,
+    compile_policies,
+    policy_version,
+)
 from proctor.store import Conn, Store
 
 EMPTY = compile_policies("")
@@ -118,3 +126,28 @@ class Policies:
         with self._lock:
             self._compiled[compiled.version] = compiled
         return compiled
+
+
+def effective_policies(
+    policies: Policies,
+    tenant: str,
+    deployment: str,
+    capabilities: Mapping[str, Any],
+    forbid: str,
+) -> CompiledPolicies:
+    """The set a run of ``deployment`` is decided under: the tenant's own set, the
+    permits compiled from the deployment's approved capabilities, and its
+    environment's forbid (``environment_forbid``). Its version is what every call of
+    the run records as ``policy_version``."""
+    permits = capability_policies(tenant, deployment, capabilities)
+    return policies.compiled(tenant, f"{permits}\n{forbid}")
+
+
+def policy_object(compiled: CompiledPolicies) -> LedgerObject:
+    """The policy text as a ledger object named by its version: the SHA-256 of the
+    stored (normalized) text is both the object's digest and the version events cite."""
+    data = compiled.text.encode("utf-8")
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    if digest != compiled.version:  # normalized text hashes to its version, always
+        raise ValueError("a compiled policy's text does not hash to its version")
+    return LedgerObject(digest, data)

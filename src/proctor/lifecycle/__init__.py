@@ -4,7 +4,7 @@ them and keeps services up, and the answer to "what ran here at time T?"."""
 from proctor.errors import RunRefused
 from proctor.governance import RunRecord, Runs
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
-from proctor.lifecycle._history import what_ran
+from proctor.lifecycle._history import effective_policy, what_ran
 from proctor.lifecycle._jsonlog import REQUEST, JsonFormatter, log_event, log_json, scrub
 from proctor.lifecycle._receipt import run_receipt
 from proctor.lifecycle._serve import Server
@@ -23,6 +23,7 @@ __all__ = [
     "Supervisor",
     "Throwaway",
     "brokered_spec",
+    "effective_policy",
     "log_event",
     "log_json",
     "run_brokered",

@@ -39,12 +39,13 @@ from proctor.governance import (
     Runs,
     RunStanding,
     bindings,
+    effective_policies,
+    policy_object,
     require_backed,
 )
 from proctor.ledger import Actor, EventDraft, clip, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.lifecycle._jsonlog import log_event
-from proctor.policy import capability_policies
 from proctor.sandbox import (
     Limits,
     SandboxResult,
@@ -278,11 +279,10 @@ class Supervisor:
             f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/deployment/{name}/run/{run_id}"
         )
         caps = manifest.capabilities
-        permits = capability_policies(tenant, name, caps)
         # Every binding comes from the environment's one rule: in the sandbox only
         # stand-ins (synthetic twins, test secrets, sandbox buckets, sandbox hosts).
         env_bound = bindings(rt.resources, rt.subprocessors, tenant, dep.environment, caps)
-        policies = rt.policies.compiled(tenant, f"{permits}\n{env_bound.forbid}")
+        policies = effective_policies(rt.policies, tenant, name, caps, env_bound.forbid)
         datasets = {
             ds_name: DatasetBinding(ds_name, d.kind, d.location, d.synthetic)
             for ds_name, d in env_bound.datasets.items()
@@ -358,7 +358,11 @@ class Supervisor:
                     "version": dep.version, "backend": self.driver.name,
                     "policy_version": scope.policies.version, "limits": limits_doc,
                     "attempt": attempt, "purpose": artifact.purpose,
+                    "row_limit": scope.row_limit,
                 },
+                # The text the run's calls are decided under, named by the version they
+                # cite: an evidence pack carries it and re-decides calls with it.
+                objects=(policy_object(scope.policies),),
             ),
             hook=insert,
         )  # fmt: skip

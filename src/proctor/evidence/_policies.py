@@ -1,0 +1,307 @@
+"""The policy texts that decided a pack's events, carried and checked.
+
+Every data-plane event records ``details.policy_version``: ``sha256:`` and the
+SHA-256 of the normalized Cedar text of the set its run was decided under (the
+tenant's own set, the deployment's permits from its approved capabilities and its
+environment's forbid; ``governance.effective_policies``). A pack carries each such
+text as ``policies/<hex>.cedar``, the bytes that hash to the version, so an
+auditor reads the exact rules with nothing but SHA-256 to tie them to the log.
+
+Where the text comes from: since ``run.start`` carries the text as a ledger
+object named by its version (written in the event's transaction), from the
+store; for a run recorded before that, it is rebuilt from the tenant's policy
+history, the deployments' approved capabilities and the register as it is now,
+and kept only if it hashes to the version (so nothing but the right text can be
+put in; one that cannot be rebuilt is left out, and ``evidence verify`` names it).
+
+Verification: every cited version's text is present and hashes to it, and a
+sample of the recorded Cedar decisions (up to :data:`SAMPLE`, spread evenly over
+the period by seq) is decided again with cedarpy from the recorded request: the
+decision and the deciding policies must be the recorded ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proctor.errors import PolicyError, ProctorError, VerificationFailed
+from proctor.governance import Home, environment_forbid
+from proctor.ledger import read_objects
+from proctor.policy import (
+    CedarValue,
+    CompiledPolicies,
+    Entity,
+    EntityRef,
+    EntitySet,
+    IpAddr,
+    Request,
+    capability_policies,
+    compile_policies,
+    decide,
+    normalize_text,
+    policy_version,
+)
+
+POLICY_DIR = "policies/"
+#: How many recorded decisions ``evidence verify`` decides again (spread over the period).
+SAMPLE = 200
+#: The row limit every run had before ``run.start`` recorded it (RunScope's default).
+_DEFAULT_ROW_LIMIT = 10_000
+#: A path recorded at this length may have been cut (the broker keeps 512 characters).
+_PATH_CUT = 512
+_VERSION_RE = re.compile(rb'"policy_version":"(sha256:[0-9a-f]{64})"')
+_ACTION_RE = re.compile(rb'"action":"([a-z.]+)"')
+#: What :func:`redecide` answers for an event whose request was not recorded whole.
+UNDECIDABLE = "its request was not recorded whole"
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_REDECIDED = ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+
+
+def policy_name(version: str) -> str:
+    """Where a pack holds the text of policy version ``sha256:<hex>``."""
+    return POLICY_DIR + version.removeprefix("sha256:") + ".cedar"
+
+
+def cited_version(data: bytes) -> str | None:
+    """The policy version an event's bytes cite, if any (no JSON parse: every event
+    of a period is looked at)."""
+    m = _VERSION_RE.search(data)
+    return m.group(1).decode() if m else None
+
+
+# -- export ---------------------------------------------------------------------------
+
+
+def policy_texts(rt: Home, tenant: str, versions: Iterable[str]) -> dict[str, str]:
+    """The text of each of ``versions`` that can be found: the ledger's object, else a
+    rebuilt text that hashes to it. A version found neither way is absent."""
+    wanted = {v for v in versions if _DIGEST_RE.match(v)}
+    found: dict[str, str] = {}
+    for digest, data in read_objects(rt.store, tenant, wanted).items():
+        text = data.decode("utf-8", errors="replace")
+        if policy_version(text) == digest:
+            found[digest] = text
+    missing = wanted - set(found)
+    if missing:
+        for text in _rebuilt(rt, tenant):
+            version = policy_version(text)
+            if version in missing:
+                found[version] = normalize_text(text)
+                missing.discard(version)
+                if not missing:
+                    break
+    return found
+
+
+def _rebuilt(rt: Home, tenant: str) -> Iterator[str]:
+    """The sets runs of ``tenant`` may have been decided under, as the supervisor
+    composes them (``Policies.compiled``): every tenant set ever set (and the empty
+    one) with every deployment version's permits and its environment's forbid now."""
+    own = [""] + [pv.text for pv in rt.policies.history(tenant)]
+    forbids: dict[str, str] = {}
+    for dep in rt.deployments.current(tenant):
+        for version in rt.deployments.versions(tenant, dep.name):
+            try:
+                caps = rt.artifacts.get(tenant, version.digest).manifest.capabilities
+                permits = capability_policies(tenant, version.name, caps)
+                env = version.environment
+                if env not in forbids:
+                    forbids[env] = environment_forbid(rt.resources, rt.subprocessors, tenant, env)
+            except ProctorError:
+                continue
+            extra = f"{permits}\n{forbids[env]}"
+            for text in own:
+                yield f"{text}\n{extra}" if text else extra
+
+
+# -- verification ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyCheck:
+    versions: int  # distinct versions cited, each text present and hashing to it
+    redecided: int  # recorded decisions decided again, all matching
+    candidates: int  # recorded Cedar decisions in the period that could be re-decided
+
+
+def _fail(message: str) -> VerificationFailed:
+    return VerificationFailed(message)
+
+
+def _lines(zf: zipfile.ZipFile, name: str) -> Iterator[bytes]:
+    with zf.open(name) as f:
+        for line in f:
+            yield line.rstrip(b"\n")
+
+
+def check_policies(
+    zf: zipfile.ZipFile,
+    runs: Mapping[str, Mapping[str, Any]],
+    environments: Mapping[str, str] | None = None,
+    sample: int = SAMPLE,
+) -> PolicyCheck:
+    """Each cited policy version's text is in the pack and hashes to it; a sample of
+    the recorded decisions, decided again with those texts, gives the same answers.
+
+    ``runs`` are the proven ``run.start`` events by run id (the environment and row
+    limit a run's calls were decided with); for a run that started before the
+    period, ``environments`` gives its deployment's environment (absent: its calls
+    are not re-decided). Call after the events are proven.
+    """
+    names = set(zf.namelist())
+    cited: dict[str, int] = {}  # version -> first seq citing it
+    candidates: list[int] = []  # line indexes of re-decidable events
+    for index, data in enumerate(_lines(zf, "events/events.jsonl")):
+        version = cited_version(data)
+        if version is None:
+            continue
+        if version not in cited:
+            cited[version] = index
+        m = _ACTION_RE.search(data)
+        if m and m.group(1).decode() in _REDECIDED and b'"reason":"refused: ' not in data:
+            candidates.append(index)
+    texts: dict[str, str] = {}
+    first = 0
+    for data in _lines(zf, "events/events.jsonl"):
+        first = int(json.loads(data)["seq"])
+        break
+    for version, index in sorted(cited.items(), key=lambda kv: kv[1]):
+        name = policy_name(version)
+        if name not in names:
+            raise _fail(
+                f"event seq {first + index}: cites policy version {version}, whose text "
+                f"{name} is not in the pack (missing)"
+            )
+        raw = zf.read(name)
+        if "sha256:" + hashlib.sha256(raw).hexdigest() != version:
+            raise _fail(
+                f"{name}: does not hash to policy version {version}, which event seq "
+                f"{first + index} cites (the text was altered)"
+            )
+        texts[version] = raw.decode("utf-8")
+    chosen = _spread(candidates, sample)
+    compiled: dict[str, CompiledPolicies] = {}
+    redecided = 0
+    for index, data in enumerate(_lines(zf, "events/events.jsonl")):
+        if index not in chosen:
+            continue
+        ev = json.loads(data)
+        version = str(ev["details"]["policy_version"])
+        if version not in compiled:
+            try:
+                compiled[version] = compile_policies(texts[version])
+            except PolicyError as exc:
+                raise _fail(
+                    f"{policy_name(version)}: not a valid policy set: {exc.message}"
+                ) from exc
+        sd = (runs.get(str(ev.get("run"))) or {}).get("details") or {}
+        environment = sd.get("environment") or (environments or {}).get(str(ev.get("deployment")))
+        if not isinstance(environment, str):
+            continue
+        row_limit = int(sd.get("row_limit", _DEFAULT_ROW_LIMIT))
+        why = redecide(compiled[version], ev, environment, row_limit)
+        if why == UNDECIDABLE:
+            continue
+        if why is not None:
+            raise _fail(
+                f"event seq {ev['seq']} ({ev['action']} {ev['resource']}): decided again "
+                f"with policy {version}, {why}"
+            )
+        redecided += 1
+    return PolicyCheck(len(cited), redecided, len(candidates))
+
+
+def _spread(items: list[int], n: int) -> set[int]:
+    """At most ``n`` of ``items``, evenly spaced by position: the same pack gives the
+    same sample, and it covers the whole period."""
+    if len(items) <= n:
+        return set(items)
+    return {items[i * len(items) // n] for i in range(n)}
+
+
+def redecide(
+    compiled: CompiledPolicies, ev: Mapping[str, Any], environment: str, row_limit: int
+) -> str | None:
+    """Decide ``ev``'s recorded request again, for a run in ``environment``; why the
+    answer differs from the recorded one, or None.
+
+    An event whose request was not recorded whole (a path cut at 512 characters, a
+    denied write recorded before its size was) is not decided: :data:`UNDECIDABLE`.
+    """
+    d: Mapping[str, Any] = ev.get("details") or {}
+    tenant, deployment = str(ev["tenant"]), str(ev.get("deployment"))
+    workload = str(ev["actor"]["id"])
+    base = [
+        Entity.workload(
+            workload,
+            tenant=tenant,
+            deployment=deployment,
+            environment=environment,
+            artifact=ev.get("artifact"),
+            run=str(ev.get("run")),
+        ),
+        Entity.deployment(tenant, deployment),
+        Entity(EntityRef.tenant(tenant)),
+    ]
+    principal = EntityRef.workload(workload)
+    action = str(ev["action"])
+    questions: list[tuple[str, EntityRef, dict[str, CedarValue], list[Entity], str, list[str]]] = []
+    context: dict[str, CedarValue]
+    recorded = (str(ev["decision"]), sorted(ev.get("policies") or []))
+    try:
+        if action in ("sql.select", "sql.write"):
+            dataset = str(d.get("dataset"))
+            for t in d.get("tables") or []:
+                said = (str(t["decision"]), sorted(t.get("policies") or []))
+                try:
+                    table = Entity.table(tenant, dataset, str(t["table"]),
+                                         synthetic=bool(d.get("synthetic")))  # fmt: skip
+                except PolicyError:
+                    # A table no policy can name is denied by no policy (the broker's rule).
+                    if said != ("deny", []):
+                        return f"table {t['table']!r} cannot be named, but the log records {said}"
+                    continue
+                context = {"dataset": dataset, "columns": list(t.get("columns") or []),
+                           "row_limit": row_limit}  # fmt: skip
+                questions.append((str(t["action"]), table.uid, context, [table], *said))
+        elif action == "http.request":
+            path = d.get("path")
+            if isinstance(path, str) and len(path) >= _PATH_CUT:
+                return UNDECIDABLE
+            context = {"method": d["method"], "port": int(d["port"])}
+            for key in ("scheme", "path"):
+                if key in d:
+                    context[key] = d[key]
+            if "address" in d:
+                context["address"] = IpAddr(str(d["address"]))
+            host = Entity.host(str(d["host"]))
+            questions.append((action, host.uid, context, [host], *recorded))
+        elif action in ("file.read", "file.write"):
+            ref = EntityRef.bucket(tenant, str(d["bucket"]))
+            context = {"key": d["key"]}
+            if action == "file.write":
+                if "bytes" not in d:
+                    return UNDECIDABLE
+                context["bytes"] = int(d["bytes"])
+            questions.append((action, ref, context, [Entity.in_tenant(ref, tenant)], *recorded))
+        elif action == "secret.use":
+            ref = EntityRef.secret(tenant, str(d["secret"]))
+            context = {"host": d["host"]}
+            questions.append((action, ref, context, [Entity.in_tenant(ref, tenant)], *recorded))
+    except (KeyError, TypeError, ValueError, PolicyError) as exc:
+        return f"its recorded request cannot be read ({exc!r})"
+    for act, resource, context, extra, decision, policies in questions:
+        got = decide(
+            compiled, Request(principal, act, resource, context), EntitySet([*base, *extra])
+        )
+        if (got.decision, sorted(got.policies)) != (decision, policies):
+            was = f"{decision} by {', '.join(policies) or 'no policy'}"
+            now = f"{got.decision} by {', '.join(got.policies) or 'no policy'}"
+            return f"gives {now}, but the log records {was}"
+    return None
