@@ -84,6 +84,7 @@ ARGS: dict[str, list[str]] = {
     "evidence report": ["{TMP}/pack.zip", "-o", "{TMP}/report"],
     "evidence verify": ["{TMP}/pack.zip", "--key", "{VKEY}"],
     "history": ["-t", "acme", "--at", "now"],
+    "hold add": ["-t", "acme", "--run", "walk-run", "--reason", "the walk"],
     "init": ["--home", "{TMP}/another-home"],
     "lineage": ["-t", "acme", "--dataset", "crm", "--key", "1"],
     "policy set": ["-t", "globex", "{TMP}/p.cedar"],
@@ -94,6 +95,7 @@ ARGS: dict[str, list[str]] = {
     "receipt get": ["{R}", "-t", "acme", "-o", "{TMP}/receipt"],
     "receipt verify": ["{RECEIPT}", "--key", "{VKEY}"],
     "reject": ["{D2}", "-t", "acme", "--token", "{TOKEN_alice}"],
+    "retention set": ["-t", "acme", "--days", "400"],
     "run": ["job", "-t", "acme"],
     "runs show": ["{R}", "-t", "acme"],
     "sandbox run": ["--", "true"],
@@ -121,6 +123,7 @@ NOT_WALKED = {
     "run": "runs a sandbox: test_every_printing_command_speaks_json runs it as a subprocess",
     "sandbox run": "runs a sandbox: test_every_printing_command_speaks_json runs it too",
     "witness serve": "serves until stopped (its --json is one line): tests/integration/test_witness",
+    "hold remove": "needs the id hold add made: tests/e2e/test_retention_cli.py runs it with --json",
 }
 
 #: Commands that print but take no --json, and why.
@@ -260,7 +263,7 @@ def walk_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gov, d
 
 #: Values for required parameters that must parse before a command reads its home.
 _VALID = {"since": "2000-01-01", "until": "2100-01-01", "at": "now", "digest": "0" * 64,
-          "tenant": "acme", "index": "0", "old": "1"}  # fmt: skip
+          "tenant": "acme", "index": "0", "old": "1", "days": "400"}  # fmt: skip
 
 
 def _required_only(cmd: Any) -> list[str]:

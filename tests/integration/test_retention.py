@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from proctor.errors import NotFound, UsageError, VerificationFailed
-from proctor.governance._retention import Retention
+from proctor.governance import Retention
 from proctor.ledger import (
     Actor,
     EventDraft,

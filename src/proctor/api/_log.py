@@ -391,6 +391,7 @@ def verify(ctx: CtxDep, tenant: str) -> VerifyOut:
         size=r.size,
         root=base64.b64encode(r.root).decode(),
         checkpoints=r.checkpoints,
+        pruned=r.pruned,
     )
 
 

@@ -243,6 +243,7 @@ class VerifyOut(BaseModel):
     size: int
     root: str = Field(description="base64")
     checkpoints: int
+    pruned: int = Field(0, description="entries pruned past retention (markers verified)")
 
 
 class HealthOut(BaseModel):

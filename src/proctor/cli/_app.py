@@ -23,6 +23,7 @@ from proctor.cli._common import (
 from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
+from proctor.cli._retention import register as register_retention
 from proctor.cli._sandbox import sandbox_app
 from proctor.cli._witness import register as register_witness
 from proctor.governance import Tenant
@@ -66,6 +67,7 @@ app.add_typer(artifact_app, name="artifact")
 register_governance(app, tenant_app)
 register_evidence(app)
 register_witness(app)
+register_retention(app)
 
 
 def _print_version(value: bool) -> None:

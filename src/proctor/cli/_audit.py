@@ -399,6 +399,12 @@ def verify(
     say.print(
         f"[green]verified[/] {report.origin}: {report.size} events, "
         f"{report.checkpoints} signed checkpoints consistent"
+        + (
+            f"; {report.pruned} entries pruned past retention (markers held to their prune"
+            " events), 0 tampered"
+            if report.pruned
+            else ""
+        )
     )
     if witnessed_size is not None:
         say.print(
@@ -421,6 +427,7 @@ def verify(
     if as_json:
         _emit_json({"origin": report.origin, "size": report.size,
                     "checkpoints": report.checkpoints, "verified": True,
+                    "pruned": report.pruned, "tampered": 0,
                     "rows_backed": None if backing is None else backing[1],
                     "witnessed_size": witnessed_size})  # fmt: skip
 

@@ -507,6 +507,41 @@ class Client:
                 tar.extract(m, dest, filter="data")
         return dest
 
+    # -- retention, legal holds, erasure (operators and admins) -------------------
+
+    def retention(self, tenant: str) -> Json:
+        """The rule in force, the active holds, and the retention record."""
+        return self._json("GET", f"{self._t(tenant)}/retention")
+
+    def set_retention(
+        self, tenant: str, days: int, *, below_legal_minimum: str | None = None
+    ) -> Json:
+        body: dict[str, Any] = {"days": days}
+        if below_legal_minimum is not None:
+            body["below_legal_minimum"] = below_legal_minimum
+        return self._json("PUT", f"{self._t(tenant)}/retention", json=body)
+
+    def prune(self, tenant: str) -> Json:
+        return self._json("POST", f"{self._t(tenant)}/retention/prune")
+
+    def holds(self, tenant: str, *, include_removed: bool = False) -> Json:
+        params = {"all": "true"} if include_removed else {}
+        return self._json("GET", f"{self._t(tenant)}/holds", params=params)
+
+    def add_hold(
+        self, tenant: str, reason: str, *, run: str | None = None, deployment: str | None = None
+    ) -> Json:
+        """A legal hold on the tenant, or on one run or deployment (give one of them)."""
+        body: dict[str, Any] = {"scope": "tenant", "target": None, "reason": reason}
+        if run is not None:
+            body.update(scope="run", target=run)
+        elif deployment is not None:
+            body.update(scope="deployment", target=deployment)
+        return self._json("POST", f"{self._t(tenant)}/holds", json=body)
+
+    def remove_hold(self, tenant: str, hold_id: str) -> Json:
+        return self._json("DELETE", f"{self._t(tenant)}/holds/{_seg(hold_id)}")
+
 
 def _event_params(
     since: str | None, until: str | None, run: str | None, action: str | None,

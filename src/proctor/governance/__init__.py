@@ -84,6 +84,13 @@ from proctor.governance._principals import (
     Principals,
 )
 from proctor.governance._resources import Dataset, Resources, Secret
+from proctor.governance._retention import (
+    LEGAL_MINIMUM_DAYS,
+    Hold,
+    PruneResult,
+    Retention,
+    RetentionRule,
+)
 from proctor.governance._runs import RunRecord, Runs, RunStanding
 from proctor.governance._subprocessors import (
     Subprocessor,
@@ -99,6 +106,7 @@ __all__ = [
     "EMPTY_POLICY",
     "ENVIRONMENTS",
     "KINDS",
+    "LEGAL_MINIMUM_DAYS",
     "MAX_KEY_LENGTH",
     "MAX_OBJECT_BYTES",
     "MODES",
@@ -123,6 +131,7 @@ __all__ = [
     "EgressRanges",
     "FileChange",
     "Finding",
+    "Hold",
     "Home",
     "HomeConfig",
     "KeyRing",
@@ -137,8 +146,11 @@ __all__ = [
     "Principal",
     "Principals",
     "ProductionName",
+    "PruneResult",
     "QuorumRule",
     "Resources",
+    "Retention",
+    "RetentionRule",
     "RowProblem",
     "RunLimits",
     "RunRecord",

@@ -62,6 +62,7 @@ _ROLE_ACTIONS = {
         "deployment.read",
         "run.read",
         "policy.read",
+        "retention.read",
         "tenant.read",
     ),
 }

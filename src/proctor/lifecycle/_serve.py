@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
-from proctor.governance import Deployment, RunRecord
+from proctor.governance import Deployment, Home, Retention, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
@@ -40,6 +40,7 @@ from proctor.witness import Submitter, TenantWitnesses, submit_interval
 log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 SWEEP_SECONDS = 5.0
+PRUNE_SECONDS = 6 * 3600.0
 
 
 @dataclass
@@ -125,8 +126,13 @@ class Server:
         # witness that is slow or down never holds up a tick or a call.
         submitter = Submitter(TenantWitnesses(self.rt.store, self.rt.ledger), submit_interval())
         submitter.start()
+        next_prune = time.monotonic()  # retention: at start, then every PRUNE_SECONDS
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + PRUNE_SECONDS
+                    with contextlib.suppress(ProctorError):  # a busy store: next pass
+                        prune_all(self.rt, self.actor)
                 # A failed tick (a busy store, say) is tried again at the next one.
                 with contextlib.suppress(ProctorError):
                     self.tick()
@@ -233,3 +239,18 @@ class Server:
             log_event(log, "schedule.fire", tenant=slot.tenant, deployment=slot.name,
                       every_seconds=every, version=dep.version)  # fmt: skip
             self._launch(slot, dep)
+
+
+def prune_all(rt: Home, actor: Actor) -> None:
+    """Prune each tenant's events past its retention period (governance.Retention);
+    a tenant whose prune fails is logged and tried again at the next pass."""
+    retention = Retention(rt.store, rt.ledger)
+    for tenant in rt.tenants.list():
+        try:
+            result = retention.prune(tenant.name, actor)
+        except ProctorError as exc:
+            log_event(log, "retention.prune_failed", tenant=tenant.name, error=exc.message)
+            continue
+        if result.pruned:
+            log_event(log, "retention.prune", tenant=tenant.name, pruned=result.pruned,
+                      held=result.held, cutoff=result.cutoff, rule=result.rule)  # fmt: skip

@@ -1,0 +1,262 @@
+"""``proctor retention`` (set, show, prune) and ``proctor hold`` (add, list, remove):
+a tenant's retention period and the legal holds that suspend it, over
+:class:`proctor.governance.Retention`, or through the API with ``--server``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from proctor.cli._common import (
+    HomeOpt,
+    JsonOpt,
+    TenantOpt,
+    TokenOpt,
+    WideOpt,
+    acting,
+    authorize_read,
+    console,
+    emit_json,
+    make_table,
+    open_runtime,
+    print_table,
+    remote,
+)
+from proctor.errors import UsageError
+from proctor.runtime import Runtime
+
+retention_app = typer.Typer(
+    help="A tenant's retention period: past it, events' payloads are pruned (their leaf "
+    "hashes stay, so every proof still verifies).",
+    no_args_is_help=True,
+)
+hold_app = typer.Typer(
+    help="Legal holds: nothing a hold covers (a tenant, a deployment or a run) is pruned.",
+    no_args_is_help=True,
+)
+
+
+def _manage(rt: Runtime, token: str | None, tenant: str, resource: str) -> None:
+    _, principal = acting(rt, token)
+    if principal is None:
+        return  # the local operator owns the runtime; its actions are recorded all the same
+    from proctor.policy import EntityRef
+
+    rt.control.authorize(principal, "retention.manage", EntityRef.tenant(tenant), tenant,
+                         event_resource=resource)  # fmt: skip
+
+
+def _retention(rt: Runtime) -> Any:
+    from proctor.governance import Retention
+
+    return Retention(rt.store, rt.ledger)
+
+
+def _say_rule(doc: dict[str, Any]) -> None:
+    rule = doc.get("rule")
+    if rule is None:
+        console.print(f"tenant {escape(doc['tenant'])}: no retention rule (events kept forever)")
+        return
+    extra = ""
+    if rule.get("below_legal_minimum"):
+        extra = f" [yellow](below the legal minimum: {escape(rule['below_legal_minimum'])})[/]"
+    console.print(
+        f"tenant {escape(rule['tenant'])}: events kept {rule['days']} days ({rule['rule']}), set by"
+        f" {escape(rule['set_by'])} at {rule['set_at']}{extra}"
+    )
+
+
+@retention_app.command("set")
+def set_cmd(
+    tenant: TenantOpt,
+    days: Annotated[int, typer.Option("--days", help="Keep events this many days")],
+    below_legal_minimum: Annotated[
+        str | None,
+        typer.Option(
+            "--below-legal-minimum",
+            help="Allow a period under 183 days (EU AI Act Art. 19, 26(6): six months), "
+            "giving the reason; it is recorded",
+            metavar="REASON",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Set how long the tenant's events are kept before their payloads are pruned."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.set_retention(tenant, days, below_legal_minimum=below_legal_minimum))
+    else:
+        with open_runtime(home) as rt:
+            _manage(rt, token, tenant, f"tenant/{tenant}")
+            actor, _ = acting(rt, token)
+            rule = _retention(rt).set(tenant, days, actor, below_legal_minimum=below_legal_minimum)
+            doc = rule.as_json()
+    if as_json:
+        emit_json(doc)
+        return
+    _say_rule({"tenant": tenant, "rule": doc})
+
+
+@retention_app.command("show")
+def show_cmd(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """The rule in force, the active holds, and the record of prunes and erasures."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.retention(tenant))
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "retention.read")
+            r = _retention(rt)
+            rule = r.rule(tenant)
+            doc = {
+                "tenant": tenant,
+                "rule": None if rule is None else rule.as_json(),
+                "holds": [h.as_json() for h in r.holds(tenant)],
+                "history": r.history(tenant),
+            }
+    if as_json:
+        emit_json(doc)
+        return
+    _say_rule(doc)
+    for h in doc["holds"]:
+        console.print(f"  hold {h['id']} on {h['scope']} {escape(h['target'])}: "
+                      f"{escape(h['reason'])}")  # fmt: skip
+    table = make_table("seq", "time", "action", "by", "what")
+    for e in doc["history"]:
+        d = e.get("details", {})
+        what = {
+            "retention.set": lambda d: f"{d.get('days')} days",
+            "retention.prune": lambda d: f"{d.get('count')} pruned before {d.get('cutoff')}",
+            "hold.add": lambda d: f"{d.get('hold')} on {d.get('scope')} {d.get('target')}",
+            "hold.remove": lambda d: f"{d.get('hold')} removed",
+            "erasure.request": lambda d: f"request {d.get('request_ref')}: {d.get('removed')} keys",
+        }.get(e["action"], lambda d: "")(d)
+        table.add_row(str(e["seq"]), str(e["time"]), e["action"], str(e["actor"]), escape(what))
+    if doc["history"]:
+        print_table(table, wide)
+
+
+@retention_app.command("prune")
+def prune_cmd(
+    tenant: TenantOpt, as_json: JsonOpt = False, token: TokenOpt = None, home: HomeOpt = None
+) -> None:
+    """Prune now the events past the period that no hold covers (``serve`` does it daily)."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.prune(tenant))
+    else:
+        with open_runtime(home) as rt:
+            _manage(rt, token, tenant, f"tenant/{tenant}")
+            actor, _ = acting(rt, token)
+            doc = _retention(rt).prune(tenant, actor).as_json()
+    if as_json:
+        emit_json(doc)
+        return
+    if doc.get("why_none"):
+        console.print(f"nothing pruned: {doc['why_none']}")
+        return
+    console.print(
+        f"{doc['pruned']} events of {escape(tenant)} pruned before {doc['cutoff']} under "
+        f"{doc['rule']}; {doc['held']} kept under legal hold"
+    )
+
+
+@hold_app.command("add")
+def hold_add(
+    tenant: TenantOpt,
+    reason: Annotated[str, typer.Option("--reason", help="Why (a case or request reference)")],
+    run: Annotated[
+        str | None, typer.Option("--run", help="Hold one run's events", show_default=False)
+    ] = None,
+    deployment: Annotated[
+        str | None,
+        typer.Option("--deployment", help="Hold one deployment's events", show_default=False),
+    ] = None,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Put a legal hold on the tenant (or on one run or deployment): nothing under it is pruned."""
+    if run and deployment:
+        raise UsageError("a hold is on a run or on a deployment, not both",
+                         hint="add two holds")  # fmt: skip
+    scope, target = ("run", run) if run else ("deployment", deployment) if deployment else (
+        "tenant", None)  # fmt: skip
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.add_hold(tenant, reason, run=run, deployment=deployment))
+    else:
+        with open_runtime(home) as rt:
+            _manage(rt, token, tenant, f"tenant/{tenant}")
+            actor, _ = acting(rt, token)
+            doc = _retention(rt).add_hold(tenant, scope, target, reason, actor).as_json()
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"legal hold {doc['id']} on {doc['scope']} {escape(doc['target'])}")
+
+
+@hold_app.command("list")
+def hold_list(
+    tenant: TenantOpt,
+    include_removed: Annotated[bool, typer.Option("--all", help="Include removed holds")] = False,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """The tenant's legal holds."""
+    docs: list[dict[str, Any]]
+    if (client := remote(token)) is not None:
+        docs = list(client.holds(tenant, include_removed=include_removed))
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, "retention.read")
+            docs = [h.as_json() for h in _retention(rt).holds(tenant, all_=include_removed)]
+    if as_json:
+        emit_json(docs)
+        return
+    table = make_table("id", "scope", "target", "reason", "by", "since", "removed", ids=("id",))
+    for h in docs:
+        table.add_row(h["id"], h["scope"], escape(h["target"]), escape(h["reason"]),
+                      escape(h["created_by"]), h["created_at"], h["removed_at"] or "")  # fmt: skip
+    print_table(table, wide)
+
+
+@hold_app.command("remove")
+def hold_remove(
+    tenant: TenantOpt,
+    hold_id: Annotated[str, typer.Argument(help="The hold's id (hold list)", metavar="ID")],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Lift a legal hold; its record stays."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.remove_hold(tenant, hold_id))
+    else:
+        with open_runtime(home) as rt:
+            _manage(rt, token, tenant, f"hold/{hold_id}"[:200])
+            actor, _ = acting(rt, token)
+            doc = _retention(rt).remove_hold(tenant, hold_id, actor).as_json()
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"legal hold {doc['id']} removed")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(retention_app, name="retention")
+    app.add_typer(hold_app, name="hold")
