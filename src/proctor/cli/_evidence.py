@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -64,21 +65,53 @@ def _write(doc: Any, out: Path | None, as_json: bool = False) -> None:
     console.print(f"wrote {escape(str(out))}")
 
 
+class ExportFormat(StrEnum):
+    pack = "pack"
+    ocsf_parquet = "ocsf-parquet"
+
+
 @evidence_app.command("export")
 def export(
     tenant: TenantOpt,
     since: Annotated[str, typer.Option("--from", help="ISO 8601 start (inclusive)")],
     until: Annotated[str, typer.Option("--to", help="ISO 8601 end (exclusive)")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The pack to create (.zip)")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out", "-o", help="The pack to create (.zip); for ocsf-parquet, a new directory"
+        ),
+    ],
+    fmt: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="pack: the evidence pack; ocsf-parquet: the period's OCSF as Parquet for an "
+            "AWS Security Lake custom source (needs the extra: pip install 'proctor\\[parquet]')",
+        ),
+    ] = ExportFormat.pack,
+    region: Annotated[
+        str | None, typer.Option(help="ocsf-parquet: the AWS region of the partition path")
+    ] = None,
+    account_id: Annotated[
+        str | None,
+        typer.Option(help="ocsf-parquet: the AWS account (or external) id of the source"),
+    ] = None,
+    source: Annotated[
+        str, typer.Option(help="ocsf-parquet: each class's source is <source>-<class_uid>")
+    ] = "proctor",
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Write the evidence pack of a period: events, OCSF, checkpoints, proofs, records, report."""
+    """Write the evidence pack of a period: events, OCSF, checkpoints, proofs, records, report
+    (or with --format ocsf-parquet its OCSF as Parquet, one class per source)."""
     from proctor.evidence import export_pack
 
     start, end = parse_time(since, "--from"), parse_time(until, "--to")
     assert start is not None and end is not None
+    if fmt is ExportFormat.ocsf_parquet:
+        _export_parquet(tenant, start, end, out, region, account_id, source, as_json, token, home)
+        return
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         authorize_read(rt, token, tenant, "evidence.export")
@@ -423,3 +456,34 @@ def _witness_policy(witness: list[str] | None, quorum: int | None) -> int:
     from proctor.witness import check_policy
 
     return check_policy(witness, quorum)
+
+
+def _export_parquet(
+    tenant: str, start: str, end: str, out: Path, region: str | None, account: str | None,
+    source: str, as_json: bool, token: str | None, home: Path | None,
+) -> None:  # fmt: skip
+    from proctor.evidence import export_parquet
+
+    if region is None or account is None:
+        raise UsageError(
+            "--format ocsf-parquet needs --region and --account-id (Security Lake's partitions)",
+            hint="e.g. --region eu-west-1 --account-id 123456789012",
+        )
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        authorize_read(rt, token, tenant, "evidence.export")
+        files = export_parquet(rt, tenant, start, end, out, region=region, account=account,
+                               source=source)  # fmt: skip
+    if as_json:
+        _emit({"format": "ocsf-parquet", "out": str(out), "tenant": tenant,
+               "files": [{"path": str(f.path), "class_uid": f.class_uid,
+                          "class_name": f.class_name, "event_day": f.event_day,
+                          "rows": f.rows} for f in files]})  # fmt: skip
+        return
+    classes = sorted({f.class_uid for f in files})
+    console.print(
+        f"wrote {sum(f.rows for f in files)} OCSF events of {tenant} in {len(files)} Parquet "
+        f"file(s), {len(classes)} class(es), under {escape(str(out))}"
+    )
+    for f in files:
+        console.print(f"  {escape(str(f.path))}: {f.rows} {f.class_name} ({f.class_uid})")
