@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from proctor.evidence import OCSF_VERSION, to_ocsf
+from proctor.evidence._ocsf import ocsf_line
 from tests.ocsf_validate import VERSION, validate
 
 WORKLOAD = ("workload", "spiffe://proctor.local/tenant/acme/deployment/d/run/r")
@@ -42,6 +43,14 @@ def base(
 
 
 USER = ("user", "acme/alice")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
 # One event of each shape the broker and the control plane record (the details
 # as src/proctor/broker writes them), allowed and refused.
 CASES = [
@@ -153,7 +162,10 @@ MARKER = {
 @pytest.mark.parametrize(("event", "class_uid", "activity_id"), CASES)
 def test_every_shape_is_valid_ocsf(event: dict[str, Any], class_uid: int, activity_id: int) -> None:
     out = to_ocsf(event, "proctor.test/tenant/acme")
-    result = validate(json.loads(json.dumps(out)))
+    line = ocsf_line(event, "proctor.test/tenant/acme")
+    # The line is the event, once: one JSON object without a repeated member.
+    assert json.loads(line, object_pairs_hook=_unique) == out
+    result = validate(out)
     assert result.errors == []
     assert OCSF_VERSION == VERSION == out["metadata"]["version"]
     assert (out["class_uid"], out["activity_id"]) == (class_uid, activity_id)
