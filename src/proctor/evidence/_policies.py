@@ -32,7 +32,7 @@ from typing import Any
 
 from proctor.errors import PolicyError, ProctorError, VerificationFailed
 from proctor.governance import Home, environment_forbid
-from proctor.ledger import read_objects
+from proctor.ledger import CUT_MARKER, read_objects
 from proctor.policy import (
     CedarValue,
     CompiledPolicies,
@@ -60,6 +60,7 @@ _ACTION_RE = re.compile(rb'"action":"([a-z.]+)"')
 #: What :func:`redecide` answers for an event whose request was not recorded whole.
 UNDECIDABLE = "its request was not recorded whole"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CUT = CUT_MARKER.encode("utf-8")
 _REDECIDED = ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
 
 
@@ -164,7 +165,14 @@ def check_policies(
         if version not in cited:
             cited[version] = index
         m = _ACTION_RE.search(data)
-        if m and m.group(1).decode() in _REDECIDED and b'"reason":"refused: ' not in data:
+        if (
+            m
+            and m.group(1).decode() in _REDECIDED
+            and b'"reason":"refused: ' not in data
+            # Details cut to the event's bound no longer hold the whole request.
+            and _CUT not in data
+            and b'_cut":' not in data
+        ):
             candidates.append(index)
     texts: dict[str, str] = {}
     first = 0
@@ -232,7 +240,8 @@ def redecide(
     answer differs from the recorded one, or None.
 
     An event whose request was not recorded whole (a path cut at 512 characters, a
-    denied write recorded before its size was) is not decided: :data:`UNDECIDABLE`.
+    denied write recorded before its size was) is not decided: :data:`UNDECIDABLE`
+    (nor, in :func:`check_policies`, one whose details were cut to the event's bound).
     """
     d: Mapping[str, Any] = ev.get("details") or {}
     tenant, deployment = str(ev["tenant"]), str(ev.get("deployment"))
