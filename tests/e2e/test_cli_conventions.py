@@ -79,6 +79,7 @@ ARGS: dict[str, list[str]] = {
     "deployment versions": ["-t", "acme", "job"],
     "egress allow-range": ["-t", "acme", "127.0.0.1/32"],
     "egress sandbox-allow": ["-t", "acme", "mock.test:8443"],
+    "erase": ["-t", "acme", "--dataset", "crm", "--key", "7", "--request-ref", "DSR-walk"],
     "evidence export": ["-t", "acme", "--from", "2000-01-01", "--to", "2100-01-01",
                         "-o", "{TMP}/pack.zip"],
     "evidence report": ["{TMP}/pack.zip", "-o", "{TMP}/report"],

@@ -69,9 +69,17 @@ def test_admins_manage_auditors_read_developers_are_refused(
     # Another tenant's admin cannot touch acme's retention (nor learn that acme exists).
     with Client(server.url, gov.token("globex-root")) as other, pytest.raises(NotFound):
         other.set_retention("acme", 400)
+    # Erasure: admins only; the event names the request, never the key.
+    with Client(server.url, gov.token("dev")) as dev, pytest.raises(ControlDenied):
+        dev.erase("acme", "crm", "42", "DSR-1")
+    with Client(server.url, gov.token("root")) as admin:
+        with pytest.raises(UsageError, match="request reference"):
+            admin.erase("acme", "crm", "42", "Jane Doe")
+        done = admin.erase("acme", "crm", "42", "DSR-1")
+        assert done["request_ref"] == "DSR-1" and done["events"] == 0
     doc = Client(server.url, gov.token("root")).retention("acme")
     actions = [e["action"] for e in doc["history"]]
-    assert actions == ["retention.set", "hold.add", "hold.remove"]
+    assert actions == ["retention.set", "hold.add", "hold.remove", "erasure.request"]
     set_event = doc["history"][0]
     assert set_event["details"]["below_legal_minimum"] == "sandbox tenant, no AI Act"
 
@@ -94,6 +102,9 @@ def test_cli_local_and_through_the_server(served: tuple[Gov, ApiServer, str]) ->
     listed = run_cli("--server", server.url, "hold", "list", "-t", "acme", "--json",
                      "--token", gov.token("root"))  # fmt: skip
     assert [h["id"] for h in json.loads(listed.out)] == [held["id"]]
+    erased = run_cli("erase", "-t", "acme", "--dataset", "crm", "--key", "7",
+                     "--request-ref", "DSR-2", "--json", home=home)  # fmt: skip
+    assert json.loads(erased.out)["request_ref"] == "DSR-2"
     removed = run_cli("hold", "remove", "-t", "acme", held["id"], "--json", home=home)
     assert json.loads(removed.out)["removed_at"]
     verified = json.loads(run_cli("audit", "verify", "-t", "acme", "--json", home=home).out)

@@ -17,7 +17,7 @@ from pydantic import Field
 from proctor.api._context import Ctx, current
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import Strict
-from proctor.governance import Retention
+from proctor.governance import Retention, erase_key, record_key_hmac
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["retention"])
 CtxDep = Annotated[Ctx, Depends(current)]
@@ -91,3 +91,21 @@ def add_hold(ctx: CtxDep, tenant: str, body: HoldIn) -> dict[str, Any]:
 def remove_hold(ctx: CtxDep, tenant: str, hold_id: str) -> dict[str, Any]:
     ctx.authorize("retention.manage", tenant, f"hold/{hold_id}"[:200])
     return _retention(ctx).remove_hold(tenant, hold_id, ctx.principal.actor).as_json()
+
+
+class ErasureIn(Strict):
+    dataset: str = Field(min_length=1, max_length=63)
+    key: str = Field(min_length=1, max_length=4096, description="the record's key, as lineage")
+    request_ref: str = Field(min_length=1, max_length=128)
+
+
+@router.post("/tenants/{tenant}/erasures")
+def erase(ctx: CtxDep, tenant: str, body: ErasureIn) -> dict[str, Any]:
+    """Erase one record key from the lineage record (``proctor erase``). The key is
+    used to compute its keyed hash and is recorded nowhere."""
+    ctx.authorize("erasure.request", tenant, f"dataset/{body.dataset}")
+    ctx.rt.tenants.get(tenant)
+    hashed = record_key_hmac(ctx.rt.keys.lineage_key(tenant), body.key)
+    result = erase_key(ctx.rt.store, ctx.rt.ledger, tenant, body.dataset, hashed,
+                       body.request_ref, ctx.principal.actor)  # fmt: skip
+    return result.as_json()

@@ -257,6 +257,54 @@ def hold_remove(
     console.print(f"legal hold {doc['id']} removed")
 
 
+def erase_cmd(
+    tenant: TenantOpt,
+    dataset: Annotated[str, typer.Option("--dataset", help="The dataset the record is in")],
+    key: Annotated[
+        str, typer.Option("--key", help="The record's key (a JSON array for a composite key)")
+    ],
+    request_ref: Annotated[
+        str,
+        typer.Option(
+            "--request-ref",
+            help="The erasure request's reference (a ticket number; recorded, never the person)",
+        ),
+    ],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Erase one data subject's record key from the lineage record (GDPR Art. 17): no one
+    can look the key up afterwards; counts and proofs still verify."""
+    doc: dict[str, Any]
+    if (client := remote(token)) is not None:
+        doc = dict(client.erase(tenant, dataset, key, request_ref))
+    else:
+        with open_runtime(home) as rt:
+            _, principal = acting(rt, token)
+            if principal is not None:
+                from proctor.policy import EntityRef
+
+                rt.control.authorize(principal, "erasure.request", EntityRef.tenant(tenant),
+                                     tenant, event_resource=f"dataset/{dataset}")  # fmt: skip
+            from proctor.governance import erase_key, record_key_hmac
+
+            actor, _ = acting(rt, token)
+            rt.tenants.get(tenant)
+            hashed = record_key_hmac(rt.keys.lineage_key(tenant), key)
+            doc = erase_key(rt.store, rt.ledger, tenant, dataset, hashed, request_ref,
+                            actor).as_json()  # fmt: skip
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(
+        f"erasure {doc['erasure']} (request {escape(doc['request_ref'])}): the key is gone from "
+        f"{doc['objects']} lineage object(s) of {doc['events']} event(s) of "
+        f"{escape(doc['dataset'])}; recorded at seq {doc['seq']}"
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(retention_app, name="retention")
     app.add_typer(hold_app, name="hold")
+    app.command("erase")(erase_cmd)

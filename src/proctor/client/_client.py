@@ -542,6 +542,11 @@ class Client:
     def remove_hold(self, tenant: str, hold_id: str) -> Json:
         return self._json("DELETE", f"{self._t(tenant)}/holds/{_seg(hold_id)}")
 
+    def erase(self, tenant: str, dataset: str, key: str, request_ref: str) -> Json:
+        """Erase one record key from the lineage record (an admin's call)."""
+        body = {"dataset": dataset, "key": key, "request_ref": request_ref}
+        return self._json("POST", f"{self._t(tenant)}/erasures", json=body)
+
 
 def _event_params(
     since: str | None, until: str | None, run: str | None, action: str | None,

@@ -44,6 +44,7 @@ from proctor.governance._deployments import (
 )
 from proctor.governance._egress import EgressRanges
 from proctor.governance._environments import Bindings, bindings, environment_forbid
+from proctor.governance._erasure import ErasureResult, erase_key, record_key_hmac
 from proctor.governance._home import Home, HomeConfig
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
@@ -129,6 +130,7 @@ __all__ = [
     "Deployment",
     "Deployments",
     "EgressRanges",
+    "ErasureResult",
     "FileChange",
     "Finding",
     "Hold",
@@ -174,6 +176,7 @@ __all__ = [
     "effective_policies",
     "egress_entry",
     "environment_forbid",
+    "erase_key",
     "key_problem",
     "list_object_files",
     "load_manifest",
@@ -181,6 +184,7 @@ __all__ = [
     "policy_object",
     "read_object_file",
     "readiness",
+    "record_key_hmac",
     "require_backed",
     "role_policy",
     "run_events_context",

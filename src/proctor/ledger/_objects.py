@@ -112,6 +112,10 @@ def check_lineage_object(ref: Mapping[str, Any], data: bytes | None) -> str | No
         return f"the event's lineage reference has no valid digest: {digest!r}"
     if data is None:
         return f"lineage object {digest} is missing"
+    if is_erased_object(data):
+        # A data subject's key was erased: the bytes the digest named are gone, the
+        # count and root are still the event's.
+        return check_erased_object(ref, data)
     if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
         return f"lineage object {digest} does not hash to its digest (altered)"
     try:
@@ -200,3 +204,101 @@ def read_objects(store: Store, log: str, digests: Iterable[str]) -> dict[str, by
             if row is not None:
                 found[digest] = bytes(row[0])
     return found
+
+
+# -- erasure of one data subject (issue 20) ----------------------------------------
+
+ERASED_FORMAT = "proctor-lineage-erased/1"
+_LEAF_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def erase_from_object(data: bytes, key: str, erasure: str) -> bytes | None:
+    """``data`` (a lineage object, plain or already erased) with ``key`` replaced by
+    its RFC 6962 leaf hash, at its place, and ``erasure`` (the erasure's id) noted;
+    None if the object does not hold ``key``. The count and the Merkle root the
+    event signed stay what they were; the key itself is gone."""
+    doc = json.loads(data)
+    if doc.get("format") == LINEAGE_FORMAT:
+        entries, erasures = list(lineage_keys(data)), list[str]()
+    else:
+        entries, erasures = erased_entries(data)
+    if key not in entries:
+        return None
+    at = entries.index(key)
+    entries[at] = leaf_hash(key.encode("ascii")).hex()
+    return canonical_json_bytes(
+        {"erasures": [*erasures, erasure], "format": ERASED_FORMAT, "keys": entries}
+    )
+
+
+def canonical_json_bytes(doc: Mapping[str, Any]) -> bytes:
+    # Plain ASCII strings and lists only: sorted keys, no spaces is RFC 8785 here.
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def erased_entries(data: bytes) -> tuple[list[str], list[str]]:
+    """An erased object's entries (kept keys, and leaf hashes where keys were erased)
+    and the ids of the erasures that made it; ValueError if it is not one."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != ERASED_FORMAT:
+        raise ValueError("not an erased lineage object")
+    entries, erasures = doc.get("keys"), doc.get("erasures")
+    if not isinstance(entries, list) or not all(
+        isinstance(k, str) and (_KEY_RE.match(k) or _LEAF_RE.match(k)) for k in entries
+    ):
+        raise ValueError("an erased lineage object's entries are keys or leaf hashes")
+    if (
+        not isinstance(erasures, list)
+        or not erasures
+        or not all(isinstance(e, str) for e in erasures)
+    ):
+        raise ValueError("an erased lineage object names the erasures that made it")
+    if canonical_json_bytes(doc) != data:
+        raise ValueError("an erased lineage object must be canonical JSON")
+    return [str(k) for k in entries], [str(e) for e in erasures]
+
+
+def erased_root(entries: Sequence[str]) -> bytes:
+    """The RFC 6962 root over an erased object's entries: a key hashes to its leaf, a
+    leaf hash is taken as it is, so the root is the one the event signed."""
+    if not entries:
+        return EMPTY_ROOT
+    level = [bytes.fromhex(k) if len(k) == 64 else leaf_hash(k.encode("ascii")) for k in entries]
+    while len(level) > 1:
+        nxt = [node_hash(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def check_erased_object(
+    ref: Mapping[str, Any], data: bytes, erasures: Iterable[str] | None = None
+) -> str | None:
+    """Why ``data`` is not the erased form of the object ``ref`` names, or None: its
+    count and Merkle root must be the event's (the digest was of the bytes before
+    erasure, which are gone); given ``erasures`` (the ids the log's ``erasure.request``
+    events record), each erasure it names must be one of them."""
+    digest = ref.get("digest")
+    try:
+        entries, names = erased_entries(data)
+    except ValueError as exc:
+        return f"lineage object {digest}: {exc}"
+    if ref.get("count") != len(entries):
+        n = ref.get("count")
+        return f"lineage object {digest} holds {len(entries)} entries, the event says {n}"
+    if ref.get("root") != erased_root(entries).hex():
+        return f"lineage object {digest}: the Merkle root of its entries differs from the event's"
+    if erasures is not None:
+        known = set(erasures)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            return (
+                f"lineage object {digest} was erased by {unknown[0]!r}, which no erasure"
+                " event records"
+            )
+    return None
+
+
+def is_erased_object(data: bytes | None) -> bool:
+    return data is not None and b'"format":"' + ERASED_FORMAT.encode() + b'"' in data

@@ -1,0 +1,118 @@
+"""Erasure of one data subject's record key from the lineage record (issue 20).
+
+After ``erase_key``, the key's index rows and its keyed hash are gone from the
+store (the SQLite file and its write-ahead log are grepped for the hash, in hex and
+raw), lineage for the key finds nothing, every changed object still verifies
+against its signed event's count and Merkle root, the log still verifies, and every
+other key's lineage (and the same key in another dataset) is unchanged. On SQLite
+and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proctor.errors import UsageError
+from proctor.governance import erase_key, record_key_hmac
+from proctor.ledger import (
+    Actor,
+    EventDraft,
+    check_erased_object,
+    check_lineage_object,
+    is_erased_object,
+    lineage_object,
+    lineage_seqs,
+    read_objects,
+)
+from tests.conftest import LedgerEnv
+
+T = "acme"
+OP = Actor("operator", "root")
+LKEY = b"\x07" * 32
+
+
+def _h(key: str) -> str:
+    return record_key_hmac(LKEY, key)
+
+
+def _store_bytes(env: LedgerEnv) -> bytes:
+    if env.store.engine != "sqlite":
+        with env.store.read() as conn:
+            objs = b"".join(bytes(r[0]) for r in conn.query("SELECT data FROM ledger_objects"))
+            keys = b"".join(bytes(r[0]) for r in conn.query("SELECT key FROM ledger_lineage"))
+        return objs + keys
+    path = Path(env.url)
+    return b"".join(p.read_bytes() for p in path.parent.glob(path.name + "*"))
+
+
+def test_an_erased_key_is_gone_and_everything_else_still_verifies(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    env, ledger = ledger_env, ledger_env.ledger
+    with env.store.write() as conn:
+        conn.execute("INSERT INTO tenants (name, created_at, created_by) VALUES (?, 'now', 'root')",
+                     (T,))  # fmt: skip
+    ledger.create_log(T, EventDraft(OP, "tenant.create", f"tenant/{T}"))
+    reads = {"a": ("crm", range(1, 21)), "b": ("crm", range(10, 31)),
+             "c": ("orders", range(12, 16)), "d": ("crm", range(40, 51))}  # fmt: skip
+    seqs: dict[str, int] = {}
+    for name, (dataset, keys) in reads.items():
+        obj, ref = lineage_object(_h(str(k)) for k in keys)
+        draft = EventDraft(Actor("workload", f"run-{name}"), "sql.select", "table/t",
+                           run=f"run-{name}", objects=(obj,),
+                           details={"dataset": dataset, "lineage_object": ref})  # fmt: skip
+        seqs[name] = ledger.append(T, draft).seq
+    before = {k: lineage_seqs(env.store, T, _h(str(k))) for k in range(1, 51)}
+    assert before[10] == {seqs["a"], seqs["b"]} and before[12] == {seqs["a"], seqs["b"], seqs["c"]}
+    erased = _h("10")
+    assert erased.encode() in _store_bytes(env) or env.store.engine != "sqlite"
+
+    # Bad input changes nothing: a request reference that looks like a person.
+    size = ledger.head(T).size
+    with pytest.raises(UsageError, match="request reference"):
+        erase_key(env.store, ledger, T, "crm", erased, "Jane Doe <jane@example.com>", OP)
+    assert ledger.head(T).size == size and lineage_seqs(env.store, T, erased) == before[10]
+
+    result = erase_key(env.store, ledger, T, "crm", erased, "DSR-2026-0042", OP)
+    assert (result.events, result.objects) == (2, 2)
+    erase_key(env.store, ledger, T, "crm", _h("12"), "DSR-2026-0043", OP)
+
+    # Lineage for the erased key finds nothing; for 12 only the other dataset's read.
+    assert lineage_seqs(env.store, T, erased) == set()
+    assert lineage_seqs(env.store, T, _h("12")) == {seqs["c"]}
+    for k in range(1, 51):
+        if k not in (10, 12):
+            assert lineage_seqs(env.store, T, _h(str(k))) == before[k], k
+    # The hash is nowhere in the store, hex or raw (SQLite: the file and its WAL).
+    blob = _store_bytes(env)
+    assert erased.encode() not in blob and bytes.fromhex(erased) not in blob
+    # Each object still verifies against its signed event; the erasure event names
+    # the request, not the key or its hash.
+    events = {json.loads(d)["seq"]: json.loads(d) for d in ledger.entries(T)}
+    refs = {s: events[s]["details"]["lineage_object"] for s in seqs.values()}
+    objects = read_objects(env.store, T, [r["digest"] for r in refs.values()])
+    for name, s in seqs.items():
+        data = objects[refs[s]["digest"]]
+        assert check_lineage_object(refs[s], data) is None
+        assert is_erased_object(data) == (name in ("a", "b"))
+    erasure = [e for e in events.values() if e["action"] == "erasure.request"]
+    assert [e["details"]["request_ref"] for e in erasure] == ["DSR-2026-0042", "DSR-2026-0043"]
+    assert erased not in json.dumps(erasure)
+    assert ledger.verify(T).size == ledger.head(T).size
+    out = tmp_path / "export"
+    ledger.export(T, out)
+    exported = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert erased.encode() not in exported and bytes.fromhex(erased) not in exported
+
+    # An erased object altered (a leaf hash changed, or an erasure no event records) fails.
+    ref_a, data_a = refs[seqs["a"]], objects[refs[seqs["a"]]["digest"]]
+    doc = json.loads(data_a)
+    doc["keys"][0] = "0" * 64
+    forged = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert "Merkle root" in str(check_lineage_object(ref_a, forged))
+    ids = [e["details"]["erasure"] for e in erasure]
+    assert check_erased_object(ref_a, data_a, ids) is None
+    assert "no erasure event" in str(check_erased_object(ref_a, data_a, ids[1:]))
