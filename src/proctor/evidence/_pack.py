@@ -8,7 +8,7 @@ Layout (every file listed with its SHA-256 in ``manifest.json``):
   period's runs rely on (submissions, approvals, revocations, deployments,
   policies, the register), and the two events just outside the period, whose
   times prove that nothing at its edges was left out;
-- ``ocsf/events.ocsf.jsonl``: the period's events as OCSF 1.1;
+- ``ocsf/events.ocsf.jsonl``: the period's events as OCSF 1.8.0 (``_ocsf``);
 - ``checkpoints/start.note``, ``checkpoints/end.note``: signed checkpoints at the
   period's start and covering its end; ``proofs/consistency.json`` between them;
 - ``proofs/range.json``: the range multi-proof of every period event against the
