@@ -21,8 +21,10 @@ import pytest
 
 from proctor.api import serve_api
 from proctor.client import Client
+from proctor.errors import NotFound
 from proctor.evidence import export_pack, verify_pack
 from proctor.ledger import Actor, EventDraft, read_objects
+from proctor.lifecycle import effective_policy
 from proctor.runtime import Runtime
 from tests.conftest import copy_home, run_cli
 from tests.security.test_evidence_tamper import ALL, fails, rewrite
@@ -200,14 +202,17 @@ def test_policy_show_effective_and_history_name_the_set_the_runs_used(
     assert f"is decided under: version {version}" in people
     assert '@id("deploy:churn:egress:' in people
     # Through the API and the SDK: the same document.
-    _, url, token = server
+    rt, url, token = server
     assert Client(url, token).effective_policy("acme", "churn", 1) == local
     remote = run_cli("--server", url, "policy", "show", "-t", "acme", "--token", token,
                      "--effective", "--deployment", "churn", "--json").out  # fmt: skip
     assert json.loads(remote) == local
-    bad = run_cli("policy", "show", "-t", "acme", "--effective", "--deployment", "churn",
-                  "--version", "9", home=home, check=False)  # fmt: skip
-    assert bad.code == 2 and "has no version 9" in bad.err
+    own = run_cli("--server", url, "policy", "show", "-t", "acme", "--token", token,
+                  "--json").out  # fmt: skip
+    current = rt.policies.current("acme")
+    assert json.loads(own) == {"tenant": "acme", "version": current.version, "text": current.text}
+    with pytest.raises(NotFound, match="has no version 9"):
+        effective_policy(rt, "acme", "churn", 9)
     # history: the runs' effective sets, not the tenant's own empty one.
     hist = json.loads(run_cli("history", "-t", "acme", "--at", "now", "--window", "1d",
                               "--json", home=home).out)  # fmt: skip
