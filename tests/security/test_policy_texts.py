@@ -62,7 +62,9 @@ def test_the_texts_that_decided_are_carried_verified_and_decide_again_alike(
         for e in _events(pack)
         if "policy_version" in e["details"]  # type: ignore[operator]
     }
-    assert len(cited) == 2 and report.policy_versions == 2  # the sandbox run's, production's
+    # The sandbox run's set, the production run's, and the role policy that refused the
+    # author's own approval.
+    assert len(cited) == 3 and report.policy_versions == 3
     assert report.decisions_redecided >= 20  # every Cedar decision of the demo's two runs
     with zipfile.ZipFile(pack) as zf:
         texts = {v: zf.read("policies/" + v.removeprefix("sha256:") + ".cedar") for v in cited}
@@ -73,8 +75,12 @@ def test_the_texts_that_decided_are_carried_verified_and_decide_again_alike(
     assert '@id("deploy:churn:sql:crm.customers")' in churn
     assert '["country", "id", "mrr", "plan"].containsAll(context.columns)' in churn
     assert '@id("tenant:subprocessors")' in churn
+    refused = next(e for e in _events(pack) if e["action"] == "approval.grant")
+    assert refused["policies"] == ["control:separation-of-duties"]
+    control = texts[str(refused["details"]["policy_version"])].decode()  # type: ignore[index]
+    assert '@id("control:separation-of-duties")' in control
     with Runtime.open(home) as rt:
-        # Stored with run.start, not rebuilt at export.
+        # Stored with run.start (and the refusal), not rebuilt at export.
         assert read_objects(rt.store, "acme", cited) == texts
 
 
@@ -156,14 +162,14 @@ def test_a_log_written_before_texts_were_stored_gets_them_rebuilt(
         cited = {
             str(json.loads(e)["details"]["policy_version"])
             for e in rt.ledger.entries("acme")
-            if b'"action":"run.start"' in e
+            if b'"policy_version"' in e
         }
         with rt.store.write() as conn:
             for version in cited:
                 conn.execute("DELETE FROM ledger_objects WHERE digest = ?", (version,))
         assert read_objects(rt.store, "acme", cited) == {}
         export_pack(rt, "acme", *ALL, tmp_path / "rebuilt.zip")
-        assert verify_pack(tmp_path / "rebuilt.zip", rt.ledger.vkey()).policy_versions == 2
+        assert verify_pack(tmp_path / "rebuilt.zip", rt.ledger.vkey()).policy_versions == 3
         # The register changed since: the production set cannot be rebuilt any more.
         rt.subprocessors.add(
             "acme", "later", purpose="p", location="EU", hosts=["later.example.com"],

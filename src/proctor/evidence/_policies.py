@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proctor.errors import PolicyError, ProctorError, VerificationFailed
-from proctor.governance import Home, environment_forbid
+from proctor.governance import Home, environment_forbid, role_policy
 from proctor.ledger import CUT_MARKER, read_objects
 from proctor.policy import (
     CedarValue,
@@ -101,9 +101,11 @@ def policy_texts(rt: Home, tenant: str, versions: Iterable[str]) -> dict[str, st
 
 
 def _rebuilt(rt: Home, tenant: str) -> Iterator[str]:
-    """The sets runs of ``tenant`` may have been decided under, as the supervisor
-    composes them (``Policies.compiled``): every tenant set ever set (and the empty
-    one) with every deployment version's permits and its environment's forbid now."""
+    """The sets ``tenant``'s events may have been decided under: the control plane's
+    role policy, and the runs' sets as the supervisor composes them
+    (``Policies.compiled``): every tenant set ever set (and the empty one) with every
+    deployment version's permits and its environment's forbid now."""
+    yield role_policy(tenant)  # the control plane's, as this release writes it
     own = [""] + [pv.text for pv in rt.policies.history(tenant)]
     forbids: dict[str, str] = {}
     for dep in rt.deployments.current(tenant):

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from proctor.errors import ControlDenied, NotFound
+from proctor.governance._policies import policy_object
 from proctor.governance._principals import ROLES, Principal
 from proctor.governance._runs import RunRecord
 from proctor.ledger import EventDraft, Ledger
@@ -163,6 +164,9 @@ class ControlPlane:
                 if decision.policies
                 else f"no role of {principal.id} permits it"
             )
+            details: dict[str, Any] = {"policy_version": decision.version}
+            if tenant != principal.tenant:
+                details["target_tenant"] = tenant
             self._ledger.append(
                 principal.tenant,
                 EventDraft(
@@ -172,7 +176,10 @@ class ControlPlane:
                     decision="deny",
                     policies=decision.policies,
                     reason=why,
-                    details={"target_tenant": tenant} if tenant != principal.tenant else {},
+                    details=details,
+                    # The role policy that refused, named by the version the event cites,
+                    # so an evidence pack carries its text (it changes with releases).
+                    objects=(policy_object(self._policies(principal.tenant)),),
                 ),
             )
             raise ControlDenied(
