@@ -40,11 +40,21 @@ from proctor.errors import UsageError
 from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._policies import cited_version, policy_name, policy_texts
 from proctor.evidence._render import chart_png, cited_seqs, render_html, render_markdown
+from proctor.evidence._retention import render_html as retention_html
+from proctor.evidence._retention import render_markdown as retention_markdown
+from proctor.evidence._retention import retention_record
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
 from proctor.evidence._witnessed import witness_files
 from proctor.governance import Home, Runs, Subprocessors
-from proctor.ledger import canonical_json, leaf_hash, node_hash, read_objects, utc_now
+from proctor.ledger import (
+    canonical_json,
+    is_pruned_marker,
+    leaf_hash,
+    node_hash,
+    read_objects,
+    utc_now,
+)
 
 PACK_FORMAT = "proctor-evidence-pack/1"
 # Governance actions whose earlier events a period's runs may rely on.
@@ -204,6 +214,7 @@ def _governance(rt: Home, tenant: str, digests: set[str], start: str, end: str) 
         "deployments": deployments,
         "runs": runs,
         "subprocessors": subprocessors,
+        "retention": retention_record(rt, tenant),
     }
 
 
@@ -246,6 +257,8 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
             events_out.line(data)
             ocsf_out.line(ocsf_line(ev, origin))
             leaves.append(leaf_hash(data))
+            if is_pruned_marker(ev):
+                continue  # a pruned entry: its OCSF line and place only, nothing to summarise
             summary.add(ev)
             if _CONTEXT_RE.search(data):
                 governance_events.append(ev)
@@ -333,7 +346,8 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
             period_events=governance_events,
             subprocessors=docs["subprocessors"],
         )
-        write_report(writer, meta, report, _appendix(rt, tenant, report, context_docs))
+        write_report(writer, meta, report, _appendix(rt, tenant, report, context_docs),
+                     retention=docs["retention"])  # fmt: skip
     except BaseException:
         writer.abort()
         out_zip.unlink(missing_ok=True)
@@ -367,7 +381,11 @@ def _appendix(
 
 
 def write_report(
-    writer: _Writer, meta: dict[str, Any], report: dict[str, Any], appendix: list[dict[str, Any]]
+    writer: _Writer,
+    meta: dict[str, Any],
+    report: dict[str, Any],
+    appendix: list[dict[str, Any]],
+    retention: dict[str, Any] | None = None,
 ) -> None:
     writer.put("report/report.json", _json(report))
     png = chart_png(report)
@@ -375,9 +393,15 @@ def write_report(
         writer.put("report/activity.png", png)
     writer.put(
         "report/report.md",
-        render_markdown(meta, report, appendix, "activity.png" if png else None).encode(),
+        render_markdown(meta, report, appendix, "activity.png" if png else None)
+        .replace("\n## Events cited\n", retention_markdown(retention) + "\n## Events cited\n", 1)
+        .encode(),
     )
-    writer.put("report/report.html", render_html(meta, report, appendix, png).encode())
+    page = render_html(meta, report, appendix, png)
+    page = page.replace(
+        "<h2>Events cited</h2>", retention_html(retention) + "<h2>Events cited</h2>", 1
+    )
+    writer.put("report/report.html", page.encode())
 
 
 def iter_lines(zf: zipfile.ZipFile, name: str) -> Iterator[bytes]:

@@ -26,6 +26,7 @@ from proctor.errors import ProctorError, VerificationFailed
 from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._pack import PACK_FORMAT, iter_lines, lineage_name
 from proctor.evidence._policies import PolicyCheck, check_policies
+from proctor.evidence._retention import check_retention_record
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
 from proctor.governance import (
@@ -39,9 +40,11 @@ from proctor.ledger import (
     Checkpoint,
     Verifier,
     check_lineage_object,
+    is_pruned_marker,
     leaf_hash,
     open_checkpoint,
     parse_canonical,
+    pruned_leaf_hash,
     verify_consistency,
     verify_inclusion,
 )
@@ -208,6 +211,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     period = _check_period(zf, head, end_cp)
     _check_lineage(zf)
     context_docs = _check_context(zf, head, end_cp, period.events)
+    if "governance/retention.json" in zf.namelist():
+        check_retention_record(_load(zf, "governance/retention.json"), period.events)
     proven = _Proven.index(period.events)
     production, approvals_checked = _check_approvals(proven)
     accesses = _check_accesses(proven, period.data_events)
@@ -334,6 +339,10 @@ def _check_period(zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint) -> _Peri
             raise _fail(f"event seq {seq}: belongs to tenant {ev.get('tenant')!r}")
         if not str(meta["from"]) <= ev["time"] < str(meta["to"]):
             raise _fail(f"event seq {seq}: its time {ev['time']} is outside the period")
+        if is_pruned_marker(ev):
+            # Pruned past retention: the marker keeps the leaf hash the range proof needs.
+            leaves.append(_marker_leaf(ev))
+            continue
         leaves.append(leaf_hash(data))
         period.summary.add(ev)
         action = ev["action"]
@@ -394,7 +403,8 @@ def _check_context(
             hashes = decode_hashes(p.get("hashes"), f"proof of context event {cseq}")
             if p.get("index") != cseq or p.get("size") != end_cp.size:
                 raise _fail(f"context event seq {cseq}: its proof is for another index or size")
-            verify_inclusion(cseq, end_cp.size, leaf_hash(data), hashes, end_cp.root)
+            leaf = _marker_leaf(ev) if is_pruned_marker(ev) else leaf_hash(data)
+            verify_inclusion(cseq, end_cp.size, leaf, hashes, end_cp.root)
         except ValueError as exc:
             raise _fail(f"context event seq {cseq}: unreadable proof") from exc
         except VerificationFailed as exc:
@@ -683,3 +693,10 @@ if __name__ == "__main__":
     problem = _check_ocsf(sys.argv[1], sys.argv[2], int(sys.argv[3]))
     if problem:
         print(problem)
+
+
+def _marker_leaf(ev: dict[str, Any]) -> bytes:
+    try:
+        return pruned_leaf_hash(ev)
+    except ProctorError as exc:
+        raise _fail(exc.message) from exc

@@ -68,6 +68,7 @@ from proctor.ledger._prune import MAX_PER_EVENT as MAX_PRUNED_PER_EVENT
 from proctor.ledger._prune import MAX_RANGES as MAX_PRUNE_RANGES
 from proctor.ledger._prune import PRUNE_ACTION, PRUNED_ACTION, PrunePlan, prune_draft
 from proctor.ledger._prune import is_marker as is_pruned_marker
+from proctor.ledger._prune import marker_leaf as pruned_leaf_hash
 from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
@@ -130,6 +131,7 @@ __all__ = [
     "parse_tile_path",
     "path_from_ranges",
     "prune_draft",
+    "pruned_leaf_hash",
     "query_events",
     "read_objects",
     "require_cosignatures",

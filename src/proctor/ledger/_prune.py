@@ -208,3 +208,17 @@ class MarkerCheck:
                 " event in the log records: not pruned by the runtime"
             )
         self._open.clear()
+
+
+def marker_leaf(event: dict[str, Any]) -> bytes:
+    """The leaf hash a pruned marker keeps (what a proof of its entry uses); a pack or
+    an export holds it to the tree, and :class:`MarkerCheck` to its prune event."""
+    p = event.get("pruned")
+    raw = p.get("leaf_hash") if isinstance(p, dict) else None
+    try:
+        leaf = base64.b64decode(str(raw), validate=True)
+    except (binascii.Error, ValueError):
+        leaf = b""
+    if len(leaf) != 32:
+        raise UsageError(f"event seq {event.get('seq')}: a pruned marker without a leaf hash")
+    return leaf
