@@ -82,6 +82,13 @@ def test_the_texts_that_decided_are_carried_verified_and_decide_again_alike(
     with Runtime.open(home) as rt:
         # Stored with run.start (and the refusal), not rebuilt at export.
         assert read_objects(rt.store, "acme", cited) == texts
+        # A period that starts after the production run did: its calls are still decided
+        # again (the environment from the run's record in the pack).
+        first = next(e for e in _events(pack) if e["action"] == "sql.select"
+                     and e["deployment"] == "churn")  # fmt: skip
+        export_pack(rt, "acme", str(first["time"]), ALL[1], pack.parent / "late.zip")
+    late = verify_pack(pack.parent / "late.zip", vkey)
+    assert late.policy_versions == 1 and late.decisions_redecided >= 8
 
 
 def test_an_altered_or_missing_policy_text_fails_verify(

@@ -148,14 +148,16 @@ def check_policies(
     runs: Mapping[str, Mapping[str, Any]],
     environments: Mapping[str, str] | None = None,
     sample: int = SAMPLE,
+    run_environments: Mapping[str, str] | None = None,
 ) -> PolicyCheck:
     """Each cited policy version's text is in the pack and hashes to it; a sample of
     the recorded decisions, decided again with those texts, gives the same answers.
 
     ``runs`` are the proven ``run.start`` events by run id (the environment and row
     limit a run's calls were decided with); for a run that started before the
-    period, ``environments`` gives its deployment's environment (absent: its calls
-    are not re-decided). Call after the events are proven.
+    period, ``run_environments`` (by run id, from the pack's run records) or else
+    ``environments`` (by deployment) give its environment (absent: its calls are not
+    re-decided). Call after the events are proven.
     """
     names = set(zf.namelist())
     cited: dict[str, int] = {}  # version -> first seq citing it
@@ -211,7 +213,11 @@ def check_policies(
                     f"{policy_name(version)}: not a valid policy set: {exc.message}"
                 ) from exc
         sd = (runs.get(str(ev.get("run"))) or {}).get("details") or {}
-        environment = sd.get("environment") or (environments or {}).get(str(ev.get("deployment")))
+        environment = (
+            sd.get("environment")
+            or (run_environments or {}).get(str(ev.get("run")))
+            or (environments or {}).get(str(ev.get("deployment")))
+        )
         if not isinstance(environment, str):
             continue
         row_limit = int(sd.get("row_limit", _DEFAULT_ROW_LIMIT))

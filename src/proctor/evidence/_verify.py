@@ -679,13 +679,18 @@ def _check_lineage(zf: zipfile.ZipFile) -> int:
 def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven) -> PolicyCheck:
     """The cited policy texts are in the pack and hash to their versions, and a sample
     of the recorded decisions comes out the same when decided again with them."""
-    # A run that started before the period: its deployment's environment, if the
-    # pack's deployments give it one.
+    # A run that started before the period: its record's environment (the pack's runs
+    # are those in progress during it), else its deployment's, if only one.
     by_name: dict[str, set[str]] = {}
     for dep in _load(zf, "governance/deployments.json"):
         by_name.setdefault(str(dep.get("name")), set()).add(str(dep.get("environment")))
     environments = {name: envs.pop() for name, envs in by_name.items() if len(envs) == 1}
-    return check_policies(zf, proven.runs, environments)
+    runs = {
+        str(r.get("id")): str(r.get("environment"))
+        for r in _load(zf, "governance/runs.json")
+        if r.get("environment") in ("sandbox", "production")
+    }
+    return check_policies(zf, proven.runs, environments, run_environments=runs)
 
 
 if __name__ == "__main__":
