@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from proctor.errors import UsageError
-from proctor.governance import erase_key, record_key_hmac
+from proctor.governance import erase_key, record_key_hmac, unbacked_erasures
 from proctor.ledger import (
     Actor,
     EventDraft,
     check_erased_object,
     check_lineage_object,
+    erase_from_object,
     is_erased_object,
     lineage_object,
     lineage_seqs,
@@ -116,3 +117,13 @@ def test_an_erased_key_is_gone_and_everything_else_still_verifies(
     ids = [e["details"]["erasure"] for e in erasure]
     assert check_erased_object(ref_a, data_a, ids) is None
     assert "no erasure event" in str(check_erased_object(ref_a, data_a, ids[1:]))
+    # Someone with the store but no erasure request hides key 45 of read d by hand:
+    # the object still verifies against its event, but no erasure.request names it.
+    assert unbacked_erasures(env.store, T) == []
+    ref_d = refs[seqs["d"]]
+    hidden = erase_from_object(objects[ref_d["digest"]], _h("45"), "erasure-forged")
+    assert hidden is not None and check_lineage_object(ref_d, hidden) is None
+    with env.store.write() as conn:
+        conn.execute("UPDATE ledger_objects SET data = ? WHERE log = ? AND digest = ?",
+                     (hidden, T, ref_d["digest"]))  # fmt: skip
+    assert "erasure-forged" in unbacked_erasures(env.store, T)[0]

@@ -174,6 +174,14 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
 
     report = ledger.verify(T)
     assert report.pruned == result.pruned and report.size == head.size
+    # Readers take markers as entries: a filtered read skips them, a table shows them.
+    from proctor.cli._audit import _event_row, _events_table
+    from proctor.ledger import EventFilter, query_events
+
+    assert query_events(ledger, T, EventFilter(run="run-001"), limit=5, newest=False) == []
+    table = _events_table()
+    _event_row(table, json.loads(after[min(pruned)]))
+    assert table.row_count == 1
     out = tmp_path / "export"
     ledger.export(T, out)
     assert verify_export(out).pruned == result.pruned

@@ -28,7 +28,7 @@ from proctor.cli._common import (
 )
 from proctor.cli._witness import WitnessOpt, WitnessQuorumOpt
 from proctor.errors import UsageError, VerificationFailed
-from proctor.governance import unbacked_rows
+from proctor.governance import unbacked_erasures, unbacked_rows
 from proctor.ledger import (
     SYSTEM_LOG,
     Actor,
@@ -102,6 +102,12 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
 
 
 def _event_row(table: Table, ev: dict[str, Any]) -> None:
+    if "pruned" in ev:  # a pruned entry's marker (docs/ledger.md): no actor, no decision
+        p = ev["pruned"] if isinstance(ev["pruned"], dict) else {}
+        why = escape(f"pruned at {p.get('at')} under {p.get('rule')}")
+        table.add_row(str(ev["seq"]), str(ev.get("time")), "—", "ledger.pruned", "—",
+                      "[dim]pruned[/]", why)  # fmt: skip
+        return
     decision = ev["decision"]
     style = "green" if decision == "allow" else "bold red"
     table.add_row(
@@ -394,6 +400,15 @@ def verify(
                 # The log is sound; now every governance row must be one it backs.
                 backing = unbacked_rows(rt.store, rt.ledger, rt.artifacts, rt.approvals,
                                         rt.deployments, log)  # fmt: skip
+                # An erased lineage object must be an erasure's (docs/compliance.md).
+                erasures = unbacked_erasures(rt.store, log)
+                if erasures:
+                    raise VerificationFailed(
+                        f"{len(erasures)} lineage object(s) of {tenant!r} were erased by no "
+                        f"recorded erasure: {erasures[0]}",
+                        hint="someone rewrote the store without an erasure request; restore"
+                        " the objects from a backup",
+                    )
     # With --json, stdout is the one JSON object's; the sentences go to stderr.
     say = Console(stderr=True, highlight=False) if as_json else console
     say.print(

@@ -44,7 +44,12 @@ from proctor.governance._deployments import (
 )
 from proctor.governance._egress import EgressRanges
 from proctor.governance._environments import Bindings, bindings, environment_forbid
-from proctor.governance._erasure import ErasureResult, erase_key, record_key_hmac
+from proctor.governance._erasure import (
+    ErasureResult,
+    erase_key,
+    record_key_hmac,
+    unbacked_erasures,
+)
 from proctor.governance._home import Home, HomeConfig
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import (
@@ -192,6 +197,7 @@ __all__ = [
     "stage_object",
     "submission_problems",
     "subprocessor_forbid",
+    "unbacked_erasures",
     "unbacked_rows",
     "validate_tenant_name",
 ]

@@ -36,6 +36,8 @@ from proctor.ledger import (
     EventDraft,
     Ledger,
     erase_from_object,
+    erased_entries,
+    is_erased_object,
     is_pruned_marker,
     lineage_seqs,
     read_objects,
@@ -174,3 +176,39 @@ def _scrub_sqlite(store: Store) -> None:
     uri = f"file:{quote(path)}?mode=rw"  # never makes a file: the store's own, or nothing
     with suppress(sqlite3.Error), closing(sqlite3.connect(uri, uri=True, timeout=10)) as db:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+
+
+def unbacked_erasures(store: Store, tenant: str) -> list[str]:
+    """The erased lineage objects of ``tenant`` whose erasure no ``erasure.request``
+    event of its log records: an object made unreadable by hand (to hide which rows a
+    run read) rather than by an erasure. ``audit verify --tenant`` reports them."""
+    with store.read() as conn:
+        ids: set[str] = set()
+        for (raw,) in conn.iterate(
+            "SELECT data FROM ledger_entries WHERE log = ? ORDER BY seq", (tenant,)
+        ):
+            data = bytes(raw)
+            if b'"erasure.request"' not in data:
+                continue
+            ev = json.loads(data)
+            if ev.get("action") == "erasure.request" and ev.get("decision") == "allow":
+                ids.add(str((ev.get("details") or {}).get("erasure")))
+        problems: list[str] = []
+        for digest, raw in conn.query(
+            "SELECT digest, data FROM ledger_objects WHERE log = ? ORDER BY digest", (tenant,)
+        ):
+            data = bytes(raw)
+            if not is_erased_object(data):
+                continue
+            try:
+                _, names = erased_entries(data)
+            except ValueError as exc:
+                problems.append(f"lineage object {digest}: {exc}")
+                continue
+            unknown = [n for n in names if n not in ids]
+            if unknown:
+                problems.append(
+                    f"lineage object {digest} says erasure {unknown[0]!r} made it; no"
+                    " erasure.request event records one"
+                )
+    return problems
