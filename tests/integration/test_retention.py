@@ -70,7 +70,7 @@ def year(ledger_env: LedgerEnv) -> Iterator[tuple[Ledger, Clock, LedgerEnv]]:
                     "sql.select",
                     "table/people",
                     run=run,
-                    deployment="dep-a",
+                    deployment="dep-b" if day % 7 == 0 else "dep-a",
                     details={"rows": day},
                 ),
                 EventDraft(OP, "run.end", f"run/{run}", run=run, deployment="dep-a"),
@@ -118,6 +118,7 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
     rule = ret.set(T, 200, OP)
     assert rule.name == "retention/200d"
     hold = ret.add_hold(T, "run", "run-held", "litigation 2025-17", OP)
+    dep_hold = ret.add_hold(T, "deployment", "dep-b", "incident 2025-3", OP)
     # A hold on the whole tenant suspends pruning entirely.
     whole = ret.add_hold(T, "tenant", None, "regulator inquiry", OP)
     assert ret.prune(T, OP).why_none == "the tenant is under legal hold"
@@ -133,9 +134,11 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
         for d in range(DAYS)
         if clock.now - timedelta(days=200) > START + timedelta(days=d, hours=1)
     ]
-    held_days = [d for d in old_days if d % 10 == 0]
-    assert result.pruned == 2 * (len(old_days) - len(held_days))
-    assert result.held == 2 * len(held_days)
+    run_held = [d for d in old_days if d % 10 == 0]
+    dep_held = [d for d in old_days if d % 7 == 0 and d % 10]
+    # A held run's two events; a held deployment's call (its run.end names dep-a).
+    assert result.pruned == 2 * len(old_days) - 2 * len(run_held) - len(dep_held)
+    assert result.held == 2 * len(run_held) + len(dep_held)
     assert result.events
 
     after = _entries(env)
@@ -154,6 +157,7 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
     # The held run's events and the governance events are untouched.
     assert any(json.loads(before[s]).get("run") == "run-held" for s in range(2, 40))
     assert not any(json.loads(before[s]).get("run") == "run-held" for s in pruned)
+    assert not any(json.loads(before[s]).get("deployment") == "dep-b" for s in pruned)
     assert 0 not in pruned and 1 not in pruned
 
     # Every checkpoint still verifies: its root is the tree's at its size; inclusion
@@ -189,8 +193,10 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
     # A second prune finds nothing new; the record says what happened.
     assert ret.prune(T, OP).pruned == 0
     kinds = [h["action"] for h in ret.history(T)]
-    assert kinds == ["retention.set", "hold.add", "hold.add", "hold.remove", "retention.prune"]
-    assert ret.holds(T) == [hold] and len(ret.holds(T, all_=True)) == 2
+    assert kinds == ["retention.set", "hold.add", "hold.add", "hold.add", "hold.remove",
+                     "retention.prune"]  # fmt: skip
+    assert {h.id for h in ret.holds(T)} == {hold.id, dep_hold.id}
+    assert len(ret.holds(T, all_=True)) == 3
 
     # Tampering: each altered marker fails, with a message that says so.
     first = min(pruned)
