@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -114,18 +114,30 @@ def start_run(place: Place, backend: str) -> subprocess.Popen[bytes]:
 
 def wait_ready(proc: subprocess.Popen[bytes]) -> None:
     assert proc.stdout is not None
+    wait_for(proc, proc.stdout, b"ready\n", "the guest never said ready")
+
+
+def wait_serving(serve: subprocess.Popen[bytes]) -> None:
+    """Until `serve` has opened the home and done its first reap (its first log line).
+    Opening the home closes the runs of dead owners too, under another name: a run
+    killed before that is closed by the opening, not by the sweep a test waits for."""
+    assert serve.stderr is not None
+    wait_for(serve, serve.stderr, b'"event": "reap"', "serve never started")
+
+
+def wait_for(proc: subprocess.Popen[bytes], stream: IO[bytes], marker: bytes, what: str) -> None:
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stream, selectors.EVENT_READ)
     seen = b""
     deadline = time.monotonic() + DEADLINE
-    while b"ready\n" not in seen:
+    while marker not in seen:
         left = deadline - time.monotonic()
         if left <= 0 or proc.poll() is not None:
             proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"the guest never said ready: {seen!r} {err.decode()}")
+            out, err = proc.communicate()
+            pytest.fail(f"{what}: {seen!r} {out.decode()} {err.decode()}")
         if sel.select(timeout=left):
-            seen += os.read(proc.stdout.fileno(), 4096)
+            seen += os.read(stream.fileno(), 4096)
     sel.close()
 
 
@@ -215,6 +227,7 @@ def test_serve_closes_a_killed_runs_record_while_it_runs(place: Place, backend: 
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=place.env)  # fmt: skip
     try:
+        wait_serving(serve)
         proc = start_run(place, backend)
         cgroups = cgroups_of(place, proc.pid)
         proc.kill()
