@@ -56,12 +56,13 @@ _DEFAULT_ROW_LIMIT = 10_000
 #: A path recorded at this length may have been cut (the broker keeps 512 characters).
 _PATH_CUT = 512
 _VERSION_RE = re.compile(rb'"policy_version":"(sha256:[0-9a-f]{64})"')
-_ACTION_RE = re.compile(rb'"action":"([a-z.]+)"')
 #: What :func:`redecide` answers for an event whose request was not recorded whole.
 UNDECIDABLE = "its request was not recorded whole"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CUT = CUT_MARKER.encode("utf-8")
-_REDECIDED = ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+_REDECIDED = frozenset(
+    ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+)
 
 
 def policy_name(version: str) -> str:
@@ -130,7 +131,7 @@ def _rebuilt(rt: Home, tenant: str) -> Iterator[str]:
 class PolicyCheck:
     versions: int  # distinct versions cited, each text present and hashing to it
     redecided: int  # recorded decisions decided again, all matching
-    candidates: int  # recorded Cedar decisions in the period that could be re-decided
+    candidates: int  # Cedar decisions recorded in the period (the sample's population)
 
 
 def _fail(message: str) -> VerificationFailed:
@@ -143,6 +144,117 @@ def _lines(zf: zipfile.ZipFile, name: str) -> Iterator[bytes]:
             yield line.rstrip(b"\n")
 
 
+class PolicyScan:
+    """What verification needs of the period's events, gathered in one pass (the
+    caller's: ``add`` each event in order): the versions cited, and the sample of
+    recorded decisions to decide again, the first re-decidable event at or after
+    every stride-th position, so it is spread over the whole period and the same
+    pack gives the same sample."""
+
+    def __init__(self, events: int, sample: int = SAMPLE) -> None:
+        self.stride = max(1, -(-events // sample))
+        self.sample = sample
+        self.target = 0
+        self.cited: dict[str, int] = {}  # version -> the first seq citing it
+        self.chosen: list[Mapping[str, Any]] = []
+        self.candidates = 0
+        self._last: object = None
+        self.bad: str | None = None
+
+    def add(self, index: int, ev: Mapping[str, Any], data: bytes) -> None:
+        """The event at ``index`` (its position in the period), parsed, and its bytes."""
+        d = ev.get("details")
+        version = d.get("policy_version") if isinstance(d, dict) else None
+        if version is None:
+            return
+        if version != self._last:  # a run's calls cite one version: check it once
+            if not isinstance(version, str) or not _DIGEST_RE.match(version):
+                # Named in check(): an altered event is named by the tree check first.
+                self.bad = (
+                    self.bad or f"event seq {ev.get('seq')}: {version!r} is not a policy version"
+                )
+                return
+            self.cited.setdefault(version, int(ev["seq"]))
+            self._last = version
+        if ev.get("action") not in _REDECIDED or str(ev.get("reason", "")).startswith("refused: "):
+            return
+        self.candidates += 1
+        if (
+            index >= self.target
+            and len(self.chosen) < self.sample
+            # Details cut to the event's bound no longer hold the whole request.
+            and _CUT not in data
+            and b'_cut":' not in data
+        ):
+            self.chosen.append(ev)
+            self.target = index + self.stride
+
+    def check(
+        self,
+        zf: zipfile.ZipFile,
+        runs: Mapping[str, Mapping[str, Any]],
+        environments: Mapping[str, str] | None = None,
+        run_environments: Mapping[str, str] | None = None,
+    ) -> PolicyCheck:
+        """Each cited version's text is in the pack and hashes to it; the sampled
+        decisions, decided again with those texts, are the recorded ones.
+
+        ``runs`` are the proven ``run.start`` events by run id (the environment and
+        row limit a run's calls were decided with); for a run that started before
+        the period, ``run_environments`` (by run id, from the pack's run records) or
+        else ``environments`` (by deployment) give its environment (absent: its
+        calls are not re-decided). Call after the events are proven.
+        """
+        if self.bad is not None:
+            raise _fail(self.bad)
+        names = set(zf.namelist())
+        texts: dict[str, str] = {}
+        for version, seq in sorted(self.cited.items(), key=lambda kv: kv[1]):
+            name = policy_name(version)
+            if name not in names:
+                raise _fail(
+                    f"event seq {seq}: cites policy version {version}, whose text "
+                    f"{name} is not in the pack (missing)"
+                )
+            raw = zf.read(name)
+            if "sha256:" + hashlib.sha256(raw).hexdigest() != version:
+                raise _fail(
+                    f"{name}: does not hash to policy version {version}, which event seq "
+                    f"{seq} cites (the text was altered)"
+                )
+            texts[version] = raw.decode("utf-8")
+        compiled: dict[str, CompiledPolicies] = {}
+        redecided = 0
+        for ev in self.chosen:
+            version = str(ev["details"]["policy_version"])
+            if version not in compiled:
+                try:
+                    compiled[version] = compile_policies(texts[version])
+                except PolicyError as exc:
+                    raise _fail(
+                        f"{policy_name(version)}: not a valid policy set: {exc.message}"
+                    ) from exc
+            sd = (runs.get(str(ev.get("run"))) or {}).get("details") or {}
+            environment = (
+                sd.get("environment")
+                or (run_environments or {}).get(str(ev.get("run")))
+                or (environments or {}).get(str(ev.get("deployment")))
+            )
+            if not isinstance(environment, str):
+                continue
+            row_limit = int(sd.get("row_limit", _DEFAULT_ROW_LIMIT))
+            why = redecide(compiled[version], ev, environment, row_limit)
+            if why == UNDECIDABLE:
+                continue
+            if why is not None:
+                raise _fail(
+                    f"event seq {ev['seq']} ({ev['action']} {ev['resource']}): decided "
+                    f"again with policy {version}, {why}"
+                )
+            redecided += 1
+        return PolicyCheck(len(self.cited), redecided, self.candidates)
+
+
 def check_policies(
     zf: zipfile.ZipFile,
     runs: Mapping[str, Mapping[str, Any]],
@@ -150,95 +262,14 @@ def check_policies(
     sample: int = SAMPLE,
     run_environments: Mapping[str, str] | None = None,
 ) -> PolicyCheck:
-    """Each cited policy version's text is in the pack and hashes to it; a sample of
-    the recorded decisions, decided again with those texts, gives the same answers.
-
-    ``runs`` are the proven ``run.start`` events by run id (the environment and row
-    limit a run's calls were decided with); for a run that started before the
-    period, ``run_environments`` (by run id, from the pack's run records) or else
-    ``environments`` (by deployment) give its environment (absent: its calls are not
-    re-decided). Call after the events are proven.
-    """
-    names = set(zf.namelist())
-    cited: dict[str, int] = {}  # version -> first seq citing it
-    candidates: list[int] = []  # line indexes of re-decidable events
+    """:class:`PolicyScan` over the pack's events in a pass of its own, then its
+    check (``verify_pack`` gathers the scan in its own pass over the events)."""
+    meta = json.loads(zf.read("pack.json"))
+    scan = PolicyScan(int(meta["end_seq"]) - int(meta["first_seq"]), sample)
     for index, data in enumerate(_lines(zf, "events/events.jsonl")):
-        version = cited_version(data)
-        if version is None:
-            continue
-        if version not in cited:
-            cited[version] = index
-        m = _ACTION_RE.search(data)
-        if (
-            m
-            and m.group(1).decode() in _REDECIDED
-            and b'"reason":"refused: ' not in data
-            # Details cut to the event's bound no longer hold the whole request.
-            and _CUT not in data
-            and b'_cut":' not in data
-        ):
-            candidates.append(index)
-    texts: dict[str, str] = {}
-    first = 0
-    for data in _lines(zf, "events/events.jsonl"):
-        first = int(json.loads(data)["seq"])
-        break
-    for version, index in sorted(cited.items(), key=lambda kv: kv[1]):
-        name = policy_name(version)
-        if name not in names:
-            raise _fail(
-                f"event seq {first + index}: cites policy version {version}, whose text "
-                f"{name} is not in the pack (missing)"
-            )
-        raw = zf.read(name)
-        if "sha256:" + hashlib.sha256(raw).hexdigest() != version:
-            raise _fail(
-                f"{name}: does not hash to policy version {version}, which event seq "
-                f"{first + index} cites (the text was altered)"
-            )
-        texts[version] = raw.decode("utf-8")
-    chosen = _spread(candidates, sample)
-    compiled: dict[str, CompiledPolicies] = {}
-    redecided = 0
-    for index, data in enumerate(_lines(zf, "events/events.jsonl")):
-        if index not in chosen:
-            continue
-        ev = json.loads(data)
-        version = str(ev["details"]["policy_version"])
-        if version not in compiled:
-            try:
-                compiled[version] = compile_policies(texts[version])
-            except PolicyError as exc:
-                raise _fail(
-                    f"{policy_name(version)}: not a valid policy set: {exc.message}"
-                ) from exc
-        sd = (runs.get(str(ev.get("run"))) or {}).get("details") or {}
-        environment = (
-            sd.get("environment")
-            or (run_environments or {}).get(str(ev.get("run")))
-            or (environments or {}).get(str(ev.get("deployment")))
-        )
-        if not isinstance(environment, str):
-            continue
-        row_limit = int(sd.get("row_limit", _DEFAULT_ROW_LIMIT))
-        why = redecide(compiled[version], ev, environment, row_limit)
-        if why == UNDECIDABLE:
-            continue
-        if why is not None:
-            raise _fail(
-                f"event seq {ev['seq']} ({ev['action']} {ev['resource']}): decided again "
-                f"with policy {version}, {why}"
-            )
-        redecided += 1
-    return PolicyCheck(len(cited), redecided, len(candidates))
-
-
-def _spread(items: list[int], n: int) -> set[int]:
-    """At most ``n`` of ``items``, evenly spaced by position: the same pack gives the
-    same sample, and it covers the whole period."""
-    if len(items) <= n:
-        return set(items)
-    return {items[i * len(items) // n] for i in range(n)}
+        if b'"policy_version"' in data:
+            scan.add(index, json.loads(data), data)
+    return scan.check(zf, runs, environments, run_environments)
 
 
 def redecide(

@@ -25,7 +25,7 @@ from typing import Any
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._pack import PACK_FORMAT, iter_lines, lineage_name
-from proctor.evidence._policies import PolicyCheck, check_policies
+from proctor.evidence._policies import PolicyCheck, PolicyScan
 from proctor.evidence._retention import check_retention_record
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
@@ -216,7 +216,7 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     proven = _Proven.index(period.events)
     production, approvals_checked = _check_approvals(proven)
     accesses = _check_accesses(proven, period.data_events)
-    policies = _check_policy_texts(zf, proven)
+    policies = _check_policy_texts(zf, proven, period.policies)
     _check_records(zf, proven.grants, proven.submits, proven.runs, proven.ordered)
     _check_report(zf, head, period, context_docs)
     return PackReport(
@@ -303,13 +303,14 @@ class _Period:
     summary: Summary = field(default_factory=Summary)
     events: dict[int, dict[str, Any]] = field(default_factory=dict)  # governance and run, by seq
     data_events: list[dict[str, Any]] = field(default_factory=list)  # allowed accesses
+    policies: PolicyScan = field(default_factory=lambda: PolicyScan(0))  # versions, sample
 
 
 def _check_period(zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint) -> _Period:
     """The period's events: in order, the tenant's, dated inside it, and leading with
     the range proof to the signed end checkpoint; their OCSF lines match them."""
     first, stop, meta = head.first, head.stop, head.meta
-    period = _Period()
+    period = _Period(policies=PolicyScan(stop - first))
     leaves: list[bytes] = []
     # Regenerating every OCSF line costs as much as everything else in this loop, and
     # needs nothing from it: a second process does it meanwhile, on the other core.
@@ -345,6 +346,7 @@ def _check_period(zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint) -> _Peri
             continue
         leaves.append(leaf_hash(data))
         period.summary.add(ev)
+        period.policies.add(seq - first, ev, data)
         action = ev["action"]
         if action in _DATA_ACTIONS:
             if ev["decision"] == "allow":
@@ -676,7 +678,7 @@ def _check_lineage(zf: zipfile.ZipFile) -> int:
     return len(checked)
 
 
-def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven) -> PolicyCheck:
+def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven, scan: PolicyScan) -> PolicyCheck:
     """The cited policy texts are in the pack and hash to their versions, and a sample
     of the recorded decisions comes out the same when decided again with them."""
     # A run that started before the period: its record's environment (the pack's runs
@@ -690,7 +692,7 @@ def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven) -> PolicyCheck:
         for r in _load(zf, "governance/runs.json")
         if r.get("environment") in ("sandbox", "production")
     }
-    return check_policies(zf, proven.runs, environments, run_environments=runs)
+    return scan.check(zf, proven.runs, environments, run_environments=runs)
 
 
 if __name__ == "__main__":
