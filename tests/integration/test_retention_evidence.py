@@ -16,7 +16,7 @@ import pytest
 from proctor.evidence import export_pack, verify_pack
 from proctor.evidence._retention import CHECKS, RETENTION_CONTROLS
 from proctor.governance import Retention, erase_key, record_key_hmac
-from proctor.ledger import Actor, EventDraft, lineage_object
+from proctor.ledger import Actor, EventDraft, lineage_object, lineage_seqs
 from proctor.lifecycle._serve import prune_all
 from tests.e2e.conftest_gov import build_gov
 
@@ -58,6 +58,9 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(prunes) == 1 and prunes[0]["details"]["held"] == 1
     pruned_count = prunes[0]["details"]["count"]
     assert pruned_count >= 2
+    # The pruned reads' index rows went with them; the held run's stayed.
+    assert lineage_seqs(rt.store, "acme", record_key_hmac(lkey, "0")) == set()
+    assert len(lineage_seqs(rt.store, "acme", record_key_hmac(lkey, "10"))) == 1
     erased = record_key_hmac(lkey, "5")
     # Key 5 was read by run-held too (keys 1..10): its object still holds it until erased.
     done = erase_key(rt.store, rt.ledger, "acme", "crm", erased, "DSR-77", op)

@@ -30,8 +30,12 @@ from proctor.ledger import (
     EventDraft,
     Ledger,
     PrunePlan,
+    erased_entries,
+    is_erased_object,
     is_pruned_marker,
+    lineage_keys,
     prune_draft,
+    read_objects,
 )
 from proctor.store import Conn, Store
 
@@ -343,6 +347,7 @@ class Retention:
         held_runs = {h.target for h in holds if h.scope == "run"}
         held_deps = {h.target for h in holds if h.scope == "deployment"}
         chosen: list[tuple[int, str, bytes]] = []
+        digests: dict[int, str] = {}  # seq -> its lineage object, whose keys index it
         held = 0
         with self._store.read() as conn:
             rows = conn.iterate(
@@ -359,6 +364,10 @@ class Retention:
                     held += 1
                     continue
                 chosen.append((int(seq), str(time), data))
+                ref = (ev.get("details") or {}).get("lineage_object")
+                if isinstance(ref, dict) and isinstance(ref.get("digest"), str):
+                    digests[int(seq)] = ref["digest"]
+        objects = read_objects(self._store, tenant, set(digests.values()))
         written: list[int] = []
         extra = {"days": rule.days, "holds": [h.id for h in holds][:64], "held": held}
         for part in _chunks(chosen):
@@ -366,14 +375,26 @@ class Retention:
                 PrunePlan(tenant, tuple(part), rule.name, at, cutoff, extra), actor
             )
 
-            def write(conn: Conn, markers: list[tuple[bytes, str, int]] = markers) -> None:
+            # A pruned event's lineage index rows go with it: nothing finds it by key.
+            # Deleted by their primary key (log, key, seq), read off the event's object:
+            # by seq alone each delete would scan the log's whole index.
+            index = [
+                (tenant, bytes.fromhex(k), seq)
+                for seq, _, _ in part
+                if seq in digests
+                for k in _object_keys(objects.get(digests[seq]))
+            ]
+
+            def write(
+                conn: Conn,
+                markers: list[tuple[bytes, str, int]] = markers,
+                index: list[tuple[str, bytes, int]] = index,
+            ) -> None:
                 conn.executemany(
                     "UPDATE ledger_entries SET data = ? WHERE log = ? AND seq = ?", markers
                 )
-                # A pruned event's lineage index rows go with it: nothing finds it by key.
                 conn.executemany(
-                    "DELETE FROM ledger_lineage WHERE log = ? AND seq = ?",
-                    [(log, seq) for _, log, seq in markers],
+                    "DELETE FROM ledger_lineage WHERE log = ? AND key = ? AND seq = ?", index
                 )
 
             written.append(self._ledger.append(tenant, draft, hook=write).seq)
@@ -413,3 +434,14 @@ def _chunks(chosen: list[tuple[int, str, bytes]]) -> list[list[tuple[int, str, b
     if cur:
         parts.append(cur)
     return parts
+
+
+def _object_keys(data: bytes | None) -> list[str]:
+    """The 32-hex keys a lineage object (plain or erased) still holds."""
+    if data is None:
+        return []
+    try:
+        entries = erased_entries(data)[0] if is_erased_object(data) else lineage_keys(data)
+    except ValueError:
+        return []
+    return [k for k in entries if len(k) == 32]
