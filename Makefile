@@ -12,10 +12,10 @@ setup:
 demo: setup
 	$(VENV)/bin/proctor demo
 
-# Two processes: the tests marked host (sandboxes, mounts, namespaces, cgroups) run
-# one at a time in one of them, every other test in either (tests/host_group.py).
+# Two processes: the tests marked host (sandboxes, mounts, namespaces, cgroups) one
+# at a time in one, every other test beside them in the other (tests/host_group.py).
 test: setup lint typecheck
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	scripts/test.sh $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench fuzz

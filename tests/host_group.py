@@ -5,8 +5,8 @@ changes what the whole machine shows: the leftover checks after each sandbox tes
 (``tests/sandbox_conftest_helpers.py``: cgroups, sandbox processes, bundle
 directories, mounts) read the machine's tables, not one test's. Those tests are
 marked ``host`` (a ``sandbox`` mark, or use of the session's ``demo_home``, implies
-it) and run one at a time, in one xdist group; every other test may run beside
-them in a second process (``make test``: ``-n 2 --dist loadgroup``).
+it) and run one at a time, in one pytest process; every other test runs beside
+them in a second one (``make test``, ``scripts/test.sh``).
 
 That split is only safe if "not host" is true, so it is checked rather than
 trusted: while a test not marked ``host`` runs,
@@ -33,8 +33,9 @@ from typing import Any
 import pytest
 
 HOST_TOOLS = ("runsc", "bwrap", "unshare", "nsenter", "ip", "mount", "umount")
-#: Session fixtures whose set-up starts sandboxes: a test that uses one is a host test.
-HOST_FIXTURES = ("demo_home",)
+#: Fixtures that start sandboxes (``demo_home``) or read the whole machine's state
+#: (``no_leftovers``: its cgroups, processes, mounts): a test that uses one is a host test.
+HOST_FIXTURES = ("demo_home", "no_leftovers")
 _VIOLATIONS_ENV = "PROCTOR_TEST_HOST_VIOLATIONS"
 _MESSAGE = "{what} by a test not marked host: mark it `@pytest.mark.host` (tests/host_group.py)"
 
@@ -45,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "host: starts sandboxes or changes the host's mounts, namespaces or cgroups: "
-        "runs one at a time, in the xdist group 'host' (tests/host_group.py)",
+        "runs one at a time, in the host process of `make test` (tests/host_group.py)",
     )
 
 
@@ -55,13 +56,12 @@ def is_host(item: pytest.Item) -> bool:
     return any(name in HOST_FIXTURES for name in getattr(item, "fixturenames", ()))
 
 
+# First: `-m host` / `-m "not host"` select on the mark this adds.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if is_host(item):
             item.add_marker(pytest.mark.host)
-            if grouped:
-                item.add_marker(pytest.mark.xdist_group("host"))
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
