@@ -6,11 +6,18 @@ raw), lineage for the key finds nothing, every changed object still verifies
 against its signed event's count and Merkle root, the log still verifies, and every
 other key's lineage (and the same key in another dataset) is unchanged. On SQLite
 and PostgreSQL.
+
+The attack: whoever holds the tenant's lineage key and a candidate record key
+computes every value derivable from them (the keyed hash, its unsalted leaf, and its
+leaf under every salt left in the store) and finds none of them anywhere, nor as an
+entry of any object. A format-1 object (unsalted, written before salts) still
+verifies, and its erasure works as before.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -23,7 +30,10 @@ from proctor.ledger import (
     check_erased_object,
     check_lineage_object,
     erase_from_object,
+    erased_entries,
     is_erased_object,
+    lineage_keys,
+    lineage_leaf,
     lineage_object,
     lineage_seqs,
     read_objects,
@@ -37,6 +47,32 @@ LKEY = b"\x07" * 32
 
 def _h(key: str) -> str:
     return record_key_hmac(LKEY, key)
+
+
+def _salts(objects: Iterable[bytes]) -> set[str]:
+    """Every salt the objects still hold (kept [key, salt] pairs, plain or erased)."""
+    salts: set[str] = set()
+    for data in objects:
+        doc = json.loads(data)
+        for entry in doc.get("keys", []):
+            if isinstance(entry, list):
+                salts.add(entry[1])
+    return salts
+
+
+def derivable(key_hash: str, objects: Iterable[bytes]) -> list[bytes]:
+    """What an attacker holding the lineage key computes from a candidate record key:
+    its keyed hash, the hash's unsalted leaf, and its leaf under every salt left in
+    ``objects``; each as hex and as raw bytes."""
+    values = [bytes.fromhex(key_hash), lineage_leaf(key_hash)]
+    values += [lineage_leaf(key_hash, salt) for salt in sorted(_salts(objects))]
+    return [v for raw in values for v in (raw, raw.hex().encode())]
+
+
+def _entries_of(data: bytes) -> set[str]:
+    if is_erased_object(data):
+        return {e if isinstance(e, str) else e[0] for e in erased_entries(data)[0]}
+    return set(lineage_keys(data))
 
 
 def _store_bytes(env: LedgerEnv) -> bytes:
@@ -58,15 +94,17 @@ def test_an_erased_key_is_gone_and_everything_else_still_verifies(
                      (T,))  # fmt: skip
     ledger.create_log(T, EventDraft(OP, "tenant.create", f"tenant/{T}"))
     reads = {"a": ("crm", range(1, 21)), "b": ("crm", range(10, 31)),
-             "c": ("orders", range(12, 16)), "d": ("crm", range(40, 51))}  # fmt: skip
+             "c": ("orders", range(12, 16)), "d": ("crm", range(40, 51)),
+             "old": ("crm", range(60, 66))}  # fmt: skip
     seqs: dict[str, int] = {}
     for name, (dataset, keys) in reads.items():
-        obj, ref = lineage_object(_h(str(k)) for k in keys)
+        # "old" is a read logged before per-entry salts (format 1).
+        obj, ref = lineage_object((_h(str(k)) for k in keys), salted=name != "old")
         draft = EventDraft(Actor("workload", f"run-{name}"), "sql.select", "table/t",
                            run=f"run-{name}", objects=(obj,),
                            details={"dataset": dataset, "lineage_object": ref})  # fmt: skip
         seqs[name] = ledger.append(T, draft).seq
-    before = {k: lineage_seqs(env.store, T, _h(str(k))) for k in range(1, 51)}
+    before = {k: lineage_seqs(env.store, T, _h(str(k))) for k in range(1, 66)}
     assert before[10] == {seqs["a"], seqs["b"]} and before[12] == {seqs["a"], seqs["b"], seqs["c"]}
     erased = _h("10")
     assert erased.encode() in _store_bytes(env) or env.store.engine != "sqlite"
@@ -80,16 +118,29 @@ def test_an_erased_key_is_gone_and_everything_else_still_verifies(
     result = erase_key(env.store, ledger, T, "crm", erased, "DSR-2026-0042", OP)
     assert (result.events, result.objects) == (2, 2)
     erase_key(env.store, ledger, T, "crm", _h("12"), "DSR-2026-0043", OP)
+    assert erase_key(env.store, ledger, T, "crm", _h("62"), "DSR-2026-0044", OP).objects == 1
 
     # Lineage for the erased key finds nothing; for 12 only the other dataset's read.
     assert lineage_seqs(env.store, T, erased) == set()
     assert lineage_seqs(env.store, T, _h("12")) == {seqs["c"]}
-    for k in range(1, 51):
-        if k not in (10, 12):
+    assert lineage_seqs(env.store, T, _h("62")) == set()
+    for k in range(1, 66):
+        if k not in (10, 12, 62):
             assert lineage_seqs(env.store, T, _h(str(k))) == before[k], k
     # The hash is nowhere in the store, hex or raw (SQLite: the file and its WAL).
     blob = _store_bytes(env)
     assert erased.encode() not in blob and bytes.fromhex(erased) not in blob
+    # Nor anything the holder of the lineage key computes from the erased key: its
+    # unsalted leaf, or its leaf under any salt still stored (SQLite: file and WAL).
+    with env.store.read() as conn:
+        stored = [bytes(r[0]) for r in conn.query("SELECT data FROM ledger_objects")]
+    assert len(_salts(stored)) > 50
+    attack = derivable(erased, stored)
+    for value in attack:
+        assert value not in blob
+    hexes = {v.decode() for v in attack[1::2]}  # (raw, hex) pairs
+    for data in stored:
+        assert not _entries_of(data) & hexes
     # Each object still verifies against its signed event; the erasure event names
     # the request, not the key or its hash.
     events = {json.loads(d)["seq"]: json.loads(d) for d in ledger.entries(T)}
@@ -98,15 +149,22 @@ def test_an_erased_key_is_gone_and_everything_else_still_verifies(
     for name, s in seqs.items():
         data = objects[refs[s]["digest"]]
         assert check_lineage_object(refs[s], data) is None
-        assert is_erased_object(data) == (name in ("a", "b"))
+        assert is_erased_object(data) == (name in ("a", "b", "old"))
+    # The format-1 object erased as before: only as unlinkable as it ever was (its
+    # unsalted leaf is still recomputable from the key by the lineage key's holder).
+    old = objects[refs[seqs["old"]]["digest"]]
+    assert b"proctor-lineage-erased/1" in old and lineage_leaf(_h("62")).hex().encode() in old
+    assert _h("61") in _entries_of(old) and _h("62") not in _entries_of(old)
     erasure = [e for e in events.values() if e["action"] == "erasure.request"]
-    assert [e["details"]["request_ref"] for e in erasure] == ["DSR-2026-0042", "DSR-2026-0043"]
+    assert [e["details"]["request_ref"] for e in erasure] == [
+        "DSR-2026-0042", "DSR-2026-0043", "DSR-2026-0044"]  # fmt: skip
     assert erased not in json.dumps(erasure)
     assert ledger.verify(T).size == ledger.head(T).size
     out = tmp_path / "export"
     ledger.export(T, out)
     exported = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
-    assert erased.encode() not in exported and bytes.fromhex(erased) not in exported
+    for value in attack:
+        assert value not in exported
 
     # An erased object altered (a leaf hash changed, or an erasure no event records) fails.
     ref_a, data_a = refs[seqs["a"]], objects[refs[seqs["a"]]["digest"]]

@@ -19,6 +19,7 @@ from proctor.governance import Retention, erase_key, record_key_hmac
 from proctor.ledger import Actor, EventDraft, lineage_object, lineage_seqs
 from proctor.lifecycle._serve import prune_all
 from tests.e2e.conftest_gov import build_gov
+from tests.integration.test_erasure import derivable
 
 
 def test_every_control_names_checks_that_exist() -> None:
@@ -83,4 +84,11 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
         assert title in md and title in html
     assert "retention/200d" in md
     assert erased.encode() not in everything and bytes.fromhex(erased) not in everything
+    # Nor its leaf, salted with any salt the pack or the store still holds.
+    with rt.store.read() as conn:
+        stored = [bytes(r[0]) for r in conn.query("SELECT data FROM ledger_objects")]
+    with zipfile.ZipFile(pack) as zf:
+        stored += [zf.read(n) for n in zf.namelist() if n.startswith("lineage/")]
+    for value in derivable(erased, stored):
+        assert value not in everything
     rt.close()

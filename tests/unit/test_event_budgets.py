@@ -14,10 +14,11 @@ from proctor.ledger import (
     canonical_json,
     check_lineage_object,
     clip,
-    leaf_hash,
     lineage_keys,
+    lineage_leaf,
     lineage_object,
     lineage_proof,
+    lineage_salt,
     verify_inclusion,
 )
 
@@ -56,8 +57,9 @@ def test_a_lineage_object_names_its_keys_and_proves_one_without_the_others() -> 
     assert ref["count"] == 1000 and ref["digest"] == obj.digest
     assert lineage_keys(obj.data) == keys and len(obj.keys) == 1000
     assert check_lineage_object(ref, obj.data) is None
-    index, path = lineage_proof(keys, keys[617])
-    verify_inclusion(index, 1000, leaf_hash(keys[617].encode()), path, bytes.fromhex(ref["root"]))
+    index, path = lineage_proof(obj.data, keys[617])
+    leaf = lineage_leaf(keys[617], lineage_salt(obj.data, keys[617]))
+    verify_inclusion(index, 1000, leaf, path, bytes.fromhex(ref["root"]))
     other, other_ref = lineage_object(keys[1:])
     assert "does not hash" in str(check_lineage_object(ref, other.data))
     # A well-formed object whose digest the reference was rewritten to: count and root.

@@ -30,10 +30,8 @@ from proctor.ledger import (
     EventDraft,
     Ledger,
     PrunePlan,
-    erased_entries,
-    is_erased_object,
     is_pruned_marker,
-    lineage_keys,
+    kept_keys,
     prune_draft,
     read_objects,
 )
@@ -438,10 +436,4 @@ def _chunks(chosen: list[tuple[int, str, bytes]]) -> list[list[tuple[int, str, b
 
 def _object_keys(data: bytes | None) -> list[str]:
     """The 32-hex keys a lineage object (plain or erased) still holds."""
-    if data is None:
-        return []
-    try:
-        entries = erased_entries(data)[0] if is_erased_object(data) else lineage_keys(data)
-    except ValueError:
-        return []
-    return [k for k in entries if len(k) == 32]
+    return kept_keys(data)

@@ -11,6 +11,12 @@ an inclusion proof that reveals none of the others.
 The object is written in the same transaction as its event (``Ledger``), with
 one index row per key (``ledger_lineage``) so that "which events read key K"
 is an index search, not a walk through every object.
+
+Format 2 (``proctor-lineage/2``) gives each key a random salt of its own, and the
+Merkle leaf is ``SHA-256(0x00 || salt || key)``: erasing a key replaces the pair by
+that leaf, and without the salt (destroyed with it) no one, the holder of the
+tenant's lineage key included, can compute the leaf from a candidate record key.
+Format 1 objects (unsalted leaves) already in a store keep verifying.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +37,9 @@ from proctor.ledger._merkle import (
 )
 from proctor.store import Conn, Store
 
-LINEAGE_FORMAT = "proctor-lineage/1"
+LINEAGE_FORMAT = "proctor-lineage/2"
+#: The unsalted format written before per-entry salts; read and verified, never written.
+LINEAGE_FORMAT_V1 = "proctor-lineage/1"
 #: A lineage key as the broker records it: the first 16 bytes of an HMAC, in hex.
 _KEY_RE = re.compile(r"^[0-9a-f]{32}$")
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -46,14 +55,33 @@ class LedgerObject:
     keys: tuple[bytes, ...] = ()
 
 
-def _root(keys: Sequence[str]) -> bytes:
-    """RFC 6962 MTH over the keys' ASCII bytes, level by level: pairing neighbours and
+def lineage_leaf(key: str, salt: str | None = None) -> bytes:
+    """The RFC 6962 leaf of ``key`` in a lineage object: ``SHA-256(0x00 || salt ||
+    key)`` with the salt's 16 raw bytes and the key's 32 ASCII hex digits (format 2),
+    or ``SHA-256(0x00 || key)`` without a salt (format 1)."""
+    prefix = bytes.fromhex(salt) if salt is not None else b""
+    return leaf_hash(prefix + key.encode("ascii"))
+
+
+def _root(keys: Sequence[str], salts: Sequence[str] | None = None) -> bytes:
+    """RFC 6962 MTH over the keys' leaves, level by level: pairing neighbours and
     carrying an odd last node up unchanged gives the same root as MTH's split at the
     largest power of two, without a call per node."""
     if not keys:
         return EMPTY_ROOT
     sha = hashlib.sha256
-    level = [sha(b"\x00" + k.encode("ascii")).digest() for k in keys]
+    if salts is None:
+        level = [sha(b"\x00" + k.encode("ascii")).digest() for k in keys]
+    else:
+        level = [
+            sha(b"\x00" + bytes.fromhex(s) + k.encode("ascii")).digest()
+            for k, s in zip(keys, salts, strict=True)
+        ]
+    return _fold(level)
+
+
+def _fold(level: list[bytes]) -> bytes:
+    sha = hashlib.sha256
     while len(level) > 1:
         nxt = [sha(b"\x01" + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)]
         if len(level) % 2:
@@ -62,10 +90,14 @@ def _root(keys: Sequence[str]) -> bytes:
     return level[0]
 
 
-def _encode(keys: Sequence[str]) -> bytes:
-    # Canonical JSON (RFC 8785) of {"format": ..., "keys": [...]}: the keys are
-    # lowercase hex, so no escaping, and "format" sorts before "keys".
-    inner = '"' + '","'.join(keys) + '"' if keys else ""
+def _encode(keys: Sequence[str], salts: Sequence[str] | None = None) -> bytes:
+    # Canonical JSON (RFC 8785) of {"format": ..., "keys": [...]}: the keys and salts
+    # are lowercase hex, so no escaping, and "format" sorts before "keys". Format 2's
+    # entries are [key, salt] pairs, format 1's bare keys.
+    if salts is None:
+        inner = '"' + '","'.join(keys) + '"' if keys else ""
+        return f'{{"format":"{LINEAGE_FORMAT_V1}","keys":[{inner}]}}'.encode()
+    inner = ",".join(f'["{k}","{s}"]' for k, s in zip(keys, salts, strict=True))
     return f'{{"format":"{LINEAGE_FORMAT}","keys":[{inner}]}}'.encode()
 
 
@@ -79,30 +111,67 @@ def _raw(key: str) -> bytes:
     return raw
 
 
-def lineage_object(hmacs: Iterable[str]) -> tuple[LedgerObject, dict[str, Any]]:
-    """The object holding ``hmacs`` (deduplicated, sorted) and the reference the
-    event carries: ``{"digest", "count", "root"}``."""
+def lineage_object(
+    hmacs: Iterable[str], *, salted: bool = True
+) -> tuple[LedgerObject, dict[str, Any]]:
+    """The object holding ``hmacs`` (deduplicated, sorted), each with a fresh random
+    salt (format 2; ``salted=False`` writes format 1, for tests of old logs only), and
+    the reference the event carries: ``{"digest", "count", "root"}``. Two reads of the
+    same rows get two objects: a salt shared between them would outlive an erasure in
+    whichever object was not rewritten."""
     keys = sorted(set(hmacs))
     raws = tuple(_raw(k) for k in keys)
-    data = _encode(keys)
+    salts = [secrets.token_hex(16) for _ in keys] if salted else None
+    data = _encode(keys, salts)
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    ref = {"digest": digest, "count": len(keys), "root": _root(keys).hex()}
+    ref = {"digest": digest, "count": len(keys), "root": _root(keys, salts).hex()}
     return LedgerObject(digest, data, raws), ref
 
 
-def lineage_keys(data: bytes) -> list[str]:
-    """The keys of a lineage object; ValueError if the bytes are not one."""
+def _entries(data: bytes) -> tuple[list[str], list[str] | None]:
+    """The keys of a plain lineage object and, for format 2, their salts."""
     doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != LINEAGE_FORMAT:
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if fmt not in (LINEAGE_FORMAT, LINEAGE_FORMAT_V1):
         raise ValueError("not a lineage object")
-    keys = doc.get("keys")
-    if not isinstance(keys, list) or not all(isinstance(k, str) and _KEY_RE.match(k) for k in keys):
-        raise ValueError("a lineage object's keys must be 32 hex digits each")
+    items = doc.get("keys")
+    if not isinstance(items, list):
+        raise ValueError("a lineage object's keys must be a list")
+    salts: list[str] | None = None
+    if fmt == LINEAGE_FORMAT:
+        if not all(
+            isinstance(p, list)
+            and len(p) == 2
+            and all(isinstance(x, str) and _KEY_RE.match(x) for x in p)
+            for p in items
+        ):
+            raise ValueError("a lineage object's entries must be [key, salt], 32 hex digits each")
+        keys = [str(p[0]) for p in items]
+        salts = [str(p[1]) for p in items]
+    else:
+        if not all(isinstance(k, str) and _KEY_RE.match(k) for k in items):
+            raise ValueError("a lineage object's keys must be 32 hex digits each")
+        keys = [str(k) for k in items]
     if keys != sorted(set(keys)):
         raise ValueError("a lineage object's keys must be sorted and distinct")
-    if _encode(keys) != data:
+    if _encode(keys, salts) != data:
         raise ValueError("a lineage object must be canonical JSON")
-    return keys
+    return keys, salts
+
+
+def lineage_keys(data: bytes) -> list[str]:
+    """The keys of a lineage object (format 1 or 2); ValueError if the bytes are not
+    one."""
+    return _entries(data)[0]
+
+
+def lineage_salt(data: bytes, key: str) -> str | None:
+    """The salt of ``key`` in the lineage object ``data`` (None for format 1): what a
+    proof of that one key reveals, beside its path. ValueError if the object does not
+    hold ``key``."""
+    keys, salts = _entries(data)
+    at = keys.index(key)
+    return None if salts is None else salts[at]
 
 
 def check_lineage_object(ref: Mapping[str, Any], data: bytes | None) -> str | None:
@@ -119,22 +188,30 @@ def check_lineage_object(ref: Mapping[str, Any], data: bytes | None) -> str | No
     if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
         return f"lineage object {digest} does not hash to its digest (altered)"
     try:
-        keys = lineage_keys(data)
+        keys, salts = _entries(data)
     except ValueError as exc:
         return f"lineage object {digest}: {exc}"
     if ref.get("count") != len(keys):
         return f"lineage object {digest} holds {len(keys)} keys, the event says {ref.get('count')}"
-    if ref.get("root") != _root(keys).hex():
+    if ref.get("root") != _root(keys, salts).hex():
         return f"lineage object {digest}: the Merkle root of its keys differs from the event's"
     return None
 
 
-def lineage_proof(keys: Sequence[str], key: str) -> tuple[int, list[bytes]]:
-    """An RFC 6962 inclusion proof of ``key`` among the sorted ``keys``: (index,
-    path), checked with ``verify_inclusion(root, index, len(keys), leaf, path)``
-    where ``leaf`` is ``leaf_hash(key.encode())``. Reveals no other key."""
-    index = list(keys).index(key)
-    leaves = [leaf_hash(k.encode("ascii")) for k in keys]
+def lineage_proof(source: bytes | Sequence[str], key: str) -> tuple[int, list[bytes]]:
+    """An RFC 6962 inclusion proof of ``key`` in a lineage object (its bytes; or, for
+    format 1, its sorted keys): (index, path), checked with ``verify_inclusion(index,
+    count, lineage_leaf(key, lineage_salt(data, key)), path, root)``. Reveals no other
+    key, nor any other salt."""
+    if isinstance(source, bytes):
+        keys, salts = _entries(source)
+    else:
+        keys, salts = list(source), None
+    index = keys.index(key)
+    if salts is None:
+        leaves = [lineage_leaf(k) for k in keys]
+    else:
+        leaves = [lineage_leaf(k, s) for k, s in zip(keys, salts, strict=True)]
 
     def mth(start: int, end: int) -> bytes:
         if end - start == 1:
@@ -208,27 +285,52 @@ def read_objects(store: Store, log: str, digests: Iterable[str]) -> dict[str, by
 
 # -- erasure of one data subject (issue 20) ----------------------------------------
 
-ERASED_FORMAT = "proctor-lineage-erased/1"
+ERASED_FORMAT_V1 = "proctor-lineage-erased/1"
+#: An erased format-2 object: kept entries are [key, salt], erased ones their leaf.
+ERASED_FORMAT = "proctor-lineage-erased/2"
 _LEAF_RE = re.compile(r"^[0-9a-f]{64}$")
+#: An entry of an erased object: a kept key (format 1), a kept [key, salt] pair
+#: (format 2), or the 64-hex leaf hash of an erased one.
+LineageEntry = str | tuple[str, str]
 
 
 def erase_from_object(data: bytes, key: str, erasure: str) -> bytes | None:
-    """``data`` (a lineage object, plain or already erased) with ``key`` replaced by
-    its RFC 6962 leaf hash, at its place, and ``erasure`` (the erasure's id) noted;
-    None if the object does not hold ``key``. The count and the Merkle root the
-    event signed stay what they were; the key itself is gone."""
-    doc = json.loads(data)
-    if doc.get("format") == LINEAGE_FORMAT:
-        entries, erasures = list(lineage_keys(data)), list[str]()
-    else:
+    """``data`` (a lineage object, plain or already erased) with ``key`` (and, in
+    format 2, its salt) replaced by its RFC 6962 leaf hash, at its place, and
+    ``erasure`` (the erasure's id) noted; None if the object does not hold ``key``.
+    The count and the Merkle root the event signed stay what they were; the key and
+    its salt are gone, so the leaf cannot be computed again from a candidate key."""
+    entries: list[LineageEntry]
+    if is_erased_object(data):
         entries, erasures = erased_entries(data)
-    if key not in entries:
+        salted = json.loads(data).get("format") == ERASED_FORMAT
+    else:
+        keys, salts = _entries(data)
+        salted = salts is not None
+        entries = list(keys) if salts is None else list(zip(keys, salts, strict=True))
+        erasures = []
+    at = next((i for i, e in enumerate(entries) if _entry_key(e) == key), None)
+    if at is None:
         return None
-    at = entries.index(key)
-    entries[at] = leaf_hash(key.encode("ascii")).hex()
-    return canonical_json_bytes(
-        {"erasures": [*erasures, erasure], "format": ERASED_FORMAT, "keys": entries}
-    )
+    entry = entries[at]
+    entries[at] = _entry_leaf(entry).hex()
+    return canonical_json_bytes({
+        "erasures": [*erasures, erasure],
+        "format": ERASED_FORMAT if salted else ERASED_FORMAT_V1,
+        "keys": [list(e) if isinstance(e, tuple) else e for e in entries],
+    })  # fmt: skip
+
+
+def _entry_key(entry: LineageEntry) -> str | None:
+    if isinstance(entry, tuple):
+        return entry[0]
+    return entry if len(entry) == 32 else None
+
+
+def _entry_leaf(entry: LineageEntry) -> bytes:
+    if isinstance(entry, tuple):
+        return lineage_leaf(entry[0], entry[1])
+    return bytes.fromhex(entry) if len(entry) == 64 else lineage_leaf(entry)
 
 
 def canonical_json_bytes(doc: Mapping[str, Any]) -> bytes:
@@ -236,17 +338,32 @@ def canonical_json_bytes(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def erased_entries(data: bytes) -> tuple[list[str], list[str]]:
-    """An erased object's entries (kept keys, and leaf hashes where keys were erased)
-    and the ids of the erasures that made it; ValueError if it is not one."""
+def erased_entries(data: bytes) -> tuple[list[LineageEntry], list[str]]:
+    """An erased object's entries (kept keys, or [key, salt] pairs in format 2, and
+    leaf hashes where keys were erased) and the ids of the erasures that made it;
+    ValueError if it is not one."""
     doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != ERASED_FORMAT:
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if fmt not in (ERASED_FORMAT, ERASED_FORMAT_V1):
         raise ValueError("not an erased lineage object")
-    entries, erasures = doc.get("keys"), doc.get("erasures")
-    if not isinstance(entries, list) or not all(
-        isinstance(k, str) and (_KEY_RE.match(k) or _LEAF_RE.match(k)) for k in entries
-    ):
+    items, erasures = doc.get("keys"), doc.get("erasures")
+    if not isinstance(items, list):
         raise ValueError("an erased lineage object's entries are keys or leaf hashes")
+    entries: list[LineageEntry] = []
+    for item in items:
+        # A bare key is format 1's kept entry; format 2 keeps [key, salt] pairs.
+        bare = _KEY_RE if fmt == ERASED_FORMAT_V1 else _LEAF_RE
+        if isinstance(item, str) and (_LEAF_RE.match(item) or bare.match(item)):
+            entries.append(item)
+        elif (
+            fmt == ERASED_FORMAT
+            and isinstance(item, list)
+            and len(item) == 2
+            and all(isinstance(x, str) and _KEY_RE.match(x) for x in item)
+        ):
+            entries.append((str(item[0]), str(item[1])))
+        else:
+            raise ValueError("an erased lineage object's entries are keys or leaf hashes")
     if (
         not isinstance(erasures, list)
         or not erasures
@@ -255,21 +372,29 @@ def erased_entries(data: bytes) -> tuple[list[str], list[str]]:
         raise ValueError("an erased lineage object names the erasures that made it")
     if canonical_json_bytes(doc) != data:
         raise ValueError("an erased lineage object must be canonical JSON")
-    return [str(k) for k in entries], [str(e) for e in erasures]
+    return entries, [str(e) for e in erasures]
 
 
-def erased_root(entries: Sequence[str]) -> bytes:
-    """The RFC 6962 root over an erased object's entries: a key hashes to its leaf, a
-    leaf hash is taken as it is, so the root is the one the event signed."""
+def kept_keys(data: bytes | None) -> list[str]:
+    """The keys a lineage object (plain or erased, any format) still holds; none if
+    the bytes are not one."""
+    if data is None:
+        return []
+    try:
+        if is_erased_object(data):
+            return [k for k in map(_entry_key, erased_entries(data)[0]) if k is not None]
+        return lineage_keys(data)
+    except ValueError:
+        return []
+
+
+def erased_root(entries: Sequence[LineageEntry]) -> bytes:
+    """The RFC 6962 root over an erased object's entries: a key (or [key, salt]) hashes
+    to its leaf, a leaf hash is taken as it is, so the root is the one the event
+    signed."""
     if not entries:
         return EMPTY_ROOT
-    level = [bytes.fromhex(k) if len(k) == 64 else leaf_hash(k.encode("ascii")) for k in entries]
-    while len(level) > 1:
-        nxt = [node_hash(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level = nxt
-    return level[0]
+    return _fold([_entry_leaf(e) for e in entries])
 
 
 def check_erased_object(
@@ -301,4 +426,4 @@ def check_erased_object(
 
 
 def is_erased_object(data: bytes | None) -> bool:
-    return data is not None and b'"format":"' + ERASED_FORMAT.encode() + b'"' in data
+    return data is not None and b'"format":"proctor-lineage-erased/' in data
