@@ -4,10 +4,12 @@ A SQL read's event carries a reference to a lineage object (count, Merkle root a
 digest of the sorted keyed hashes of the rows it returned); a key index row per
 hash finds the events that read a key. Erasing key K of dataset D:
 
-- in every lineage object of an event of D that holds HMAC(K), the hash is replaced
-  by its RFC 6962 leaf hash at its place (``ledger.erase_from_object``): the count
-  and the Merkle root the signed event carries still verify, the hash itself is gone
-  and cannot be computed back from the leaf hash;
+- in every lineage object of an event of D that holds HMAC(K), its entry (the hash
+  and, in format 2, its random salt) is replaced by its RFC 6962 leaf hash at its
+  place (``ledger.erase_from_object``): the count and the Merkle root the signed
+  event carries still verify; without the salt, gone with the entry, the leaf
+  cannot be computed again from a candidate key even with the tenant's lineage key
+  (format-1 objects, written before salts, keep an unsalted leaf that can);
 - the key index rows of HMAC(K) for those events are deleted, so ``proctor lineage``
   finds nothing for K;
 - on SQLite the old bytes are overwritten (``secure_delete`` for the transaction)
