@@ -355,19 +355,25 @@ def test_idle_connections_of_one_run_are_bounded_refused_and_counted(two: TwoTen
         loaded = [timed(_victim_call, two) for _ in range(SAMPLES)]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # The holder keeps its connections until every one over the bound is refused: one
+    # the broker could not accept yet (out of descriptors, asyncio retries a second
+    # later) would otherwise be accepted under the bound once the held ones closed,
+    # and not counted (CI failed so on a loaded machine: 280 of 336).
+    expected = 400 - two.broker.max_connections_per_run
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # one summary per second of refusals
+            refused = two.events("mallory", "broker.connections.refused")
+            total = sum(e["details"]["refused"] for e in refused)
+            if total >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
         holder.communicate(timeout=30)
     print(
         f"victim idle {idle * 1e3:.1f} ms, beside 400 idle connections {p50(loaded) * 1e3:.1f} ms"
     )
     assert p50(loaded) < RATIO * idle, (idle, loaded)
-    expected = 400 - two.broker.max_connections_per_run
-    deadline = time.monotonic() + 10
-    while True:  # one summary per second of refusals
-        refused = two.events("mallory", "broker.connections.refused")
-        total = sum(e["details"]["refused"] for e in refused)
-        if total >= expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
     assert total == expected, refused
     # A summary per second of refusals, not an event per connection.
     assert len(refused) <= time.monotonic() - started + 2, refused

@@ -196,8 +196,14 @@ class RunStanding:
     stopped: Callable[[], bool] | None = None
 
     def __call__(self, conn: Conn) -> str | None:
-        if self.stopped is not None and self.stopped():
+        # The record's cause first: a watcher that saw a stopped deployment also asks
+        # the run to stop, and the refusal should name the stop, not the asking.
+        why = self._recorded(conn)
+        if why is None and self.stopped is not None and self.stopped():
             return "the run was asked to stop"
+        return why
+
+    def _recorded(self, conn: Conn) -> str | None:
         row = conn.query_one(
             "SELECT (SELECT status FROM tenants WHERE name = ?),"
             " (SELECT status FROM deployments WHERE tenant = ? AND name = ?"
