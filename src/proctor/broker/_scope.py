@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import math
 import time
@@ -34,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from proctor.errors import LedgerError, ProctorError, UsageError
-from proctor.ledger import Actor, Appended, EventDraft, Ledger, LedgerObject, bound_details, clip
+from proctor.ledger import (
+    Actor,
+    Appended,
+    EventDraft,
+    Ledger,
+    LedgerObject,
+    bound_details,
+    clip,
+    keyed_hash,
+)
 from proctor.policy import (
     CompiledPolicies,
     Decision,
@@ -498,9 +505,4 @@ class RunScope:
         """Keyed hashes of row keys (HMAC-SHA256 with the tenant's lineage key, first
         16 bytes, sorted): "which runs read customer 42?" is answered later by
         hashing 42 the same way, while the ledger never holds customer identifiers."""
-        return sorted(
-            {
-                hmac.new(self.lineage_key, key.encode(), hashlib.sha256).hexdigest()[:32]
-                for key in keys
-            }
-        )
+        return sorted({keyed_hash(self.lineage_key, key) for key in keys})

@@ -3,34 +3,17 @@ production runs, the subprocessor annex, the records of processing."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import random
 from typing import Any
 
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
-from proctor.governance import Home, Runs, Subprocessors, covers
-from proctor.ledger import lineage_seqs
+from proctor.governance import Home, Runs, Subprocessors, covers, record_key_hmac
+from proctor.ledger import keyed_hash, lineage_seqs
 
-
-def key_hmac(lineage_key: bytes, key: str) -> str:
-    """What the broker records for row key ``key`` (see ``RunScope.key_hmacs``)."""
-    return hmac.new(lineage_key, key.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def key_text(value: str) -> str:
-    """A key given on the command line as the broker spells it: an integer key
-    ``42`` is the text ``42``; a JSON array stands for a composite key."""
-    text = value.strip()
-    if text.startswith("["):
-        try:
-            parts = json.loads(text)
-        except ValueError as exc:
-            raise UsageError(f"--key {value!r}: not a JSON array") from exc
-        return json.dumps(parts, separators=(",", ":"))
-    return text
+#: What the broker records for row key ``key`` (see ``RunScope.key_hmacs``).
+key_hmac = keyed_hash
 
 
 def _runs_index(rt: Home, tenant: str) -> dict[str, dict[str, Any]]:
@@ -41,7 +24,7 @@ def lineage(rt: Home, tenant: str, dataset: str, key: str) -> dict[str, Any]:
     """Every run that read the record ``key`` of ``dataset`` (row-level lineage), and
     every run that wrote to or read the dataset where rows were not recorded."""
     rt.tenants.get(tenant)
-    wanted = key_hmac(rt.keys.lineage_key(tenant), key_text(key))
+    wanted = record_key_hmac(rt.keys.lineage_key(tenant), key)
     needle = wanted.encode()
     # Events since lineage objects name their rows through the key index; older
     # events (before store migration 9) listed the hashes inline, found by the scan.

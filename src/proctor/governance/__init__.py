@@ -47,6 +47,7 @@ from proctor.governance._environments import Bindings, bindings, environment_for
 from proctor.governance._erasure import (
     ErasureResult,
     erase_key,
+    key_text,
     record_key_hmac,
     unbacked_erasures,
 )
@@ -183,6 +184,7 @@ __all__ = [
     "environment_forbid",
     "erase_key",
     "key_problem",
+    "key_text",
     "list_object_files",
     "load_manifest",
     "parse_manifest",

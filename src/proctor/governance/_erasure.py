@@ -21,8 +21,6 @@ hash finds the events that read a key. Erasing key K of dataset D:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
 import secrets
@@ -41,6 +39,7 @@ from proctor.ledger import (
     erased_entries,
     is_erased_object,
     is_pruned_marker,
+    keyed_hash,
     lineage_seqs,
     read_objects,
 )
@@ -72,18 +71,24 @@ class ErasureResult:
         }
 
 
-def record_key_hmac(lineage_key: bytes, key: str) -> str:
-    """The keyed hash the broker records for row key ``key`` as given on a command
-    line (``42``; a JSON array for a composite key): what ``proctor lineage`` looks up
-    (``evidence.key_hmac`` of ``key_text``), so an erasure finds what lineage finds."""
-    text = key.strip()
+def key_text(value: str) -> str:
+    """A key given by a person as the broker spells it: an integer key ``42`` is the
+    text ``42``; a JSON array stands for a composite key."""
+    text = value.strip()
     if text.startswith("["):
         try:
             parts = json.loads(text)
         except ValueError as exc:
-            raise UsageError(f"--key {key!r}: not a JSON array") from exc
-        text = json.dumps(parts, separators=(",", ":"))
-    return hmac.new(lineage_key, text.encode(), hashlib.sha256).hexdigest()[:32]
+            raise UsageError(f"--key {value!r}: not a JSON array") from exc
+        return json.dumps(parts, separators=(",", ":"))
+    return text
+
+
+def record_key_hmac(lineage_key: bytes, key: str) -> str:
+    """The keyed hash the broker records for row key ``key`` as given on a command
+    line (``42``; a JSON array for a composite key): what ``proctor lineage`` looks up,
+    so an erasure finds what lineage finds."""
+    return keyed_hash(lineage_key, key_text(key))
 
 
 def erase_key(

@@ -22,6 +22,7 @@ Format 1 objects (unsalted leaves) already in a store keep verifying.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -109,6 +110,13 @@ def _raw(key: str) -> bytes:
     if len(raw) != 16 or raw.hex() != key:
         raise ValueError(f"not a lineage key: {str(key)[:40]!r}")
     return raw
+
+
+def keyed_hash(lineage_key: bytes, key: str) -> str:
+    """A row key's keyed hash, as lineage records it: HMAC-SHA256 under the tenant's
+    lineage key, its first 16 bytes in hex. The broker hashes the keys a read
+    returned, ``proctor lineage`` and ``proctor erase`` a key given by a person."""
+    return hmac.new(lineage_key, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def lineage_object(
