@@ -231,7 +231,8 @@ def copy_home(template: Path, to: Path) -> Path:
     of process start and key generation; a copy of its result costs milliseconds."""
     shutil.copytree(template, to, symlinks=True)
     config = to / "config.json"
-    # The store URL is the only absolute path in a home.
+    # Homes keep their store path relative; the replace is for a template that
+    # holds an absolute one (tests that rewrite it so).
     config.write_text(config.read_text().replace(str(template), str(to)))
     return to
 

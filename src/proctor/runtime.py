@@ -2,7 +2,9 @@
 
 A home directory holds ``config.json`` (written last by ``init``: its presence
 means the home is complete), ``proctor.db`` (the SQLite store) and
-``keys/ledger.pem`` (the Ed25519 checkpoint key, mode 0600).
+``keys/ledger.pem`` (the Ed25519 checkpoint key, mode 0600). Every path in
+``config.json`` that lies inside the home is relative to it, so a copied home
+opens its own store and a moved one keeps working (:func:`store_url`).
 
 Opening a home also closes the record of runs whose owning process died on
 this host (a ``proctor run`` killed with SIGKILL, a crashed server): they are
@@ -50,6 +52,7 @@ log = logging.getLogger("proctor.runtime")
 DEFAULT_TRUST_DOMAIN = "proctor.local"
 _TRUST_DOMAIN_RE = re.compile(r"^[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?$")
 _CONFIG = "config.json"
+_HOME_DB = "proctor.db"
 
 
 def local_operator_id() -> str:
@@ -149,10 +152,9 @@ def init_home(
     signer.save(key_path)
     KeyRing.load_or_create(home / "keys" / "runtime.key")
     operator = local_operator_id()
-    config = Config(
-        trust_domain, store or f"sqlite:///{home / 'proctor.db'}", "keys/ledger.pem", operator
-    )
-    opened = open_store(config.store, create=True)
+    # Relative to the home (SQLAlchemy's spelling: three slashes, then a relative path).
+    config = Config(trust_domain, store or f"sqlite:///{_HOME_DB}", "keys/ledger.pem", operator)
+    opened = open_store(store_url(home, config), create=True)
     ledger = Ledger(opened, signer, trust_domain)
     try:
         ledger.create_log(
@@ -191,6 +193,48 @@ def load_config(home: Path) -> Config:
         raise NotInitialized(f"the configuration {path} is unreadable: {exc}") from exc
 
 
+def _sqlite_path(url: str) -> Path | None:
+    if url.startswith(("postgresql://", "postgres://")):
+        return None
+    return Path(url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else url)
+
+
+def store_url(home: Path, config: Config) -> str:
+    """What ``open_store`` opens for this home.
+
+    A relative SQLite path is the home's own file. Homes made before paths were
+    kept relative hold the absolute path of the home ``init`` made: when that is
+    another directory's ``proctor.db`` and this home has its own, the home was
+    copied or moved, and its own file is its store (``cp -a`` once made the copy
+    append to the original's ledger). Anything else (PostgreSQL, a file placed
+    elsewhere by hand) is opened as written, and :func:`store_outside` names it.
+    """
+    path = _sqlite_path(config.store)
+    if path is None:
+        return config.store
+    if not path.is_absolute():
+        return f"sqlite:///{home.absolute() / path}"
+    own = home.absolute() / _HOME_DB
+    if path.name == _HOME_DB and path.parent != own.parent and own.exists():
+        return f"sqlite:///{own}"
+    return f"sqlite:///{path}"
+
+
+def store_outside(home: Path, url: str) -> str | None:
+    """The store named for people (a DSN without its password) when it lies
+    outside the home, else None."""
+    path = _sqlite_path(url)
+    if path is None:
+        from proctor.store import redact
+
+        return redact(url)
+    try:
+        path.resolve().relative_to(home.resolve())
+    except ValueError:
+        return str(path)
+    return None
+
+
 def _locate_dataset(where: Path | str) -> tuple[str, str]:
     # The broker (and psycopg behind it) loads only when a dataset is registered.
     from proctor.broker import locate_dataset
@@ -226,14 +270,25 @@ class Runtime:
         self.subprocessors = Subprocessors(store, self.ledger)
         self.egress = EgressRanges(store, self.ledger)
         self._broker_root: Path | None = None
+        #: The store, named for people, when it lies outside the home: every error a
+        #: command meets through this runtime names it (``__exit__``).
+        self.store_outside: str | None = None
 
     @classmethod
     def open(cls, home: Path | None = None) -> Runtime:
         home = home or default_home()
         config = load_config(home)
         signer = Signer.load(config.trust_domain, home / config.key)
-        store = open_store(config.store)
+        url = store_url(home, config)
+        outside = store_outside(home, url)
+        try:
+            store = open_store(url)
+        except ProctorError as exc:
+            if outside is not None:
+                _name_store(exc, outside)
+            raise
         rt = cls(home, config, store, signer)
+        rt.store_outside = outside
         try:
             rt.close_orphaned_runs()
         except (ProctorError, OSError) as exc:
@@ -400,4 +455,14 @@ class Runtime:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if isinstance(exc, ProctorError) and self.store_outside is not None:
+            _name_store(exc, self.store_outside)
         self.close()
+
+
+def _name_store(exc: ProctorError, store: str) -> None:
+    # Which database a command read or wrote is not obvious when it is not the
+    # home's own file; the person reading the error needs it.
+    note = f"this home's store is {store}, outside the home"
+    if exc.hint is None or note not in exc.hint:
+        exc.hint = note if exc.hint is None else f"{exc.hint}; {note}"
