@@ -385,7 +385,9 @@ def test_opening_the_home_drops_the_logins_of_a_dead_owners_run(pg: PgEnv, home:
         rt.resources.add_dataset(TENANT, "crm", pg.dsn, rt.operator)
         run_id = "r-dead-owner"
         login = run_login_role(TENANT, run_id, "crm")
-        create_run_login(pg.dsn, deployment_role(TENANT, DEPLOYMENT, "crm"), login)
+        create_run_login(
+            pg.dsn, deployment_role(TENANT, DEPLOYMENT, "crm"), login, allow=lambda t, c: True
+        )
         with rt.store.write() as conn:
             conn.execute(
                 "INSERT INTO runs (id, tenant, deployment, version, digest, environment,"

@@ -81,7 +81,7 @@ def pg(pg_server: PostgresServer, ledger_env: LedgerEnv, tmp_path: Any) -> Itera
     tables = default_caps()["datasets"]["crm"]["tables"]
     role = grant_deployment_role(dsn, TENANT, DEPLOYMENT, "crm", tables)
     login = run_login_role(TENANT, "direct", "crm")
-    password = create_run_login(dsn, role, login)
+    password = create_run_login(dsn, role, login, allow=lambda table, column: True)
     scope = make_scope(ledger_env, tmp_path / "unused.db")
     scope = replace(scope, datasets={"crm": DatasetBinding("crm", "postgresql", dsn)})
     yield PgEnv(ledger_env, dsn, scope, role, login, password)

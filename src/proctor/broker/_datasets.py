@@ -336,6 +336,26 @@ def decide_tables(
     return grants
 
 
+def column_permitted(
+    scope: RunScope, dataset: str, binding: DatasetBinding, table: str, column: str
+) -> bool:
+    """Whether the run's Cedar set permits reading ``column`` of ``table`` on its own:
+    the question a call naming only that column asks, in the run's context. What
+    an engine grants the run itself (PostgreSQL: its login's column grants) is the
+    approved columns this answers yes for; a call still asks for all it reads."""
+    try:
+        ref, entities = _table_entities(scope, dataset, binding, table)
+    except PolicyError:
+        return False
+    context: dict[str, CedarValue] = {
+        "dataset": dataset,
+        "columns": [column],
+        "row_limit": scope.row_limit,
+    }
+    request = Request(scope.principal, "sql.select", ref, context)
+    return decide(scope.policies, request, entities).allowed
+
+
 def _table_entities(
     scope: RunScope, dataset: str, binding: DatasetBinding, table: str
 ) -> tuple[EntityRef, EntitySet]:

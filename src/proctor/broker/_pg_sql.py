@@ -7,12 +7,18 @@ grant on the dataset's tables). Two kinds of role, both created here:
   whose privileges are exactly the approved capabilities: ``USAGE`` on the
   tables' schemas and column-level ``SELECT (c1, c2, ...)`` on each approved
   table, nothing else. :func:`grant_deployment_role` resets it to the approved
-  manifest at every run start; :func:`revoke_deployment_role` drops it (and the
-  logins of its live runs) on undeploy;
-* per run and dataset, a *login* role (``proctor_run_...``), member of the
-  group, created at the run's first statement with a random password that
-  only this process's memory holds (sent to the server as a SCRAM verifier, so
-  not even the server's statement log has it) and dropped when the run ends,
+  manifest at every run start (and takes from live runs' logins what it no
+  longer holds); :func:`revoke_deployment_role` drops it (and the logins of its
+  live runs) on undeploy. Nothing logs in as it or is a member of it: it is the
+  approved manifest, written where the database keeps grants;
+* per run and dataset, a *login* role (``proctor_run_...``), created at the
+  run's first statement and granted directly the group's columns that the
+  run's own Cedar set permits, asked per table and column in the run's context
+  (:func:`create_run_login`): a column or table Cedar forbids is one PostgreSQL
+  itself refuses, whatever the statement's shape (a subquery, a CTE, a set
+  operation, a whole-row value). Its random password only this process's
+  memory holds (sent to the server as a SCRAM verifier, so
+  not even the server's statement log has it); it is dropped when the run ends,
   whichever way it ends (:meth:`PostgresConnector.release`; the runtime's sweep
   of dead owners' runs calls :func:`drop_run_login` too). A role per run, not
   per deployment: two runs of one deployment overlap, and a login shared by
@@ -26,17 +32,18 @@ A guest statement then goes:
    their arguments: no SQL run by a function, no cluster state, no catalog
    lookup by a ``reg*`` cast) and names no catalog. Refusals are recorded;
 1. onto a connection that logs in *as the run's login role*, in a
-   ``READ ONLY`` transaction with ``SET LOCAL statement_timeout`` and
-   ``SET LOCAL ROLE`` (the group). Logging in as the role (not only ``SET
-   ROLE`` from the runtime's account) matters: PostgreSQL checks ``SET ROLE``
-   and ``set_config('role', ...)`` against the *session* user;
+   ``READ ONLY`` transaction with ``SET LOCAL statement_timeout``. Logging in
+   as the role (not only ``SET ROLE`` from the runtime's account) matters:
+   PostgreSQL checks ``SET ROLE`` and ``set_config('role', ...)`` against the
+   *session* user, and the login is a member of no role;
 2. ``EXPLAIN (VERBOSE, FORMAT JSON)`` of the statement, as the role: the plan
    names every base table and the columns each scan outputs or filters on.
    The database refuses here already if the statement touches a column
    outside the grant (that refusal is recorded too). A plan that scans a
    catalog or a function outside the allowlist is refused;
 3. Cedar decides per table (``sql.select``, the set of columns), exactly as
-   for SQLite datasets; one deny denies the statement, recorded first;
+   for SQLite datasets (for what only a call has: the set of columns together,
+   and the record); one deny denies the statement, recorded first;
 4. the statement runs (``row_limit + 1`` fetched) and the transaction is
    rolled back (nothing to keep: it was read-only);
 5. the result event (tables, columns, row count, keyed hashes of the returned
@@ -88,6 +95,7 @@ from proctor.broker._datasets import (
     Statement,
     TimedOut,
     answer,
+    column_permitted,
 )
 from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant
@@ -168,18 +176,15 @@ def grant_deployment_role(
                         pgsql.Identifier(schema), ident
                     )
                 )
-            for table, grant in sorted(tables.items()):
-                columns = sorted({str(c) for c in grant.get("columns", ())})
-                if not columns:
-                    continue
-                schema, name = _split_table(table)
-                conn.execute(
-                    pgsql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(
-                        pgsql.SQL(", ").join(pgsql.Identifier(c) for c in columns),
-                        pgsql.Identifier(schema, name),
-                        ident,
-                    )
-                )
+            _grant_columns(
+                conn,
+                role,
+                {
+                    _split_table(t): sorted({str(c) for c in g.get("columns", ())})
+                    for t, g in tables.items()
+                },
+            )
+            _narrow_logins(conn, role)
     except psycopg.Error as exc:
         raise DatasetRoleError(
             f"cannot grant deployment {deployment!r} its columns on dataset {dataset!r} "
@@ -217,15 +222,11 @@ def revoke_deployment_role(dsn: str, tenant: str, deployment: str, dataset: str)
     role = deployment_role(tenant, deployment, dataset)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT m.rolname FROM pg_roles g JOIN pg_auth_members a ON a.roleid = g.oid"
-                " JOIN pg_roles m ON m.oid = a.member WHERE g.rolname = %s",
-                (role,),
-            ).fetchall()
+            logins = _run_logins(conn, role)
             exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
             if exists is None:
                 return False
-            _drop_logins(conn, [str(r[0]) for r in rows if str(r[0]).startswith(_LOGIN_PREFIX)])
+            _drop_logins(conn, logins)
             with conn.transaction():
                 _revoke_all(conn, role)
                 conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
@@ -237,10 +238,64 @@ def revoke_deployment_role(dsn: str, tenant: str, deployment: str, dataset: str)
     return True
 
 
-def create_run_login(dsn: str, group: str, role: str) -> str:
-    """Create the login role ``role``, a member of ``group``, with a fresh random
-    password; return the password (the caller's memory is the only place it is
-    kept). The server receives a SCRAM verifier, never the password itself."""
+#: What a run's login carries so that undeploy finds it: it is no member of its
+#: deployment's role (a member could ``SET ROLE`` to it and read every approved
+#: column, whatever Cedar says), so the link is this comment.
+_LOGIN_MARK = "proctor run login of "
+
+#: Every column-level SELECT held by one role in the current database.
+_COLUMN_GRANTS = (
+    "SELECT n.nspname, c.relname, a.attname FROM pg_class c"
+    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped"
+    " CROSS JOIN LATERAL aclexplode(a.attacl) x"
+    " WHERE x.grantee = (SELECT oid FROM pg_roles WHERE rolname = %s)"
+    " AND x.privilege_type = 'SELECT' ORDER BY 1, 2, a.attnum"
+)
+
+
+def table_name(schema: str, name: str) -> str:
+    """A table as manifests, Cedar and events name it (``public`` left out)."""
+    return name if schema == "public" else f"{schema}.{name}"
+
+
+def column_grants(conn: psycopg.Connection[Any], role: str) -> dict[tuple[str, str], list[str]]:
+    """The column-level ``SELECT`` grants ``role`` holds here: {(schema, table): columns}."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for schema, name, column in conn.execute(_COLUMN_GRANTS, (role,)).fetchall():
+        out.setdefault((str(schema), str(name)), []).append(str(column))
+    return out
+
+
+def _grant_columns(
+    conn: psycopg.Connection[Any], role: str, grants: Mapping[tuple[str, str], list[str]]
+) -> None:
+    ident = pgsql.Identifier(role)
+    for schema in sorted({s for (s, _), cols in grants.items() if cols}):
+        conn.execute(
+            pgsql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(pgsql.Identifier(schema), ident)
+        )
+    for (schema, name), columns in sorted(grants.items()):
+        if columns:
+            conn.execute(
+                pgsql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(
+                    pgsql.SQL(", ").join(pgsql.Identifier(c) for c in columns),
+                    pgsql.Identifier(schema, name),
+                    ident,
+                )
+            )
+
+
+def create_run_login(dsn: str, group: str, role: str, *, allow: Callable[[str, str], bool]) -> str:
+    """Create the login role ``role`` of a run of ``group``'s deployment, with a
+    fresh random password; return the password (the caller's memory is the only
+    place it is kept). The server receives a SCRAM verifier, never the password.
+
+    The login holds exactly the column grants of ``group`` (the approved
+    manifest) for which ``allow(table, column)`` (the run's Cedar set, asked
+    per table and column) says yes, granted to it directly: it is no member of
+    ``group``, so a column Cedar forbids is one PostgreSQL itself refuses, in
+    whatever shape a statement reads it."""
     password = secrets.token_urlsafe(32)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
@@ -248,32 +303,84 @@ def create_run_login(dsn: str, group: str, role: str) -> str:
                 password.encode(), role.encode(), b"scram-sha-256"
             ).decode()
             ident = pgsql.Identifier(role)
+            approved = column_grants(conn, group)
             exists = conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
             if exists is None:
                 conn.execute(
                     pgsql.SQL(
-                        "CREATE ROLE {} LOGIN INHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
-                        " NOREPLICATION CONNECTION LIMIT {} PASSWORD {} IN ROLE {}"
-                    ).format(
-                        ident,
-                        pgsql.Literal(ROLE_CONNECTION_LIMIT),
-                        pgsql.Literal(verifier),
-                        pgsql.Identifier(group),
-                    )
+                        "CREATE ROLE {} LOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
+                        " NOREPLICATION CONNECTION LIMIT {} PASSWORD {}"
+                    ).format(ident, pgsql.Literal(ROLE_CONNECTION_LIMIT), pgsql.Literal(verifier))
                 )
             else:
                 conn.execute(
-                    pgsql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
+                    pgsql.SQL("ALTER ROLE {} LOGIN NOINHERIT PASSWORD {}").format(
                         ident, pgsql.Literal(verifier)
                     )
                 )
-                conn.execute(pgsql.SQL("GRANT {} TO {}").format(pgsql.Identifier(group), ident))
+                _revoke_all(conn, role)
+                _leave_groups(conn, role)
+            conn.execute(
+                pgsql.SQL("COMMENT ON ROLE {} IS {}").format(
+                    ident, pgsql.Literal(_LOGIN_MARK + group)
+                )
+            )
+            allowed = {
+                key: [c for c in columns if allow(table_name(*key), c)]
+                for key, columns in approved.items()
+            }
+            _grant_columns(conn, role, allowed)
     except psycopg.Error as exc:
         raise DatasetRoleError(
             f"cannot open a login for the run on the dataset ({redact(dsn)}): {_first_line(exc)}",
             hint="the deployment's role is gone if it was undeployed",
         ) from exc
     return password
+
+
+def _leave_groups(conn: psycopg.Connection[Any], role: str) -> None:
+    # A login of an earlier version was a member of its deployment's role.
+    groups = conn.execute(
+        "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid"
+        " JOIN pg_roles r ON r.oid = m.member WHERE r.rolname = %s",
+        (role,),
+    ).fetchall()
+    for (group,) in groups:
+        conn.execute(
+            pgsql.SQL("REVOKE {} FROM {}").format(
+                pgsql.Identifier(str(group)), pgsql.Identifier(role)
+            )
+        )
+
+
+def _run_logins(conn: psycopg.Connection[Any], group: str) -> list[str]:
+    """The live logins of runs of ``group``'s deployment (and members, as logins of
+    an earlier version were)."""
+    rows = conn.execute(
+        "SELECT r.rolname FROM pg_roles r WHERE r.rolname LIKE 'proctor\\_run\\_%%' AND ("
+        " shobj_description(r.oid, 'pg_authid') = %s OR EXISTS (SELECT 1 FROM pg_auth_members m"
+        " JOIN pg_roles g ON g.oid = m.roleid WHERE m.member = r.oid AND g.rolname = %s))"
+        " ORDER BY 1",
+        (_LOGIN_MARK + group, group),
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
+def _narrow_logins(conn: psycopg.Connection[Any], group: str) -> None:
+    """Take from live runs' logins every column the group no longer holds: a
+    re-grant to a narrower approval narrows the runs already going on."""
+    kept = column_grants(conn, group)
+    for login in _run_logins(conn, group):
+        for (schema, name), columns in column_grants(conn, login).items():
+            gone = [c for c in columns if c not in kept.get((schema, name), ())]
+            if gone:
+                conn.execute(
+                    pgsql.SQL("REVOKE SELECT ({}) ON TABLE {} FROM {}").format(
+                        pgsql.SQL(", ").join(pgsql.Identifier(c) for c in gone),
+                        pgsql.Identifier(schema, name),
+                        pgsql.Identifier(login),
+                    )
+                )
 
 
 def drop_run_login(dsn: str, role: str) -> bool:
@@ -310,8 +417,8 @@ class _RolePool:
     """Connections of one run as its login role; reused across its calls. The
     login is created at the first statement and dropped by :meth:`close`."""
 
-    def __init__(self, dsn: str, role: str, login: str) -> None:
-        self.dsn, self.role, self.login = dsn, role, login
+    def __init__(self, dsn: str, role: str, login: str, allow: Callable[[str, str], bool]) -> None:
+        self.dsn, self.role, self.login, self.allow = dsn, role, login, allow
         self._idle = IdleConnections[psycopg.Connection[Any]]()
         self._keys: dict[str, list[str] | None] = {}
         self._columns: dict[str, set[str]] = {}
@@ -327,7 +434,7 @@ class _RolePool:
             if self._closed:
                 raise DatasetRoleError("the run has ended: its login on the dataset is dropped")
             if self._password is None:
-                self._password = create_run_login(self.dsn, self.role, self.login)
+                self._password = create_run_login(self.dsn, self.role, self.login, allow=self.allow)
             password = self._password
         return connect_as_role(self.dsn, self.login, password)
 
@@ -374,7 +481,11 @@ def _pool(scope: RunScope, binding: DatasetBinding) -> _RolePool:
     if pool is None:
         role = deployment_role(scope.tenant, scope.deployment, binding.name)
         login = run_login_role(scope.tenant, scope.run_id, binding.name)
-        pool = pools.setdefault(binding.name, _RolePool(binding.location, role, login))
+
+        def allow(table: str, column: str) -> bool:
+            return column_permitted(scope, binding.name, binding, table, column)
+
+        pool = pools.setdefault(binding.name, _RolePool(binding.location, role, login, allow))
     return pool
 
 
@@ -656,7 +767,6 @@ class _Statement(Statement):
             # in the table's physical order; the plan is checked below all the same.
             conn.execute("SET LOCAL enable_indexscan = off")
             conn.execute("SET LOCAL enable_indexonlyscan = off")
-            conn.execute(pgsql.SQL("SET LOCAL ROLE {}").format(pgsql.Identifier(self.pool.role)))
             # prepare=True: the extended query protocol, one statement or none.
             row = conn.execute(
                 "EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params, prepare=True
