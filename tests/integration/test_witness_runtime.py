@@ -139,8 +139,15 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     # served log/checkpoint): its own checkpoint file carries no cosignature.
     (tmp_path / "cosigned.note").write_text(note)
     exported = run_cli("audit", "verify", "--from-export", str(tmp_path / "export"), "--key", vkey,
-                       "--checkpoint", str(tmp_path / "cosigned.note"), *policy, "--json")  # fmt: skip
+                       "--checkpoint", str(tmp_path / "cosigned.note"), *policy,
+                       "--witness-offline", "--json")  # fmt: skip
     assert json.loads(exported.out)["witnessed_size"] == head.size
+    assert "witnesses not asked" in exported.err
+    # Without --witness-offline an export is refused: the witnesses cannot be asked
+    # about a copy whose log has grown since.
+    unasked = run_cli("audit", "verify", "--from-export", str(tmp_path / "export"), "--key",
+                      vkey, *policy, check=False)  # fmt: skip
+    assert unasked.code == 2 and "--witness-offline" in unasked.err, unasked.err
     with pytest.raises(UsageError, match="--witness-quorum 3"):
         check_policy([w1.vkey, w2.vkey, w1.vkey], 3)  # one witness twice is one witness
 
@@ -158,5 +165,9 @@ def test_submitter_catches_up_and_verify_holds_the_log_to_its_witnesses(
     caught = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "1",
                      home=forked, check=False)  # fmt: skip
     assert caught.code == 3, caught.out + caught.err
-    assert "cosignature" in caught.err
+    assert "does not extend the checkpoint witness witness.test/r1 last cosigned" in caught.err
+    # Without asking, the stored cosignatures no longer verify on the re-signed checkpoints.
+    offline = run_cli("audit", "verify", "-t", "acme", *policy, "--witness-quorum", "1",
+                      "--witness-offline", home=forked, check=False)  # fmt: skip
+    assert offline.code == 3 and "cosignature" in offline.err, offline.err
     assert w1.show()["logs"][0]["size"] == head.size  # type: ignore[index]

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -26,7 +26,12 @@ from proctor.cli._common import (
     parse_time,
     remote,
 )
-from proctor.cli._witness import WitnessOpt, WitnessQuorumOpt
+from proctor.cli._witness import (
+    WitnessOfflineOpt,
+    WitnessOpt,
+    WitnessQuorumOpt,
+    WitnessUrlOpt,
+)
 from proctor.errors import UsageError, VerificationFailed
 from proctor.governance import unbacked_erasures, unbacked_rows
 from proctor.ledger import (
@@ -41,6 +46,9 @@ from proctor.ledger import (
 )
 from proctor.policy import DATA_PLANE_ACTIONS
 from proctor.runtime import Runtime
+
+if TYPE_CHECKING:  # the witness component (and httpx) loads only when asked for
+    from proctor.witness import WitnessReport
 
 audit_app = typer.Typer(
     help="The audit ledger: events, checkpoints, proofs, verification.", no_args_is_help=True
@@ -349,25 +357,37 @@ def verify(
     ] = None,
     witness: WitnessOpt = None,
     witness_quorum: WitnessQuorumOpt = None,
+    witness_url: WitnessUrlOpt = None,
+    witness_offline: WitnessOfflineOpt = False,
     as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
     """Recompute every leaf and root, check every signed checkpoint, and hold every
     governance row of the store (artifacts, approvals, deployments, principals, the
-    quorum rule) to the events that back it. With --witness: the log must also extend
-    a checkpoint that a quorum of those witnesses cosigned."""
+    quorum rule) to the events that back it. With --witness: ask each witness for the
+    newest checkpoint it cosigned; the log must extend it, a quorum must answer, and no
+    newer event may be older than the tenant's witness max age."""
     trusted = [p.read_text(encoding="utf-8") for p in checkpoint or []]
     verifier = Verifier.parse(key) if key else None
     backing = None
     witnessed_size = None
+    witnessing: WitnessReport | None = None
     quorum = 0
     if witness:
         from proctor.witness import check_policy, witnessed
 
         quorum = check_policy(witness, witness_quorum)
-    elif witness_quorum is not None:
-        raise UsageError("--witness-quorum needs at least one --witness KEY")
+    elif witness_quorum is not None or witness_url or witness_offline:
+        raise UsageError("--witness-quorum, --witness-url and --witness-offline need --witness KEY")
+    if witness_url and witness_offline:
+        raise UsageError("--witness-url asks the witnesses, --witness-offline does not: give one")
     if from_export is not None:
+        if witness and not witness_offline:
+            raise UsageError(
+                "an export cannot be held to what the witnesses cosigned since it was made",
+                hint="give --witness-offline to check the cosignatures it carries (and any "
+                "--checkpoint), or verify the live store with -t TENANT, which asks them",
+            )
         if verifier is None:
             vkey = (from_export / "verifier.key").read_text(encoding="utf-8").strip()
             Console(stderr=True, highlight=False).print(
@@ -390,12 +410,15 @@ def verify(
                 raise VerificationFailed("the runtime's key is not the key you trust")
             log = rt.log_name(tenant)
             if witness:
-                from proctor.witness import TenantWitnesses
+                from proctor.witness import verify_witnessed_log
 
-                notes = TenantWitnesses(rt.store, rt.ledger).cosigned_notes(log)
-                witnessed_size, note = witnessed([*notes, *trusted], witness, quorum)
-                trusted.append(note)
-            report = rt.ledger.verify(log, trusted)
+                report, witnessing = verify_witnessed_log(
+                    rt.store, rt.ledger, log, witness, quorum, trusted=trusted,
+                    pinned=witness_url or (), offline=witness_offline,
+                )  # fmt: skip
+                witnessed_size = witnessing.witnessed_size
+            else:
+                report = rt.ledger.verify(log, trusted)
             if log != SYSTEM_LOG:
                 # The log is sound; now every governance row must be one it backs.
                 backing = unbacked_rows(rt.store, rt.ledger, rt.artifacts, rt.approvals,
@@ -421,10 +444,17 @@ def verify(
             else ""
         )
     )
-    if witnessed_size is not None:
+    if witnessing is not None:
+        _say_witnessed(say, witnessing, report.size)
+    elif witnessed_size is not None:
         say.print(
             f"[green]witnessed[/]: the log extends the checkpoint of size {witnessed_size} that "
             f"{quorum} of your witnesses cosigned ({report.size - witnessed_size} newer events)"
+        )
+        say.print(
+            "[yellow]witnesses not asked[/] (--witness-offline): only the cosignatures the "
+            "export carries were checked, not what the witnesses cosigned since; no max age "
+            "applied"
         )
     if backing is not None:
         problems, counts = backing
@@ -444,7 +474,46 @@ def verify(
                     "checkpoints": report.checkpoints, "verified": True,
                     "pruned": report.pruned, "tampered": 0,
                     "rows_backed": None if backing is None else backing[1],
-                    "witnessed_size": witnessed_size})  # fmt: skip
+                    "witnessed_size": witnessed_size,
+                    "witnessing": witnessing.as_json() if witnessing else None})  # fmt: skip
+
+
+def _say_witnessed(say: Console, w: WitnessReport, size: int) -> None:
+    """What was checked against the witnesses, and what was not, one line each."""
+    newer = size - w.witnessed_size
+    if w.asked:
+        for a in w.answers:
+            if a.checkpoint is None:
+                say.print(f"[yellow]witness {escape(a.name)}[/] {escape(a.error or '')}",
+                          soft_wrap=True)  # fmt: skip
+                continue
+            say.print(
+                f"[green]witness {escape(a.name)}[/] (asked at {escape(a.url or '')}, from "
+                f"{escape(a.url_from or '')}) last cosigned size {a.checkpoint.size}: the log "
+                "extends it",
+                soft_wrap=True,
+            )
+        say.print(
+            f"[green]witnessed[/]: {w.quorum} of your witnesses cosigned the log up to size "
+            f"{w.witnessed_size} ({newer} newer events)"
+        )
+    else:
+        say.print(
+            f"[green]witnessed[/]: the log extends the checkpoint of size {w.witnessed_size} "
+            f"that {w.quorum} of your witnesses cosigned ({newer} newer events)"
+        )
+        say.print(
+            "[yellow]witnesses not asked[/] (--witness-offline): only the cosignatures the "
+            "store holds were checked; a store rolled back to before the witnesses' last "
+            "cosignature passes this check",
+            soft_wrap=True,
+        )
+    say.print(
+        f"[green]max age[/]: the oldest event newer than size {w.witnessed_size} waited "
+        f"{w.uncosigned_for:.0f} s; the tenant allows {w.max_age} s"
+        if newer
+        else f"[green]max age[/]: every event is witnessed (the tenant allows {w.max_age} s)"
+    )
 
 
 @audit_app.command("export")

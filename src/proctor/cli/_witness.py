@@ -62,6 +62,24 @@ WitnessQuorumOpt = Annotated[
     ),
 ]
 
+WitnessUrlOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--witness-url",
+        help="Ask the witness at this URL what it last cosigned (repeatable); when given, "
+        "the URLs the store registers are not used [default: the tenant's witnesses' URLs]",
+        show_default=False,
+    ),
+]
+WitnessOfflineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--witness-offline",
+        help="Do not ask the witnesses: check only the cosignatures held with the log (a "
+        "store rolled back to before their last cosignature then passes)",
+    ),
+]
+
 
 def _manage(rt: Runtime, token: str | None, tenant: str, name: str) -> None:
     """Choosing witnesses is part of the tenant's trust policy: the policy.set action."""

@@ -27,9 +27,8 @@ from proctor.ledger import (
     canonical_json,
     open_checkpoint,
     require_cosignatures,
-    verify_consistency,
 )
-from proctor.witness import TenantWitnesses
+from proctor.witness import TenantWitnesses, require_extends
 
 STATUS = "witness/status.json"
 CHECKPOINT = "witness/checkpoint.note"
@@ -82,16 +81,18 @@ def verify_pack_witnesses(
                 "not witnessed",
                 hint="submit the log to its witnesses ('proctor witness submit') and export again",
             )
+        hashes: list[bytes] = []
         if witnessed.size != end.size:
             if CONSISTENCY not in names:
                 raise VerificationFailed(f"{CONSISTENCY} is missing")
             proof = json.loads(zf.read(CONSISTENCY))
             if proof.get("old") != end.size or proof.get("new") != witnessed.size:
                 raise VerificationFailed(f"{CONSISTENCY}: its sizes are not the checkpoints'")
-            verify_consistency(end.size, witnessed.size, end.root, witnessed.root,
-                               decode_hashes(proof.get("hashes"), CONSISTENCY))  # fmt: skip
-        elif witnessed.root != end.root:
-            raise VerificationFailed("the witnessed checkpoint and the end checkpoint differ")
+            hashes = decode_hashes(proof.get("hashes"), CONSISTENCY)
+        # The same check as `audit verify --witness` makes of a live log.
+        require_extends((end.size, end.root), (witnessed.size, witnessed.root), hashes,
+                        old_name="the pack's end checkpoint",
+                        new_name="the witnessed checkpoint")  # fmt: skip
         status: dict[str, Any] = json.loads(zf.read(STATUS)) if STATUS in names else {}
     status["witnessed_size"] = witnessed.size
     return status

@@ -9,7 +9,9 @@ Two sides, one component, built on the ledger's notes and proofs:
   durable state, and the ``add-checkpoint`` HTTP endpoint;
 * the runtime's side (``TenantWitnesses``, ``Submitter``): the witnesses a tenant
   uses, the cosignatures they returned, and the thread that submits new
-  checkpoints beside the calls, never on their path.
+  checkpoints beside the calls, never on their path;
+* the verifier's side (``check_policy``, ``verify_witnessed_log``): a log held to
+  what the witnesses it names say they last cosigned, asked of them directly.
 """
 
 from proctor.witness._policy import check_policy, witnessed
@@ -26,6 +28,16 @@ from proctor.witness._tenant import (
     submit_interval,
     witnessed_receipt,
 )
+from proctor.witness._verify import (
+    WitnessAnswer,
+    WitnessReport,
+    ask_witnesses,
+    checkpoint_path,
+    hold_to_answers,
+    require_extends,
+    require_fresh,
+    verify_witnessed_log,
+)
 from proctor.witness._witness import SIZE_TYPE, Answer, LogState, Witness
 
 __all__ = [
@@ -39,12 +51,20 @@ __all__ = [
     "TenantWitness",
     "TenantWitnesses",
     "Witness",
+    "WitnessAnswer",
     "WitnessPolicy",
+    "WitnessReport",
     "WitnessServer",
     "add_checkpoint_body",
+    "ask_witnesses",
     "check_policy",
+    "checkpoint_path",
+    "hold_to_answers",
     "parse_listen",
+    "require_extends",
+    "require_fresh",
     "submit_interval",
+    "verify_witnessed_log",
     "witnessed",
     "witnessed_receipt",
 ]
