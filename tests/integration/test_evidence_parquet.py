@@ -59,7 +59,7 @@ def test_the_parquet_export_reads_back_as_the_packs_ocsf_lines(
     rows.sort(key=lambda r: r["metadata"]["sequence"])  # type: ignore[index]
     assert len(rows) == len(lines) > 40
     assert rows == [normalized(x) for x in lines]
-    assert len(files) >= 3  # the demo's API, Datastore, HTTP (and Network) Activity
+    assert len(files) >= 3  # the demo's API, Datastore and HTTP Activity
 
 
 def test_bad_input_writes_nothing(demo_home: Path, tmp_path: Path) -> None:

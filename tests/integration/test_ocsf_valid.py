@@ -33,6 +33,51 @@ from tests.security.test_broker_every_answer import CAPS, TOKEN, _all_cases, _wo
 ALL = ("2000-01-01T00:00:00.000000Z", "2100-01-01T00:00:00.000000Z")
 
 
+def _is_ip(text: Any) -> bool:
+    try:
+        ip_address(str(text))
+    except ValueError:
+        return False
+    return True
+
+
+def _fields(obj: Any, name: str) -> Iterator[Any]:
+    """Every value of a member called ``name``, at any depth."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == name:
+                yield value
+            yield from _fields(value, name)
+    elif isinstance(obj, list):
+        for item in obj:
+            yield from _fields(item, name)
+
+
+def _untruths(events: list[dict[str, Any]], lines: list[bytes]) -> list[str]:
+    """What a line says that its event does not (issue 31, item 8)."""
+    found = []
+    for ev, line in zip(events, lines, strict=True):
+        out, text, at = json.loads(line), line.decode(), f"seq {ev['seq']} {ev['action']}"
+        if ev["decision"] == "allow" and ("default-deny" in text or "no policy permits" in text):
+            found.append(f"{at}: allowed, yet cites the default deny")
+        if "not recorded" in text:
+            found.append(f"{at}: a 'not recorded' placeholder")
+        found += [f"{at}: hostname {h!r} is an IP" for h in _fields(out, "hostname") if _is_ip(h)]
+        found += [f"{at}: ip {a!r} is not an IP" for a in _fields(out, "ip") if not _is_ip(a)]
+        for seen in out["observables"]:
+            if seen["type_id"] == 1 and _is_ip(seen["value"]):
+                found.append(f"{at}: {seen['name']} typed Hostname holds an IP")
+            if seen["type_id"] == 2 and not _is_ip(seen["value"]):
+                found.append(f"{at}: {seen['name']} typed IP Address holds no IP")
+        status = ev["details"].get("status")
+        recorded = ev["action"].startswith("http.") and isinstance(status, int)
+        if recorded and out.get("http_response", {}).get("code") != status:
+            found.append(f"{at}: status {status} recorded, not its http_response.code")
+        if recorded and out["class_uid"] != 4002:
+            found.append(f"{at}: status {status} recorded, not HTTP Activity")
+    return found
+
+
 def _errors(lines: list[bytes]) -> dict[int, list[str]]:
     found: dict[int, list[str]] = {}
     for i, line in enumerate(lines):
@@ -64,6 +109,14 @@ def test_demo_pack_ocsf_lines_are_valid(demo_home: Path, tmp_path: Path) -> None
     for ev, p in zip(events, parsed, strict=True):
         assert p["metadata"]["sequence"] == ev["seq"]
         assert p["action_id"] == (1 if ev["decision"] == "allow" else 2)
+    # The demo holds what the old mapping misstated: allowed control-plane events
+    # that cite no policy, an IP literal as the egress host, principals' actions
+    # whose address is not recorded, and an HTTP exchange whose status is recorded.
+    assert any(e["decision"] == "allow" and not e["policies"] for e in events)
+    assert any(_is_ip(e["details"].get("host")) for e in events)
+    assert any(e["actor"]["type"] == "user" for e in events)
+    assert any(e["action"] == "http.request.end" and "status" in e["details"] for e in events)
+    assert _untruths(events, lines) == []
 
 
 class _Upstream(BaseHTTPRequestHandler):
@@ -134,3 +187,13 @@ def test_broker_workload_ocsf_lines_are_valid(served: Served, upstream: int) -> 
         json.loads(line)["activity_name"] for line in lines if json.loads(line)["class_uid"] == 4002
     }
     assert {"Get", "Patch", "Connect"} <= methods
+    assert _untruths(events, lines) == []
+    # Each exchange with the upstream ended in a response whose status was recorded.
+    codes = [json.loads(line).get("http_response", {}).get("code") for line in lines]
+    ends = [e for e in events if e["action"] == "http.request.end"]
+    assert [e["details"].get("status") for e in ends].count(200) >= 2, ends
+    assert codes.count(200) >= 2
+    # The broker's refusals carry the status it answered.
+    refused = [(e, json.loads(line)) for e, line in zip(events, lines, strict=True)
+               if e["action"] == "broker.request"]  # fmt: skip
+    assert refused and all(o["http_response"]["code"] == e["details"]["status"] for e, o in refused)

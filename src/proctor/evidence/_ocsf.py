@@ -24,8 +24,10 @@ schema goes to ``unmapped`` (docs/evidence.md lists it).
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta
 from functools import lru_cache
+from ipaddress import ip_address
 from typing import Any
 
 from proctor import __version__
@@ -127,20 +129,87 @@ def _policy(uid: str, version: str | None, desc: str | None = None) -> dict[str,
     return out
 
 
-def _dst(host: str | None, port: int | None, address: str | None) -> dict[str, Any] | None:
+def _is_ip(text: str) -> bool:
+    try:
+        ip_address(text.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _endpoint(host: str | None, port: int | None, address: str | None) -> dict[str, Any]:
+    """A network endpoint: a name in ``hostname``, an address in ``ip``, never the
+    one in the other's field (an IP literal the guest wrote is its address)."""
     out: dict[str, Any] = {}
+    if host is not None and _is_ip(host):
+        address = address or host.removeprefix("[").removesuffix("]")
+        host = None
     _put(out, "hostname", host)
     _put(out, "port", port)
-    _put(out, "ip", address)
-    return out or None
+    if address is not None and _is_ip(address):
+        out["ip"] = address
+    return out
+
+
+def _seen(where: str, endpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """The observables of an endpoint, typed as what each value is."""
+    out = []
+    if "hostname" in endpoint:
+        out.append(
+            {
+                "name": f"{where}.hostname",
+                "type_id": 1,
+                "type": "Hostname",
+                "value": endpoint["hostname"],
+            }
+        )
+    if "ip" in endpoint:
+        out.append(
+            {"name": f"{where}.ip", "type_id": 2, "type": "IP Address", "value": endpoint["ip"]}
+        )
+    return out
+
+
+# The ids of the runtime's own actors that name the host they act on
+# (``supervisor:<host>:<pid>:<start>``, ``sweeper:...``) and of the local operator
+# (``local-operator:<user>@<host>``, the OS user of the process that acted).
+_RUNTIME_ON_HOST = re.compile(r"^(?:supervisor|sweeper):(.+):\d+:[^:]*$")
+
+
+def _source(
+    actor_type: str, actor_id: str, run: str | None, deployment: str | None
+) -> dict[str, Any] | None:
+    """Where the action came from, as far as the event tells: None when it does not."""
+    if actor_type == "workload":
+        # A workload calls from its run's sandbox, one per run.
+        src: dict[str, Any] = {"uid": run or actor_id, "name": f"sandbox of run {run}"}
+        _put(src, "svc_name", deployment)
+        return src
+    host = None
+    if actor_type == "operator" and actor_id.startswith("local-operator:") and "@" in actor_id:
+        host = actor_id.rsplit("@", 1)[1]
+    elif actor_type == "runtime":
+        match = _RUNTIME_ON_HOST.match(actor_id)
+        host = match.group(1) if match else None
+    if host:
+        # The process that acted ran on that host: that is the source.
+        src = _endpoint(host, None, None)
+        if actor_type == "runtime":
+            src["svc_name"] = "proctor"
+        return src
+    if actor_type == "runtime":
+        return {"name": actor_id, "svc_name": "proctor"}
+    return None
 
 
 @lru_cache(maxsize=256)
 def _who(
     actor_type: str, actor_id: str, run: str | None, deployment: str | None, artifact: str | None
-) -> tuple[str, str, str]:
-    """``actor``, ``src_endpoint`` and the actor's observable, encoded: a run's
-    events share them, and a verifier regenerates every line of a pack."""
+) -> tuple[str, str | None, str, str]:
+    """``actor``, ``src_endpoint`` (None when the event does not say where the
+    action came from), the actor's observables, and the ``src_endpoint`` that
+    API and Datastore Activity, which require one, take instead of None; all
+    encoded: a run's events share them, and a verifier regenerates every line."""
     type_id, type_name = _USER_TYPE.get(actor_type, (99, "Other"))
     user: dict[str, Any] = {"uid": actor_id, "name": actor_id, "type_id": type_id}
     user["type"] = actor_type if type_id == 99 else type_name
@@ -148,47 +217,127 @@ def _who(
     if actor_type == "workload":
         _put(actor, "app_name", deployment)
         _put(actor, "app_uid", artifact)
-        # A workload calls from its run's sandbox: that is the source endpoint.
-        src: dict[str, Any] = {"uid": run or actor_id, "name": f"sandbox of run {run}"}
-        _put(src, "svc_name", deployment)
-    else:
-        # A principal's address is not recorded in the event; saying so beats
-        # passing an identity off as a network endpoint.
-        src = {"name": "not recorded"}
-    seen = {"name": "actor.user.uid", "type_id": 31, "type": "User Object: uid", "value": actor_id}
-    return _encode(actor), _encode(src), _encode(seen)
+    src = _source(actor_type, actor_id, run, deployment)
+    seen = [
+        {"name": "actor.user.uid", "type_id": 31, "type": "User Object: uid", "value": actor_id}
+    ]
+    if src is not None:
+        seen += _seen("src_endpoint", src)
+    # A principal's address is not in the event. The source is then what is known
+    # of it, the principal's client, its kind unknown; no address or id is made up.
+    unknown = {"name": f"client of {actor_id}", "type_id": 0, "type": "Unknown"}
+    return (
+        _encode(actor),
+        _encode(src) if src is not None else None,
+        _encode(seen)[1:-1],
+        _encode(unknown),
+    )
+
+
+# What a denial that cites no policy says when Cedar's default deny decided it
+# (``Decision.why``; the control plane's ``no role of <principal> permits it``).
+_DEFAULT_DENY = re.compile(r"no policy permits it|no role of .+ permits it")
+
+
+def _version(
+    policy: str, version: str | None, control_version: str | None, run_start: bool
+) -> str | None:
+    """The version of the Cedar set ``policy`` belongs to, as far as the event says."""
+    if policy.startswith("proctor:"):
+        return None  # a rule of Proctor's own (the broker's, the API's), not Cedar
+    if policy.startswith("control:"):
+        # An allowed run.start's policy_version is the run's set, not the role policy.
+        return control_version or (None if run_start else version)
+    return version
 
 
 @lru_cache(maxsize=256)
-def _decided(allowed: bool, policies: tuple[str, ...], version: str | None) -> str:
-    """The decision's attributes (security_control profile), encoded."""
+def _decided(
+    allowed: bool,
+    policies: tuple[str, ...],
+    version: str | None,
+    control_version: str | None,
+    basis: str,
+    run_start: bool,
+) -> str:
+    """The decision's attributes (security_control profile), encoded.
+
+    ``basis``: ``default`` for Cedar's default deny, ``failed`` when the cited
+    policies failed to evaluate, ``""`` otherwise. An event that cites no policy
+    and was not Cedar's default deny (a control-plane action the event does not
+    say how it was authorized, a run's end, a refusal of the broker's own or the
+    supervisor's) names none: the reason in ``message`` says what decided."""
     decision = "allow" if allowed else "deny"
-    if policies:
-        authorizations = [{"decision": decision, "policy": _policy(p, version)} for p in policies]
-        policy = _policy(policies[0], version)
-    else:
-        policy = _policy("default-deny", None, "no policy permits it")
-        authorizations = [{"decision": decision, "policy": policy}]
     out: dict[str, Any] = {
         "severity_id": 1 if allowed else 3,
         "severity": "Informational" if allowed else "Medium",
-        "status_id": 1 if allowed else 2,
-        "status": "Success" if allowed else "Failure",
         "action_id": 1 if allowed else 2,
         "action": "Allowed" if allowed else "Denied",
         "disposition_id": 1 if allowed else 2,
         "disposition": "Allowed" if allowed else "Blocked",
         # A refused call is what a security team wants raised; an allowed one is not.
         "is_alert": not allowed,
-        "policy": policy,
-        "authorizations": authorizations,
     }
+    desc = "its evaluation failed" if basis == "failed" else None
+    cited = [_policy(p, _version(p, version, control_version, run_start), desc) for p in policies]
+    if not policies and basis == "default":
+        # Cedar denies what no policy permits: the set (its version) permitted nothing.
+        cited = [_policy("default-deny", version, "no policy permits it")]
+    if cited:
+        out["policy"] = cited[0]
+        out["authorizations"] = [{"decision": decision, "policy": p} for p in cited]
     return _encode(out)[1:-1]
+
+
+def _outcome(action: str, allowed: bool, details: dict[str, Any]) -> tuple[int, str, str | None]:
+    """``status_id``, ``status`` and ``status_detail``: how the action ended, which
+    for an allowed one the event may record apart from the decision."""
+    if not allowed:
+        return 2, "Failure", None
+    if action == "run.end":
+        ended = _str(details.get("status"))
+        if ended == "succeeded":
+            return 1, "Success", None
+        if ended == "stopped":
+            return 99, "Stopped", ended  # asked to stop: neither a success nor a failure
+        if ended is not None:
+            return 2, "Failure", ended
+    elif action.startswith("sql."):
+        outcome = _str(details.get("outcome"))
+        if outcome is not None and outcome != "ok":
+            return 2, "Failure", outcome
+    elif action == "http.request.end":
+        error = _str(details.get("error"))
+        if error is not None:
+            return 2, "Failure", error
+    return 1, "Success", None
+
+
+# The actions whose ``details.status`` is an HTTP status (run.end's is the run's).
+_HTTP_STATUS_IN = frozenset({"http.request", "http.request.end", "broker.request"})
+# The details key each action's outcome is read from (_outcome).
+_OUTCOME_KEY = {"run.end": "status", "http.request.end": "error"}
 
 
 def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
     """The OCSF event for one parsed ledger event."""
     return dict(json.loads(ocsf_line(ev, origin)))
+
+
+def _url(
+    scheme: str | None, host: str | None, port: int | None, path: str | None
+) -> dict[str, Any]:
+    authority = f"[{host}]" if host and ":" in host else host
+    target = f"{authority}:{port}" if authority and port is not None else authority
+    url: dict[str, Any] = {
+        "url_string": f"{scheme}://{target}{path or ''}" if scheme else str(target)
+    }
+    if host and not _is_ip(host):
+        url["hostname"] = host  # an address is in the url_string and dst_endpoint.ip
+    _put(url, "port", port)
+    _put(url, "scheme", scheme)
+    _put(url, "path", path)
+    return url
 
 
 def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
@@ -200,7 +349,7 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
     raw_details = ev.get("details")
     details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     # Details keys that land in a standard attribute; the rest go to ``unmapped``.
-    mapped: set[str] = {"policy_version"}
+    mapped: set[str] = {"policy_version", "control_policy_version"}
     allowed = ev.get("decision", "allow") == "allow"
     time_ms = _epoch_ms(ev["time"])
     run = _str(ev.get("run"))
@@ -225,16 +374,36 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
     }
     _put(metadata, "correlation_uid", run)
 
-    actor, src, seen = _who(actor_type, actor_id, run, deployment, artifact)
+    actor, src, seen, unknown_src = _who(actor_type, actor_id, run, deployment, artifact)
     observables: list[dict[str, Any]] = []
     policies = tuple(str(p) for p in ev.get("policies") or ())
-    decided = _decided(allowed, policies, _str(details.get("policy_version")))
+    reason = str(ev.get("reason") or "")
+    basis = ""
+    if not allowed and not policies and _DEFAULT_DENY.search(reason):
+        basis = "default"
+    elif not allowed and "policy evaluation failed" in reason:
+        basis = "failed"
+    decided = _decided(
+        allowed,
+        policies,
+        _str(details.get("policy_version")),
+        _str(details.get("control_policy_version")),
+        basis,
+        allowed and action == "run.start",
+    )
+    status_id, status, status_detail = _outcome(action, allowed, details)
 
     out: dict[str, Any] = {
         "time": time_ms,
         "timezone_offset": 0,
-        "message": str(ev.get("reason") or action),
+        "message": reason or action,
+        "status_id": status_id,
+        "status": status,
     }
+    _put(out, "status_detail", status_detail)
+    # A recorded HTTP status: the upstream's (a completion) or the one Proctor
+    # answered (a refusal); a completion without the upstream's, Proctor's own answer.
+    code = _int(details.get("status")) if action in _HTTP_STATUS_IN else None
 
     if action.startswith(("sql.", "file.")):
         class_uid, class_name = 6005, "Datastore Activity"
@@ -280,22 +449,14 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         port = _int(details.get("port"))
         scheme = _str(details.get("scheme"))
         path = _str(details.get("path"))
-        _put(out, "dst_endpoint", _dst(host, port, _str(details.get("address"))))
+        _put(out, "dst_endpoint", _endpoint(host, port, _str(details.get("address"))) or None)
         mapped.update(("host", "port", "address"))
         request: dict[str, Any] = {}
         if activity != 99:
             request["http_method"] = method
             mapped.add("method")
-        target = f"{host}:{port}" if host and port is not None else host
-        if target:
-            url: dict[str, Any] = {
-                "url_string": f"{scheme}://{target}{path or ''}" if scheme else target
-            }
-            _put(url, "hostname", host)
-            _put(url, "port", port)
-            _put(url, "scheme", scheme)
-            _put(url, "path", path)
-            request["url"] = url
+        if host:
+            request["url"] = _url(scheme, host, port, path)
             mapped.update(("scheme", "path"))
         if not request:
             # The class needs an http_request or http_response; a refused request
@@ -303,18 +464,43 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
             request["url"] = {"url_string": str(details.get("target") or resource)}
             mapped.add("target")
         out["http_request"] = request
+        if code is not None:
+            # A request refused inside a tunnel: the status Proctor answered it with.
+            out["http_response"] = {"code": code}
+            mapped.add("status")
     elif action == "http.request.end":
-        class_uid, class_name = 4001, "Network Activity"
-        activity, name = 2, "Close"
         host = _str(details.get("host"))
-        out["dst_endpoint"] = _dst(
-            host, _int(details.get("port")), _str(details.get("address"))
-        ) or {"name": resource}
+        port = _int(details.get("port"))
+        out["dst_endpoint"] = _endpoint(host, port, _str(details.get("address"))) or {
+            "name": resource
+        }
         up, down = _int(details.get("bytes_up")) or 0, _int(details.get("bytes_down")) or 0
         out["traffic"] = {"bytes_out": up, "bytes_in": down, "bytes": up + down}
         _put(out, "duration", _int(details.get("duration_ms")))
         # duration is whole ms: the exact figure stays in unmapped.
         mapped.update(("host", "port", "address", "bytes_up", "bytes_down"))
+        if code is None:
+            code = _int(details.get("answered"))
+            if code is not None:
+                mapped.add("answered")
+        if code is not None:
+            # An HTTP exchange that ended with a response: HTTP Activity, its
+            # response's status (the last one's, when a tunnel carried several).
+            class_uid, class_name = 4002, "HTTP Activity"
+            activity, name = 99, "Close"  # the request's method is in its decision's event
+            response: dict[str, Any] = {"code": code}
+            if (
+                "status" in details
+                and _int(details.get("requests")) == 1
+                and "error" not in details
+            ):
+                response["length"] = down  # all of the one response, as relayed
+            out["http_response"] = response
+            mapped.add("status")
+        else:
+            # Bytes through a tunnel, or a connection that ended before any response.
+            class_uid, class_name = 4001, "Network Activity"
+            activity, name = 2, "Close"
     else:
         class_uid, class_name = 6003, "API Activity"
         activity, name = _api_activity(action)
@@ -335,24 +521,17 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
                     "value": r["uid"],
                 }
             )
+        if code is not None:
+            # A broker request refused: the status the broker answered it with.
+            out["http_response"] = {"code": code}
+            mapped.add("status")
     if not workload and class_uid != 6003:
         _put(unmapped, "deployment", deployment)
         _put(unmapped, "artifact", artifact)
+    if status_detail is not None:
+        mapped.add(_OUTCOME_KEY.get(action, "outcome"))
 
-    dst = out.get("dst_endpoint") or {}
-    if "hostname" in dst:
-        observables.append(
-            {
-                "name": "dst_endpoint.hostname",
-                "type_id": 1,
-                "type": "Hostname",
-                "value": dst["hostname"],
-            }
-        )
-    if "ip" in dst:
-        observables.append(
-            {"name": "dst_endpoint.ip", "type_id": 2, "type": "IP Address", "value": dst["ip"]}
-        )
+    observables += _seen("dst_endpoint", out.get("dst_endpoint") or {})
 
     approvals = ev.get("approvals") or []
     if approvals:
@@ -372,12 +551,16 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         activity_id=activity,
         activity_name=name,
         type_uid=class_uid * 100 + activity,
-        type_name=f"{class_name}: {name}",
+        # The type's caption is the schema's, "Other" for 99 whatever the activity's name.
+        type_name=f"{class_name}: {name if activity != 99 else 'Other'}",
     )
+    if src is None and class_uid in (6003, 6005):
+        src = unknown_src  # these classes require a source endpoint
+    source = f'"src_endpoint":{src},' if src is not None else ""
     # The shared parts are spliced in encoded; members' order means nothing in JSON.
     seen_all = seen + "," + _encode(observables)[1:-1] if observables else seen
     return (
         f'{{{decided},{_encode(out)[1:-1]},"metadata":{_encode(metadata)[:-1]},'
-        f'"product":{_PRODUCT}}},"actor":{actor},"src_endpoint":{src},'
+        f'"product":{_PRODUCT}}},"actor":{actor},{source}'
         f'"observables":[{seen_all}]}}'
     ).encode()
