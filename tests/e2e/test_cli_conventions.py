@@ -106,6 +106,7 @@ ARGS: dict[str, list[str]] = {
     "subprocessor remove": ["-t", "acme", "walk-co"],
     "tenant create": ["initech"],
     "tenant freeze": ["globex"],
+    "tenant quota": ["acme"],
     "tenant unfreeze": ["globex"],
     "witness add-log": ["--state", "{TMP}/witness", "proctor.local/tenant/acme", "{VKEY}"],
     "witness init": ["--state", "{TMP}/witness2", "--name", "walk.test/w2"],

@@ -16,20 +16,28 @@ Every call is also charged to the run's token bucket (:meth:`RunScope.admit_call
 before anything else is done with it: a run over its limit is answered 429
 and its refusals are counted, not recorded one by one, so that neither the
 calls nor their refusals can flood the ledger.
+
+The rate bounds events per second, not their total; two bounds hold the total
+(:class:`Exhausted`): the run's calls in all (:attr:`RunScope.call_bound`, the
+manifest's ``limits.calls``) and the tenant's events per UTC day
+(:class:`LedgerQuota`). Past either, every call is refused before it is looked
+at, and the refusal is recorded once (once per run, once per tenant and day):
+each refused answer names that one event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from proctor.errors import LedgerError, ProctorError, UsageError
 from proctor.ledger import (
@@ -70,6 +78,16 @@ STANDING_RULE = "proctor:broker:run-standing"
 _COMPLETIONS = frozenset({"http.request.end"})
 #: The rule named in a ``broker.whoami`` event: a run may always ask who it is.
 WHOAMI_RULE = "proctor:broker:whoami"
+#: The most calls a run makes in all, unless its manifest says (``limits.calls``);
+#: the same default as the manifest's (``governance._manifest.DEFAULT_CALLS``).
+DEFAULT_CALL_BOUND = 10_000
+#: The rule named when a run has made all the calls its bound allows.
+CALL_BOUND_RULE = "proctor:broker:call-bound"
+#: The rule named when a tenant's log has taken its events for the (UTC) day.
+LEDGER_QUOTA_RULE = "proctor:broker:ledger-quota"
+#: How often, at most, a tenant's quota and day count are read again from the store
+#: (a quota an admin changed, events other processes appended, a new day).
+QUOTA_REFRESH_SECONDS = 5.0
 
 
 @dataclass
@@ -138,6 +156,150 @@ class RateLimited(BrokerError):
 
     code = "rate_limited"
     status = 429
+
+
+class Exhausted(RateLimited):
+    """The run made all its calls (its bound), or its tenant's log took its events of
+    the day (the quota): the call was not looked at.
+
+    Handled wherever a :class:`RateLimited` is (never recorded one by one: the
+    bound's refusal is recorded once, by :meth:`RunScope.admit_call`), but answered
+    403 ``denied``, naming that one event: retrying will not help.
+    """
+
+    code = "denied"
+    status = 403
+
+    def __init__(
+        self, message: str, recorded: asyncio.Future[tuple[int, str]], *, policies: tuple[str, ...]
+    ) -> None:
+        super().__init__(message, policies=policies)
+        #: The refusal's one event: (seq, reason) once durable.
+        self.recorded = recorded
+
+
+class LedgerDay(Protocol):
+    """A tenant's ledger quota and its log's count of the day, as read from the store
+    (``governance.Tenants.ledger_day``)."""
+
+    @property
+    def day(self) -> str: ...  # YYYY-MM-DD, UTC, the ledger's clock
+    @property
+    def quota(self) -> int: ...  # events a day
+    @property
+    def first(self) -> int: ...  # the seq of the day's first event (== size: none yet)
+    @property
+    def size(self) -> int: ...  # the log's size when read
+    @property
+    def refusal(self) -> tuple[int, str] | None: ...  # the day's refusal event, if any
+
+
+class LedgerQuota:
+    """One tenant's events of the day against its quota, shared by its open runs.
+
+    The count is the log's own: ``size - first``, where ``first`` is the seq of
+    the day's first event (read from the store, so a restarted broker counts the
+    events of the day before it) and ``size`` grows with every event this broker
+    appends; each append's seq also takes in what other processes appended. The
+    store is read again at most every :data:`QUOTA_REFRESH_SECONDS` (a quota
+    changed, a new day). Its only effect is refusing calls; control-plane events
+    are counted but never refused by it. Used on the broker's event loop only.
+    """
+
+    def __init__(
+        self,
+        tenant: str,
+        read: Callable[[], LedgerDay],
+        now: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
+        note: Callable[[str, int, str], None] | None = None,
+    ) -> None:
+        self.tenant = tenant
+        self.read = read
+        #: Keeps the day's refusal event in the store (a broker started later names it).
+        self.note = note
+        self._now = now
+        self._clock = clock
+        self.day = ""
+        self.quota = 0
+        self.first = 0
+        self.size = 0
+        self.refused = 0
+        self.refusal: asyncio.Future[tuple[int, str]] | None = None
+        self._read_at = -math.inf
+        self._reading: asyncio.Task[None] | None = None
+
+    def apply(self, reading: LedgerDay) -> None:
+        """Take a reading of the store (made on another thread or before the run opened);
+        on the broker's loop."""
+        self._read_at = self._clock()
+        self.quota = reading.quota
+        if reading.day != self.day:
+            if reading.day < self.day:
+                return  # read before midnight, applied after: the next reading counts
+            self.day, self.refused, self.refusal = reading.day, 0, None
+            self.first, self.size = reading.first, reading.size
+        else:
+            self.first = reading.first
+            self.size = max(self.size, reading.size)
+        if reading.refusal is not None and (self.refusal is None or _failed(self.refusal)):
+            # Recorded today already (by this broker before a restart, or another node's).
+            done: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+            done.set_result(reading.refusal)
+            self.refusal = done
+
+    async def noted(self, day: str, seq: int, reason: str) -> None:
+        """Keep the day's refusal event in the store; a failure costs only a second
+        event from a broker started later that day."""
+        if self.note is None:
+            return
+        from proctor.broker._fair import POOL  # it imports this module
+
+        try:
+            await POOL.run(self.tenant, f"quota/{self.tenant}", self.note, day, seq, reason)
+        except ProctorError as exc:
+            log.error("the ledger quota refusal of %s was not kept: %s", self.tenant, exc.message)
+
+    def observe(self, size: int) -> None:
+        """An event this broker appended: the log's size after it."""
+        self.size = max(self.size, size)
+
+    @property
+    def events(self) -> int:
+        return max(0, self.size - self.first)
+
+    def exhausted(self) -> bool:
+        """Whether the day's events have reached the quota (the store read again when due)."""
+        day = self._now()[:10]
+        if day > self.day:
+            # A new day: nothing of it counted yet, until the store says otherwise.
+            self.day, self.refused, self.refusal = day, 0, None
+            self.first = self.size
+            self._read_at = -math.inf
+        if self._clock() - self._read_at >= QUOTA_REFRESH_SECONDS:
+            self._refresh()
+        return self.events >= self.quota
+
+    def _refresh(self) -> None:
+        if self._reading is not None:
+            return
+        self._read_at = self._clock()
+        self._reading = asyncio.get_running_loop().create_task(
+            self._read(), context=contextvars.Context()
+        )
+
+    async def _read(self) -> None:
+        from proctor.broker._fair import POOL  # it imports this module
+
+        try:
+            # On the fair pool, as the tenant's job: not the loop's shared executor.
+            reading = await POOL.run(self.tenant, f"quota/{self.tenant}", self.read)
+        except ProctorError as exc:
+            log.error("the ledger quota of %s could not be read: %s", self.tenant, exc.message)
+        else:
+            self.apply(reading)
+        finally:
+            self._reading = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +416,19 @@ class RunScope:
     extra_entities: tuple[Entity, ...] = ()
     # None: the broker's default (Broker.rate_limit) applies when the run opens.
     rate_limit: RateLimit | None = None
+    # The most calls the run makes in all (the manifest's limits.calls); None: the
+    # broker's default (Broker.call_bound) applies when the run opens.
+    call_bound: int | None = None
+    # Reads the tenant's ledger quota and its log's count of the day from the store
+    # (set by the supervisor); None: no quota. The broker reads it when the run opens.
+    ledger_quota: Callable[[], LedgerDay] | None = field(default=None, repr=False)
+    # Keeps the day's quota refusal (day, seq, reason) in the store.
+    quota_refused: Callable[[str, int, str], None] | None = field(default=None, repr=False)
+    #: Calls admitted so far (a malformed or refused one included), and the ones
+    #: refused because the bound or the tenant's quota was reached.
+    calls: int = field(default=0, init=False)
+    refused_over_bound: int = field(default=0, init=False)
+    refused_over_quota: int = field(default=0, init=False)
     # Why the run may no longer make calls (None: it may), read in the transaction
     # that appends each allowed call's event; set by the supervisor.
     standing: Callable[[Conn], str | None] | None = field(default=None, repr=False)
@@ -261,6 +436,10 @@ class RunScope:
     _limiter: CallLimiter | None = field(default=None, init=False, repr=False)
     _flush_timer: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
     _flushing: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _quota: LedgerQuota | None = field(default=None, init=False, repr=False)
+    _bound_refusal: asyncio.Future[tuple[int, str]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def actor(self) -> Actor:
@@ -361,6 +540,8 @@ class RunScope:
             raise CallRefused(
                 f"the call was refused because the ledger cannot record it: {exc.message}"
             ) from exc
+        if self._quota is not None:
+            self._quota.observe(appended.size)
         counter = REQUEST_EVENTS.get()
         if counter is not None:
             counter.count += 1
@@ -419,9 +600,23 @@ class RunScope:
         decided. A refusal is not recorded now: one ``broker.rate_limited``
         event per window (at most one per :data:`RATE_LIMITED_WINDOW` seconds)
         carries the count, so refusals cannot flood the ledger either.
+
+        Past the run's bound or its tenant's quota of the day it raises
+        :class:`Exhausted`, whose one event (per run; per tenant and day) is
+        recorded by the first refusal and named by every one.
         """
+        bound = self.call_bound if self.call_bound is not None else DEFAULT_CALL_BOUND
+        if self.calls >= bound:
+            self.refused_over_bound += 1
+            raise self._over_bound(bound)
+        quota = self._quota
+        if quota is not None and quota.exhausted():
+            self.refused_over_quota += 1
+            quota.refused += 1
+            raise self._over_quota(quota)
         limiter = self.limiter
         if limiter.take():
+            self.calls += 1
             return
         self._schedule_flush()
         limit = limiter.limit
@@ -430,6 +625,85 @@ class RunScope:
             f"(burst {limit.burst}); slow down",
             policies=(RATE_LIMIT_RULE,),
         )
+
+    # -- the bound and the quota: one event each, named by every refusal --------------
+
+    def _over_bound(self, bound: int) -> Exhausted:
+        why = (
+            f"run {self.run_id} made all of its {bound} calls (limits.calls); every further "
+            f"call of the run is refused"
+        )
+        refusal = self._bound_refusal
+        if refusal is None or _failed(refusal):
+            refusal = self._bound_refusal = self._record_once(
+                "broker.call_bound", f"run/{self.run_id}", why, CALL_BOUND_RULE,
+                {"bound": bound, "calls": self.calls},
+            )  # fmt: skip
+        _name(refusal)
+        return Exhausted(
+            f"run {self.run_id} has made its {bound} calls, the bound its manifest's "
+            f"limits.calls sets: every further call is refused",
+            refusal,
+            policies=(CALL_BOUND_RULE,),
+        )
+
+    def _over_quota(self, quota: LedgerQuota) -> Exhausted:
+        text = (
+            f"tenant {self.tenant}'s log took {quota.events} events on {quota.day} (UTC), "
+            f"its ledger quota of {quota.quota} a day"
+        )
+        refusal = quota.refusal
+        if refusal is None or _failed(refusal):
+            day = quota.day
+
+            async def keep(seq: int, reason: str) -> None:
+                await quota.noted(day, seq, reason)
+
+            refusal = quota.refusal = self._record_once(
+                "broker.ledger_quota", f"tenant/{self.tenant}",
+                f"{text}; the tenant's runs' calls are refused until 00:00 UTC",
+                LEDGER_QUOTA_RULE,
+                {"quota": quota.quota, "events": quota.events, "day": day},
+                then=keep,
+            )  # fmt: skip
+        _name(refusal)
+        return Exhausted(
+            f"{text}: every call of its runs is refused until 00:00 UTC",
+            refusal,
+            policies=(LEDGER_QUOTA_RULE,),
+        )
+
+    def _record_once(
+        self, action: str, resource: str, why: str, rule: str, details: dict[str, Any],
+        then: Callable[[int, str], Awaitable[None]] | None = None,
+    ) -> asyncio.Task[tuple[int, str]]:  # fmt: skip
+        async def record() -> tuple[int, str]:
+            appended = await self.record_refusal(
+                action, resource, why, policies=(rule,), details=details
+            )
+            if then is not None:
+                await then(appended.seq, f"refused: {why}")
+            return appended.seq, f"refused: {why}"
+
+        # In a context of its own: the event is no one request's answer.
+        task = asyncio.get_running_loop().create_task(record(), context=contextvars.Context())
+        task.add_done_callback(_retrieved)
+        return task
+
+    async def close_bounds(self) -> None:
+        """At the run's end: the bound's or the quota's refusal is durable (tried
+        again if the ledger could not take it), or logged as lost."""
+        for refusal in (self._bound_refusal, self._quota.refusal if self._quota else None):
+            if refusal is not None and not refusal.done():
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.shield(refusal)
+        if self._bound_refusal is not None and _failed(self._bound_refusal):
+            bound = self.call_bound if self.call_bound is not None else DEFAULT_CALL_BOUND
+            try:
+                await self._over_bound(bound).recorded
+            except BrokerError as exc:
+                log.error("broker.call_bound for run %s not recorded: %s", self.run_id,
+                          exc.message)  # fmt: skip
 
     def _schedule_flush(self) -> None:
         if self._flush_timer is None and self._flushing is None:
@@ -483,11 +757,13 @@ class RunScope:
             },
         )
         try:
-            await self.ledger.append_async(self.tenant, draft)
+            appended = await self.ledger.append_async(self.tenant, draft)
         except LedgerError as exc:
             limiter.give_back(count, seconds)
             log.error("broker.rate_limited for run %s not recorded: %s", self.run_id, exc)
             return 0
+        if self._quota is not None:
+            self._quota.observe(appended.size)
         return count
 
     async def close_rate_limit(self) -> None:
@@ -506,3 +782,22 @@ class RunScope:
         16 bytes, sorted): "which runs read customer 42?" is answered later by
         hashing 42 the same way, while the ledger never holds customer identifiers."""
         return sorted({keyed_hash(self.lineage_key, key) for key in keys})
+
+
+def _failed(refusal: asyncio.Future[tuple[int, str]]) -> bool:
+    """Whether a refusal's event could not be recorded (the next refusal tries again)."""
+    return refusal.done() and (refusal.cancelled() or refusal.exception() is not None)
+
+
+def _retrieved(refusal: asyncio.Future[tuple[int, str]]) -> None:
+    # Its failure is answered (503) to whoever awaits it, and tried again; not logged
+    # as an exception nobody retrieved.
+    if not refusal.cancelled():
+        refusal.exception()
+
+
+def _name(refusal: asyncio.Future[tuple[int, str]]) -> None:
+    """Let this request's answer name the refusal's event, if it is durable already."""
+    counter = REQUEST_EVENTS.get()
+    if counter is not None and refusal.done() and not _failed(refusal):
+        counter.refusal = refusal.result()

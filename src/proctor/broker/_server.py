@@ -7,7 +7,9 @@ stops, no socket remains and the sandbox has no way out at all.
 
 Each request is charged to the run's call budget (:class:`RateLimit`) before it
 is authenticated: over the limit it is answered 429 and only counted, so a
-guest cannot flood the ledger with calls, nor with refusals of calls.
+guest cannot flood the ledger with calls, nor with refusals of calls. Past the
+run's bound of calls in all, or its tenant's ledger quota of the day, it is
+answered 403, naming the one event that records that refusal.
 
 Every other answer has its event in the run's ledger before it is sent: the
 handlers record their own calls; the server records what it answers itself
@@ -50,11 +52,15 @@ from proctor.broker._http import (
     respond_json,
 )
 from proctor.broker._scope import (
+    DEFAULT_CALL_BOUND,
     REQUEST_EVENTS,
     WHOAMI_RULE,
     BadCall,
     BrokerError,
     CallRefused,
+    Exhausted,
+    LedgerDay,
+    LedgerQuota,
     RateLimit,
     RateLimited,
     RequestEvents,
@@ -216,7 +222,8 @@ class _Run:
 
 class Broker:
     """The runtime's broker. ``rate_limit`` is the call budget of every run whose
-    scope names none of its own; it is read when a run opens."""
+    scope names none of its own, ``call_bound`` its calls in all; they are read
+    when a run opens. A tenant's ledger quota is counted once for all its runs."""
 
     def __init__(
         self,
@@ -225,6 +232,7 @@ class Broker:
         socket_root: Path | None = None,
         *,
         rate_limit: RateLimit | None = None,
+        call_bound: int = DEFAULT_CALL_BOUND,
         max_connections_per_run: int = MAX_CONNECTIONS_PER_RUN,
         max_connections: int | None = None,
     ):
@@ -236,6 +244,10 @@ class Broker:
         self._open_connections = 0
         self._tokens = RunTokens(token_key)
         self.rate_limit = rate_limit or RateLimit()
+        if isinstance(call_bound, bool) or not isinstance(call_bound, int) or call_bound < 1:
+            raise BrokerError(f"a run's call bound must be a positive integer, not {call_bound!r}")
+        self.call_bound = call_bound
+        self._quotas: dict[str, LedgerQuota] = {}
         self._root = Path(tempfile.mkdtemp(prefix="proctor-broker-", dir=socket_root))
         self._root.chmod(0o700)
         self._runs: dict[str, _Run] = {}
@@ -267,7 +279,9 @@ class Broker:
         # Drawn per opening and forgotten at close: the token dies with its socket.
         opening = base64.urlsafe_b64encode(os.urandom(18)).decode()
         token = self._tokens.issue(scope.run_id, scope.artifact or "", ttl, opening)
-        path: Path = self._call(self._open(scope, opening))
+        # Read here, off the loop: a run whose tenant's quota cannot be read does not open.
+        reading = scope.ledger_quota() if scope.ledger_quota is not None else None
+        path: Path = self._call(self._open(scope, opening, reading))
         return RunChannel(scope.run_id, path, token)
 
     def socket_path(self, run_id: str) -> Path | None:
@@ -300,11 +314,21 @@ class Broker:
 
     # -- inside the loop -----------------------------------------------------
 
-    async def _open(self, scope: RunScope, opening: str) -> Path:
+    async def _open(self, scope: RunScope, opening: str, reading: LedgerDay | None) -> Path:
         if scope.run_id in self._runs:
             raise BrokerError(f"run {scope.run_id} already has a socket")
         if scope.rate_limit is None:
             scope.rate_limit = self.rate_limit
+        if scope.call_bound is None:
+            scope.call_bound = self.call_bound
+        if scope.ledger_quota is not None and reading is not None:
+            quota = self._quotas.get(scope.tenant)
+            if quota is None:
+                quota = LedgerQuota(scope.tenant, scope.ledger_quota, scope.ledger.now)
+                self._quotas[scope.tenant] = quota
+            quota.read, quota.note = scope.ledger_quota, scope.quota_refused
+            quota.apply(reading)
+            scope._quota = quota
         path = self._root / f"{uuid.uuid4().hex[:12]}.sock"
         connections: set[asyncio.Task[None]] = set()
 
@@ -360,6 +384,7 @@ class Broker:
         run.socket.unlink(missing_ok=True)
         # After the last connection: every refusal counted is in the run's ledger.
         await run.scope.close_rate_limit()
+        await run.scope.close_bounds()
         await self._close_refused(run)
 
     # -- connections refused: counted, recorded once per window ---------------
@@ -470,6 +495,8 @@ class Broker:
                 )
                 return
             await self._route(scope, head, reader, writer)
+        except Exhausted as exc:
+            await self._answer_exhausted(writer, exc)
         except RateLimited as exc:
             await self._send_error(writer, exc, extra=[("Retry-After", "1")])
         except BrokerError as exc:
@@ -518,6 +545,19 @@ class Broker:
             except CallRefused as refused:
                 exc, status = refused, None
         await self._send_error(writer, exc, status=status)
+
+    async def _answer_exhausted(self, writer: asyncio.StreamWriter, exc: Exhausted) -> None:
+        """Past the run's bound or the tenant's quota: answered once its one event is
+        durable, naming it; 503 ``not_recorded`` if it cannot be."""
+        try:
+            refusal = await asyncio.shield(exc.recorded)
+        except BrokerError as refused:
+            await self._send_error(writer, refused)
+            return
+        counter = REQUEST_EVENTS.get()
+        if counter is not None:
+            counter.refusal = refusal
+        await self._send_error(writer, exc)
 
     async def _send_error(
         self,

@@ -864,6 +864,39 @@ def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
         """Stop every run of the tenant and refuse every call until unfreeze."""
         freeze(name, False, token, home, as_json)
 
+    @tenant_app.command("quota")
+    def tenant_quota(
+        name: TenantArg,
+        events_per_day: Annotated[
+            int | None,
+            typer.Option("--events-per-day", help="Set it: events the tenant's log takes a "
+                         "UTC day before its runs' calls are refused"),
+        ] = None,
+        as_json: JsonOpt = False,
+        token: TokenOpt = None,
+        home: HomeOpt = None,
+    ) -> None:  # fmt: skip
+        """Show or set the tenant's ledger quota (control-plane actions are never refused)."""
+        with open_runtime(home) as rt:
+            if events_per_day is None:
+                authorize_read(rt, token, name, "tenant.read")
+                q = rt.tenants.ledger_quota(name)
+            else:
+                actor, principal = acting(rt, token)
+                # Admins only, as the tenant's retention is: both bound what its log keeps.
+                _authorize(rt, principal, "retention.manage", EntityRef.tenant(name), name,
+                           f"tenant/{name}")  # fmt: skip
+                q = rt.tenants.set_ledger_quota(name, events_per_day, actor)
+            today = rt.tenants.ledger_day(name)
+        doc = {"tenant": q.tenant, "events_per_day": q.events_per_day, "set_by": q.set_by,
+               "set_at": q.set_at, "day": today.day, "events_today": today.events}  # fmt: skip
+        if as_json:
+            emit_json(doc)
+            return
+        by = f"set by {q.set_by} at {q.set_at}" if q.set_by else "the default"
+        console.print(f"tenant {q.tenant}: {q.events_per_day} events a day ({by}); "
+                      f"{today.events} on {today.day} (UTC)")  # fmt: skip
+
     @tenant_app.command("unfreeze")
     def tenant_unfreeze(name: TenantArg, as_json: JsonOpt = False, token: TokenOpt = None,
                         home: HomeOpt = None) -> None:  # fmt: skip

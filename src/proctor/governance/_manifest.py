@@ -42,6 +42,10 @@ MAX_SIZE = 1 << 50
 MAX_PIDS = 4 * 1024 * 1024
 MAX_CALLS_PER_SECOND = 100_000
 MAX_CALL_BURST = 1_000_000
+#: A run's calls at the broker, in all (``limits.calls``): past it every further call
+#: is refused. The rate alone bounds a long run's events per second, not their total.
+DEFAULT_CALLS = 10_000
+MAX_CALLS = 1_000_000_000
 # The longest host:port there is: a 253-byte name (or a bracketed IPv6 address
 # with a zone) and a port; anything longer is refused before it is parsed.
 MAX_EGRESS_ENTRY = 300
@@ -75,8 +79,9 @@ _TOP_KEYS = ("artifact", "datasets", "egress", "secrets", "buckets", "limits", "
 class RunLimits:
     """Resource ceilings the manifest asks for; ``None`` leaves the runtime's default.
 
-    The first five are the sandbox's (:class:`proctor.sandbox.Limits`); the last
-    two are the run's call budget at the broker (``proctor.broker.RateLimit``).
+    The first five are the sandbox's (:class:`proctor.sandbox.Limits`); the next
+    two are the run's call rate at the broker (``proctor.broker.RateLimit``), and
+    ``calls`` the most calls the run may make in all (default :data:`DEFAULT_CALLS`).
     """
 
     memory_bytes: int | None = None
@@ -86,11 +91,12 @@ class RunLimits:
     output_bytes: int | None = None
     calls_per_second: float | None = None
     call_burst: int | None = None
+    calls: int | None = None
 
     def to_json(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for key in ("memory_bytes", "wall_seconds", "pids", "cpu", "output_bytes",
-                    "calls_per_second", "call_burst"):  # fmt: skip
+                    "calls_per_second", "call_burst", "calls"):  # fmt: skip
             value = getattr(self, key)
             if value is not None:
                 out[key] = _number(value)
@@ -511,9 +517,10 @@ def _parse_duration(where: str, value: Any) -> float:
 
 def _parse_limits(value: Any) -> RunLimits:
     limits = _table("limits", value)
-    keys = ("memory", "timeout", "pids", "cpu", "output", "calls_per_second", "call_burst")
+    keys = ("memory", "timeout", "pids", "cpu", "output", "calls_per_second", "call_burst",
+            "calls")  # fmt: skip
     _known("limits", limits, keys)
-    memory = timeout = pids = cpu = output = burst = None
+    memory = timeout = pids = cpu = output = burst = calls = None
     rate: float | None = None
     if "memory" in limits:
         memory = _parse_size("limits.memory", limits["memory"])
@@ -557,7 +564,15 @@ def _parse_limits(value: Any) -> RunLimits:
                 f"limits.call_burst must be a positive integer up to {MAX_CALL_BURST}, not {raw!r}"
             )
         burst = raw
-    return RunLimits(memory, timeout, pids, cpu, output, rate, burst)
+    if "calls" in limits:
+        raw = limits["calls"]
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 1 <= raw <= MAX_CALLS:
+            raise UsageError(
+                f"limits.calls must be a positive integer up to {MAX_CALLS}, not {raw!r}",
+                hint=f"the most calls one run may make at the broker (default {DEFAULT_CALLS})",
+            )
+        calls = raw
+    return RunLimits(memory, timeout, pids, cpu, output, rate, burst, calls)
 
 
 def _parse_lifecycle(value: Any) -> Lifecycle:

@@ -1,7 +1,10 @@
+"""Tenants: the boundary of data, policy and logs; freezing one; its ledger quota."""
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, utc_now
@@ -9,6 +12,37 @@ from proctor.store import Conn, Store
 
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 _RESERVED = frozenset({SYSTEM_LOG})
+
+#: Events a tenant's log takes a (UTC) day before the broker refuses its runs'
+#: calls, unless an admin sets another quota: ~115 events/s all day, or some 300
+#: runs at their default bound of 10,000 calls (one to three events each).
+DEFAULT_LEDGER_QUOTA = 10_000_000
+#: The largest quota an admin may set (well inside the integers JSON carries exactly).
+MAX_LEDGER_QUOTA = 10**12
+
+
+class LedgerDay(NamedTuple):
+    """A tenant's ledger quota and what its log took of it on ``day`` (UTC, the
+    ledger's clock): the events ``first`` .. ``size - 1``; and the day's refusal
+    event (seq, reason), if the quota was reached already."""
+
+    day: str
+    quota: int
+    first: int
+    size: int
+    refusal: tuple[int, str] | None = None
+
+    @property
+    def events(self) -> int:
+        return self.size - self.first
+
+
+@dataclass(frozen=True)
+class LedgerQuotaSetting:
+    tenant: str
+    events_per_day: int
+    set_by: str | None  # None: the default, never set
+    set_at: str | None
 
 
 def validate_tenant_name(name: str) -> str:
@@ -85,6 +119,94 @@ class Tenants:
         draft = EventDraft(actor, action, f"tenant/{name}", reason=reason or status)
         self._ledger.append(name, draft, hook=update, then=(SYSTEM_LOG, lambda _: draft))
         return self.get(name)
+
+    def ledger_quota(self, name: str) -> LedgerQuotaSetting:
+        """The tenant's ledger quota (events a UTC day), or the default."""
+        self.get(name)
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT events_per_day, set_by, set_at FROM tenant_quotas WHERE tenant = ?",
+                (name,),
+            )
+        if row is None:
+            return LedgerQuotaSetting(name, DEFAULT_LEDGER_QUOTA, None, None)
+        return LedgerQuotaSetting(name, int(row[0]), str(row[1]), str(row[2]))
+
+    def set_ledger_quota(self, name: str, events_per_day: int, actor: Actor) -> LedgerQuotaSetting:
+        """Set how many events the tenant's log takes a day before its runs' calls are
+        refused (control-plane actions are never refused by it); recorded."""
+        if (
+            isinstance(events_per_day, bool)
+            or not isinstance(events_per_day, int)
+            or not 1 <= events_per_day <= MAX_LEDGER_QUOTA
+        ):
+            raise UsageError(
+                f"a ledger quota is a number of events a day from 1 to {MAX_LEDGER_QUOTA},"
+                f" not {events_per_day!r}"
+            )
+        previous = self.ledger_quota(name)
+        now = self._ledger.now()
+
+        def write(conn: Conn) -> None:
+            conn.execute("DELETE FROM tenant_quotas WHERE tenant = ?", (name,))
+            conn.execute(
+                "INSERT INTO tenant_quotas (tenant, events_per_day, set_by, set_at)"
+                " VALUES (?, ?, ?, ?)",
+                (name, events_per_day, actor.id, now),
+            )
+
+        self._ledger.append(
+            name,
+            EventDraft(
+                actor,
+                "tenant.quota",
+                f"tenant/{name}",
+                reason=f"ledger quota set to {events_per_day} events a day",
+                details={"events_per_day": events_per_day, "previous": previous.events_per_day},
+            ),
+            hook=write,
+        )
+        return self.ledger_quota(name)
+
+    def ledger_day(self, name: str) -> LedgerDay:
+        """The tenant's quota and its log's events of today (UTC, the ledger's clock),
+        read from the store: what a restarted broker counts from."""
+        day = self._ledger.now()[:10]
+        with self._store.read() as conn:
+            quota = conn.query_one(
+                "SELECT events_per_day FROM tenant_quotas WHERE tenant = ?", (name,)
+            )
+            head = conn.query_one("SELECT size FROM ledger_logs WHERE log = ?", (name,))
+            if head is None:
+                raise NotFound(f"unknown tenant {name!r}", hint="`proctor tenant list` shows them")
+            # The day's first event by the (log, time) index: one lookup, however many
+            # events the day holds. Times are fixed-width, so '<day>' sorts before them.
+            first = conn.query_one(
+                "SELECT seq FROM ledger_entries WHERE log = ? AND time >= ? ORDER BY time LIMIT 1",
+                (name, day),
+            )
+            refused = conn.query_one(
+                "SELECT seq, reason FROM ledger_quota_refusals WHERE tenant = ? AND day = ?",
+                (name, day),
+            )
+        size = int(head[0])
+        return LedgerDay(
+            day,
+            int(quota[0]) if quota is not None else DEFAULT_LEDGER_QUOTA,
+            int(first[0]) if first is not None else size,
+            size,
+            (int(refused[0]), str(refused[1])) if refused is not None else None,
+        )
+
+    def ledger_quota_refused(self, name: str, day: str, seq: int, reason: str) -> None:
+        """Note the day's refusal event (already in the tenant's log), so that a broker
+        started later that day names it instead of recording another."""
+        with self._store.write() as conn:
+            conn.execute(
+                "INSERT INTO ledger_quota_refusals (tenant, day, seq, reason) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (tenant, day) DO NOTHING",
+                (name, day, seq, reason),
+            )
 
     def find(self, name: str) -> Tenant | None:
         with self._store.read() as conn:

@@ -261,7 +261,8 @@ class Supervisor:
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )
-            record = self._finish(tenant, run_id, actor, dep, result, failure, output, stop)
+            record = self._finish(tenant, run_id, actor, dep, result, failure, output, stop,
+                                  scope)  # fmt: skip
             log_event(_log, "run.end", **run_log, outcome=record.status,
                       reason=record.reason, exit_code=record.exit_code)  # fmt: skip
             return record
@@ -313,6 +314,9 @@ class Supervisor:
                                    manifest.limits.call_burst or base.burst)  # fmt: skip
             limits_doc["calls_per_second"] = str(rate_limit.per_second)
             limits_doc["call_burst"] = rate_limit.burst
+        # The run's calls in all (the approved manifest's, else the broker's default).
+        call_bound = manifest.limits.calls or self.broker.call_bound
+        limits_doc["calls"] = call_bound
         scope = RunScope(
             tenant=tenant,
             run_id=run_id,
@@ -329,6 +333,13 @@ class Supervisor:
             lineage_key=rt.keys.lineage_key(tenant),
             allowed_ranges=rt.egress.get(tenant),
             rate_limit=rate_limit,
+            call_bound=call_bound,
+            # The tenant's events of the day, counted from its log in the store (so a
+            # restarted serve counts what came before it) against its quota.
+            ledger_quota=lambda: rt.tenants.ledger_day(tenant),
+            quota_refused=lambda day, seq, reason: rt.tenants.ledger_quota_refused(
+                tenant, day, seq, reason
+            ),
         )
         return scope, limits, limits_doc
 
@@ -458,7 +469,7 @@ class Supervisor:
     def _finish(
         self, tenant: str, run_id: str, actor: Actor, dep: Deployment,
         result: SandboxResult | None, failure: str | None, output: str,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, scope: RunScope | None = None,
     ) -> RunRecord:  # fmt: skip
         event_reason: str | None = None
         if result is None:
@@ -498,6 +509,14 @@ class Supervisor:
                 stderr_bytes=result.stderr_bytes,
                 memory_peak_bytes=result.memory_peak_bytes,
             )
+        if scope is not None:
+            # What the run's one call_bound or ledger_quota event does not say: how many
+            # calls it made, and how many were refused past the bound or the quota.
+            details["calls"] = {
+                "made": scope.calls, "bound": scope.call_bound,
+                "refused_over_bound": scope.refused_over_bound,
+                "refused_over_quota": scope.refused_over_quota,
+            }  # fmt: skip
         end = self.rt.ledger.append(
             tenant,
             # A start failure's text comes from the sandbox: cut to the event's budget.

@@ -316,4 +316,22 @@ SQLITE_MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX legal_holds_tenant ON legal_holds (tenant)",
     ],
+    # 12: a tenant's ledger quota (governance/_tenants.py): the events its log takes a
+    # (UTC) day before the broker refuses its runs' calls (no row: the default), and
+    # the day's one refusal event, so that a restarted broker names it, not another.
+    [
+        """CREATE TABLE tenant_quotas (
+            tenant TEXT PRIMARY KEY REFERENCES tenants (name),
+            events_per_day INTEGER NOT NULL,
+            set_by TEXT NOT NULL,
+            set_at TEXT NOT NULL
+        )""",
+        """CREATE TABLE ledger_quota_refusals (
+            tenant TEXT NOT NULL REFERENCES tenants (name),
+            day TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            reason TEXT NOT NULL,
+            PRIMARY KEY (tenant, day)
+        )""",
+    ],
 ]
