@@ -158,13 +158,32 @@ def serve_cmd(
     listen: Annotated[
         str, typer.Option("--listen", help="HOST:PORT to serve add-checkpoint on (port 0: any)")
     ] = "127.0.0.1:7380",
+    per_address: Annotated[
+        int,
+        typer.Option(
+            "--per-address",
+            min=1,
+            help="Connections one client address (an IPv6 /64) may hold at once",
+        ),
+    ] = 32,
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            "--request-timeout",
+            min=0.1,
+            help="Seconds a request has to arrive whole, or an idle connection to "
+            "send the next, before it is closed",
+        ),
+    ] = 10.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Serve the witness over HTTP (POST /add-checkpoint) until interrupted."""
+    """Serve the witness over HTTP (POST /add-checkpoint, GET /<sha256 of origin>/checkpoint)
+    until interrupted."""
     from proctor.witness import Witness, WitnessServer, parse_listen
 
     host, port = parse_listen(listen)
-    server = WitnessServer(Witness.open(state), host, port)
+    server = WitnessServer(Witness.open(state), host, port, per_address=per_address,
+                           request_timeout=request_timeout)  # fmt: skip
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -176,7 +195,9 @@ def serve_cmd(
     bound_host, bound_port = server.address
     if as_json:
         # One line: a supervisor (or a test) reads the address before any request.
-        emit_json_lines({"listen": f"{bound_host}:{bound_port}", "state": str(state)})
+        emit_json_lines({"listen": f"{bound_host}:{bound_port}", "state": str(state),
+                         "per_address": server.gate.per_address,
+                         "max_connections": server.gate.total})  # fmt: skip
     else:
         console.print(f"witness listening on http://{bound_host}:{bound_port}")
     sys.stdout.flush()
