@@ -24,9 +24,12 @@ import pytest
 from proctor.broker import Broker, BrokerError, Handlers, RunScope
 from proctor.broker._scope import CALL_BOUND_RULE, DEFAULT_CALL_BOUND, LEDGER_QUOTA_RULE
 from proctor.errors import UsageError
+from proctor.governance import Tenants
 from proctor.governance._manifest import DEFAULT_CALLS
-from proctor.ledger import Ledger
+from proctor.governance._tenants import DEFAULT_LEDGER_QUOTA, MAX_LEDGER_QUOTA
+from proctor.ledger import SYSTEM_LOG, Ledger
 from proctor.policy import compile_policies
+from tests.conftest import OPERATOR, LedgerEnv, draft
 from tests.e2e.conftest_gov import Gov, build_gov
 
 
@@ -195,3 +198,47 @@ def test_a_tenant_past_its_ledger_quota_is_refused_once_a_day_even_across_a_rest
         assert _call(c4.socket, c4.token)[0] == 200
         b.close_run("r4")
     assert led.verify("acme").size == len(_events(led))
+
+
+def test_the_days_count_and_refusal_are_read_alike_on_both_engines(
+    ledger_env: LedgerEnv,
+) -> None:
+    """What a (restarted) broker counts from: the day's first event by the time index,
+    the log's size, the quota (or the default), the day's one refusal, on either store."""
+    led, store = ledger_env.ledger, ledger_env.store
+    tenants = Tenants(store, led)
+    led.create_log(SYSTEM_LOG, draft(0))
+    tenants.create("acme", OPERATOR)
+    for i in range(3):
+        led.append("acme", draft(i))
+    today = tenants.ledger_day("acme")
+    assert (today.quota, today.first, today.size, today.refusal) == (
+        DEFAULT_LEDGER_QUOTA, 0, 4, None)  # fmt: skip
+    assert today.day == led.now()[:10]
+    tenants.set_ledger_quota("acme", 7, OPERATOR)
+    tenants.ledger_quota_refused("acme", today.day, 5, "refused: over")
+    tenants.ledger_quota_refused("acme", today.day, 9, "refused: again")  # the first is kept
+    again = tenants.ledger_day("acme")
+    assert (again.quota, again.events, again.refusal) == (7, 5, (5, "refused: over"))
+    assert tenants.ledger_quota("acme").set_by == OPERATOR.id
+    for bad in (0, -3, MAX_LEDGER_QUOTA + 1, True, 2.5):
+        with pytest.raises(UsageError, match="a ledger quota is a number of events a day"):
+            tenants.set_ledger_quota("acme", bad, OPERATOR)  # type: ignore[arg-type]
+    assert tenants.ledger_quota("acme").events_per_day == 7, "a refused setting changes nothing"
+    assert led.head("acme").size == 5
+
+
+def test_a_bound_whose_refusal_cannot_be_recorded_is_answered_503(gov: Gov) -> None:
+    """Fail closed: past the bound with the ledger gone, the answer is 503 not_recorded,
+    never an unrecorded refusal nor a call."""
+    led = gov.rt.ledger
+    with Broker(NO_CALLS, os.urandom(32)) as b:
+        channel = b.open_run(_scope(led, "r1", call_bound=1), ttl=60)
+        assert _call(channel.socket, channel.token)[0] == 200
+        size = led.head("acme").size
+        led.close()
+        answers = [_call(channel.socket, channel.token) for _ in range(3)]
+        b.close_run("r1")
+    assert {(s, body["error"]) for s, _, body in answers} == {(503, "not_recorded")}
+    assert all("seq" not in body for _, _, body in answers)
+    assert [json.loads(e)["action"] for e in led.entries("acme")][size - 1 :] == ["broker.whoami"]
