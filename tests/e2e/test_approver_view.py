@@ -179,6 +179,12 @@ def test_an_approver_reads_the_code_back_byte_for_byte(env: Env) -> None:
     remote_tar = env.tmp / "v1-remote.tar"
     env.remote("artifact", "download", "-t", "acme", env.v1, "-o", str(remote_tar))
     assert remote_tar.read_bytes() == out.read_bytes()
+    # -o - is stdout, as for `bucket get` (it once wrote a file named "-").
+    assert env.cli("artifact", "download", "-t", "acme", prefix, "-o", "-").raw == out.read_bytes()
+    assert env.remote("artifact", "download", env.v1, "-o", "-").raw == out.read_bytes()
+    both = env.cli("artifact", "download", prefix, "-o", "-", "--json", check=False)
+    assert both.code == 2 and "--json needs -o FILE" in both.err and both.raw == b""
+    assert not Path("-").exists()
     # Submitting what the tar extracts to is the same artifact.
     unpacked = env.tmp / "unpacked"
     with tarfile.open(out) as tar:

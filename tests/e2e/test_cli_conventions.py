@@ -211,10 +211,14 @@ def test_every_command_and_option_has_help_and_no_type_metavar() -> None:
                 missing.append(f"proctor {path}: {name} has no help text")
     assert not missing, "\n".join(missing)
     shown = re.compile(r"<(bool|str|int|float|path|text)>")
+    # typer's usage line writes a required argument as `{digest}:TEXT`.
+    in_usage = re.compile(r"\{\w+\}|\b\w+:[A-Z]+\b")
     for path, _ in _walk():
         code, out, err = invoke([*path.split(), "--help"])
         assert code == 0, (path, err)
         assert not shown.search(out), f"proctor {path} --help shows {shown.search(out)}"
+        usage = " ".join(line for line in out.splitlines() if "Usage:" in line)
+        assert "Usage:" in usage and not in_usage.search(usage), f"proctor {path}: {usage}"
     code, out, _ = invoke(["--version"])
     from proctor import __version__
 

@@ -43,6 +43,23 @@ def _metavar(self: _click_types.ParamType, param: object, ctx: object) -> str | 
 
 
 _click_types.ParamType.get_metavar = _metavar  # type: ignore[method-assign]
+_typer_metavar = typer.core.TyperArgument.make_metavar
+
+
+def _argument_metavar(self: typer.core.TyperArgument, ctx: object, *, usage: bool = False) -> str:
+    # typer writes a required argument in a usage line as `{digest}:TEXT`; people read
+    # click's `DIGEST`, `[DIGEST]` when optional, `DIGEST...` when it takes several.
+    if not usage:
+        return str(_typer_metavar(self, ctx, usage=usage))  # type: ignore[arg-type]
+    var = self.metavar or (self.name or "").upper()
+    if var.startswith("["):
+        return var
+    if self.nargs != 1 and not var.endswith("..."):
+        var += "..."
+    return var if self.required else f"[{var}]"
+
+
+typer.core.TyperArgument.make_metavar = _argument_metavar  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="proctor",

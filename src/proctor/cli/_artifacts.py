@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 from rich.console import Console
@@ -405,7 +407,20 @@ def artifact_download(
     home: HomeOpt = None,
 ) -> None:
     """Write the artifact's exact tree as a tar: submitting what it extracts to gives
-    the same digest."""
+    the same digest. With -o -, the tar goes to stdout."""
+    if str(output) == "-":
+        if as_json:
+            raise UsageError(
+                "with -o -, stdout carries the tar; --json needs -o FILE",
+                hint="`proctor artifact show --files --json` lists the files and digests",
+            )
+        # Spooled first, so a refusal or failure midway leaves stdout empty, not a torn tar.
+        with tempfile.TemporaryFile() as spool:
+            _write_artifact_tar(digest, tenant, token, home, spool)
+            spool.seek(0)
+            shutil.copyfileobj(spool, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
     if output.is_dir():
         raise UsageError(
             f"{output} is a directory", hint="give the tar file's name, e.g. -o job.tar"
@@ -413,14 +428,7 @@ def artifact_download(
     tmp = output.with_name(f".{output.name}.{secrets.token_hex(4)}.part")
     try:
         with tmp.open("wb") as out:
-            if (client := remote(token)) is not None:
-                full = client.download_artifact(_remote_tenant(client, tenant), digest, out)
-            else:
-                with open_runtime(home) as rt:
-                    t = _local_tenant(rt, token, tenant, digest)
-                    full = (
-                        _artifacts(rt, token, t, "artifact.read").write_tar(t, digest, out).digest
-                    )
+            full = _write_artifact_tar(digest, tenant, token, home, out)
         size = tmp.stat().st_size
         os.replace(tmp, output)
     finally:
@@ -429,6 +437,16 @@ def artifact_download(
         emit_json({"digest": full, "path": str(output), "bytes": size})
         return
     console.print(f"wrote {_shown(str(output))} ({_size(size)}), the tree of {full}")
+
+
+def _write_artifact_tar(
+    digest: str, tenant: str | None, token: str | None, home: Path | None, out: BinaryIO
+) -> str:
+    if (client := remote(token)) is not None:
+        return client.download_artifact(_remote_tenant(client, tenant), digest, out)
+    with open_runtime(home) as rt:
+        t = _local_tenant(rt, token, tenant, digest)
+        return _artifacts(rt, token, t, "artifact.read").write_tar(t, digest, out).digest
 
 
 @artifact_app.command("review")
