@@ -63,9 +63,12 @@ def test_the_readme_quick_start_runs_verbatim(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"the quick start failed ({proc.returncode}):\n{text}"
     assert "Traceback" not in text
     assert "customers by country: [['DE', 50], ['FR', 50]]" in text
-    # What the job wrote, where the README says, through the command a person uses.
-    report = tmp_path / "home" / "buckets" / "acme" / "reports" / "by-country.json"
-    assert json.loads(report.read_text()) == [["DE", 50], ["FR", 50]]
+    # What the job wrote, fetched by the README's own `bucket get`, and the code alice
+    # approved read back by `artifact cat`, byte for byte.
+    assert json.loads((work / "by-country.json").read_text()) == [["DE", 50], ["FR", 50]]
+    assert (work / "approved-main.py").read_bytes() == (work / "my-job" / "main.py").read_bytes()
+    for needed in ("bucket get", "artifact cat"):
+        assert f"proctor {needed}" in script, f"the quick start lacks proctor {needed}"
     runs = subprocess.run([PROCTOR, "runs", "list", "-t", "acme", "--json"], env=env,
                           capture_output=True, check=True, timeout=60)  # fmt: skip
     (run,) = json.loads(runs.stdout)
