@@ -455,6 +455,26 @@ def test_demo_keeps_every_file_in_its_home(demo_home: Path, tmp_path: Path) -> N
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.host
+def test_two_demos_share_a_folder_and_one_is_replaced(tmp_path: Path) -> None:
+    # The symptom: a second demo beside the first wrote into their shared parent
+    # and died on the first one's database. Each now keeps to its home, and --replace
+    # runs one again from nothing.
+    parent = tmp_path / "demos"
+    parent.mkdir()
+    for name in ("a", "b"):
+        run_cli("demo", "--home", str(parent / name))
+    assert sorted(p.name for p in parent.iterdir()) == ["a", "b"]
+    run_cli("demo", "--home", str(parent / "a"), "--replace")
+    assert sorted(p.name for p in parent.iterdir()) == ["a", "b"]
+    for name in ("a", "b"):
+        home = parent / name
+        run_cli("audit", "verify", "-t", "acme", home=home)
+        vkey = run_cli("key", "show", home=home).out.strip().splitlines()[-1]
+        pack = home / "demo" / "acme-evidence.zip"
+        run_cli("evidence", "verify", str(pack), "--key", vkey, home=home)
+
+
 # -- deploy tells what the tenant lacks ------------------------------------------------
 
 
