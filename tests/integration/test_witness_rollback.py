@@ -10,10 +10,16 @@ ledger's clock back-dated, so the events it stamps are hours old for real."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sqlite3
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,7 +27,7 @@ import pytest
 from proctor.governance import Tenants
 from proctor.ledger import Actor, EventDraft, Ledger
 from proctor.runtime import Runtime
-from proctor.witness import TenantWitnesses
+from proctor.witness import TenantWitnesses, Witness
 from tests.conftest import run_cli
 from tests.integration.test_witness import (  # noqa: F401  (the fixture)
     Witnesses,
@@ -69,6 +75,32 @@ def _restore(backup: Path, db: Path) -> None:
     db.write_bytes(backup.read_bytes())
 
 
+@contextmanager
+def _replaying(answer: str) -> Iterator[str]:
+    """An HTTP server on loopback that gives ``answer`` to every GET: its URL."""
+
+    class Replay(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = answer.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
 def _verify(home: Path, *args: str) -> tuple[int, str, dict[str, object] | None]:
     got = run_cli("audit", "verify", "-t", "acme", *args, "--json", home=home, check=False)
     return got.code, got.err, json.loads(got.out) if got.code == 0 else None
@@ -95,6 +127,13 @@ def test_a_store_rolled_back_past_the_witness_fails_verify(
     n = _append(home, "call", 5)
     assert _submit(home) == [(True, 200, "cosigned")]
     _backup(db, tmp_path / "backup.db")
+    # What the witness answered then, recorded by the operator; made here with the
+    # witness's own key and clock set an hour back, as if recorded an hour ago.
+    then = Witness.open(w.state)
+    old_answer = Witness(w.state, then.cosigner, clock=lambda: time.time() - 3600).checkpoint(
+        hashlib.sha256(b"proctor.local/tenant/acme").hexdigest()
+    )
+    assert old_answer is not None and old_answer.split("\n")[1] == str(n)
     m = _append(home, "call", 3)
     assert _submit(home) == [(True, 200, "cosigned")]
     assert w.show()["logs"][0]["size"] == m  # type: ignore[index]
@@ -137,6 +176,18 @@ def test_a_store_rolled_back_past_the_witness_fails_verify(
     assert code == 3, err
     assert "does not extend the checkpoint witness witness.test/rb1 last cosigned" in err
     assert f"size {m}" in err
+    # The operator points the tenant's registered URL at a replay of the old answer
+    # (a checkpoint the forked log does extend): refused, the answer is not fresh ...
+    with _replaying(old_answer) as replay:
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE tenant_witnesses SET url = ? WHERE tenant = 'acme'", (replay,))
+        conn.close()
+        code, err, _ = _verify(home, *policy)
+    assert code == 3, err
+    assert re.search(r"made 36\d\d s ago, not when asked: an old answer replayed", err), err
+    # ... and an auditor who pins the witness's URL does not use the store's at all.
+    code, err, _ = _verify(home, *policy, "--witness-url", w.url)
+    assert code == 3 and "does not extend" in err, err
 
     # Rolled back without growing past M: smaller than what the witness cosigned.
     _restore(tmp_path / "backup.db", db)

@@ -41,6 +41,9 @@ class _Server(ThreadingHTTPServer):
     and arms the deadline of each request its handlers wait for."""
 
     daemon_threads = True
+    # Stopping must not wait for clients that hold their connections: the threads
+    # are daemons and end with the process.
+    block_on_close = False
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: Any, gate: ConnectionGate,

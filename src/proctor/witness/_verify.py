@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -42,6 +43,8 @@ from proctor.witness._tenant import DEFAULT_MAX_AGE, TenantWitnesses
 
 #: How long a verifier waits for one witness's answer (seconds).
 ASK_TIMEOUT = 10.0
+#: How far a witness's answer's cosignature time may be from the verifier's clock.
+ANSWER_SKEW = 300
 #: A witness's answer is one checkpoint note: anything larger is not one.
 MAX_ANSWER = 64 * 1024
 
@@ -62,6 +65,7 @@ class WitnessAnswer:
     url_from: str | None
     checkpoint: Checkpoint | None = None
     note: str | None = None
+    #: The time of the witness's cosignature on its answer (made when it answered).
     cosigned_at: int | None = None
     error: str | None = None
 
@@ -203,12 +207,29 @@ def _ask_one(
                 why = f"at {url} answered a cosignature that does not verify: {exc.message}"
                 return WitnessAnswer(witness.name, witness.vkey(), url, source, error=why)
             if stamp is not None:
+                late = _stale(stamp, time.time())
+                if late is not None:
+                    why = f"at {url} answered a cosignature {late}"
+                    return WitnessAnswer(witness.name, witness.vkey(), url, source, error=why)
                 return WitnessAnswer(witness.name, witness.vkey(), url, source, cp, note, stamp)
     return WitnessAnswer(
         name, vkey, url, source,
         error=f"at {url} answered a checkpoint of size {cp.size} without a cosignature by "
         + (f"its key {vkey}" if only else "any --witness key"),
     )  # fmt: skip
+
+
+def _stale(stamp: int, now: float) -> str | None:
+    """Why a cosignature made at ``stamp`` is no answer given now (None: it is).
+
+    The witness cosigns its answer when it gives it: one made long ago is an old
+    answer replayed (by whoever controls the URL, or the path to it), which would
+    hide what the witness cosigned since."""
+    if stamp < now - ANSWER_SKEW:
+        return f"made {now - stamp:.0f} s ago, not when asked: an old answer replayed"
+    if stamp > now + ANSWER_SKEW:
+        return f"made {stamp - now:.0f} s in the future: the witness's clock or this one is wrong"
+    return None
 
 
 def hold_to_answers(

@@ -198,13 +198,32 @@ class Witness:
         return LogState(origin, tuple(keys), int(row[0]), bytes(row[1]), row[2])
 
     def checkpoint(self, origin_hash: str) -> str | None:
-        """The last cosigned checkpoint (with its cosignature) of the log whose
-        origin hashes to ``origin_hash`` (the spec's monitoring read)."""
+        """The last checkpoint cosigned of the log whose origin hashes to
+        ``origin_hash``, with the log's signatures and a cosignature made now.
+
+        Cosigning it again is what a witness may always do for the newest checkpoint
+        it holds (the cosignature's time says: as of then, this was consistent with
+        everything cosigned before); a fresh time lets a verifier refuse an old
+        answer replayed by whoever controls the path to the witness."""
         with self._db() as db:
             for origin, note in db.execute("SELECT origin, note FROM logs WHERE note IS NOT NULL"):
                 if hashlib.sha256(str(origin).encode()).hexdigest() == origin_hash:
-                    return str(note)
+                    text, lines = split_note(str(note))
+                    kept = [ln for ln in lines if not self._own_line(ln)]
+                    fresh = self.cosigner.cosign(text, max(1, int(self._clock())))
+                    return text + "\n" + "\n".join([*kept, fresh.rstrip("\n")]) + "\n"
         return None
+
+    def _own_line(self, line: str) -> bool:
+        """Whether a signature line is this witness's (its name and key id)."""
+        parts = line.split(" ")
+        if len(parts) != 3 or parts[1] != self.cosigner.name:
+            return False
+        try:
+            raw = base64.b64decode(parts[2], validate=True)
+        except binascii.Error:
+            return False
+        return raw[:4] == self.cosigner.verifier.key_id
 
     # -- add-checkpoint --------------------------------------------------------
 
