@@ -266,3 +266,10 @@ def test_an_allowed_statement_that_failed_is_a_failure() -> None:
     assert (out["action"], out["status"], out["status_detail"]) == ("Allowed", "Failure", "timeout")
     ok = ocsf(base("sql.select", resource="dataset/crm", dataset="crm", outcome="ok"))
     assert ok["status"] == "Success"
+
+
+def test_an_address_that_is_not_one_is_kept_not_mapped_to_ip() -> None:
+    out = ocsf(base("http.request", host="api.example.com", port=443, method="GET",
+                    address="api.example.com"))  # fmt: skip
+    assert "ip" not in out["dst_endpoint"]
+    assert out["unmapped"]["details"]["address"] == "api.example.com"

@@ -10,15 +10,22 @@ the profiles it declares in ``metadata.profiles`` (tests/ocsf_validate.py):
 - ``sql.*`` and ``file.*``: Datastore Activity (6005) with ``database`` /
   ``table`` or ``databucket``;
 - ``http.request``: HTTP Activity (4002), activity by method;
-- ``http.request.end``: Network Activity (4001), Close, with the traffic;
+- ``http.request.end``: HTTP Activity, with ``http_response``, when it records a
+  status; else (a tunnel's bytes, a connection that ended before any response)
+  Network Activity (4001), Close; both with the traffic;
 - everything else (secrets, control-plane actions): API Activity (6003).
 
-The decision is in ``action`` / ``disposition`` / ``status`` (the
-``security_control`` profile), the deciding policies in ``policy`` (the first)
-and ``authorizations`` (all); the run is ``metadata.correlation_uid``; a
-workload's deployment and artifact are ``actor.app_name`` / ``actor.app_uid``
+The decision is in ``action`` / ``disposition`` (the ``security_control``
+profile), how the action ended in ``status``, the deciding policies in ``policy``
+(the first) and ``authorizations`` (all); the run is ``metadata.correlation_uid``;
+a workload's deployment and artifact are ``actor.app_name`` / ``actor.app_uid``
 (another actor's are ``resources`` of an API Activity). What has no home in the
 schema goes to ``unmapped`` (docs/evidence.md lists it).
+
+A line says only what its event records: no policy an event does not cite (an
+allowed control-plane event cites none: it names none, not the default deny), no
+address in a ``hostname`` field, no source endpoint made up, no status the event
+does not hold (docs/evidence.md, per attribute, says what each is set from).
 """
 
 from __future__ import annotations
@@ -450,7 +457,7 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         scheme = _str(details.get("scheme"))
         path = _str(details.get("path"))
         _put(out, "dst_endpoint", _endpoint(host, port, _str(details.get("address"))) or None)
-        mapped.update(("host", "port", "address"))
+        mapped.update(("host", "port"))
         request: dict[str, Any] = {}
         if activity != 99:
             request["http_method"] = method
@@ -478,7 +485,7 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         out["traffic"] = {"bytes_out": up, "bytes_in": down, "bytes": up + down}
         _put(out, "duration", _int(details.get("duration_ms")))
         # duration is whole ms: the exact figure stays in unmapped.
-        mapped.update(("host", "port", "address", "bytes_up", "bytes_down"))
+        mapped.update(("host", "port", "bytes_up", "bytes_down"))
         if code is None:
             code = _int(details.get("answered"))
             if code is not None:
@@ -531,7 +538,10 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
     if status_detail is not None:
         mapped.add(_OUTCOME_KEY.get(action, "outcome"))
 
-    observables += _seen("dst_endpoint", out.get("dst_endpoint") or {})
+    dst = out.get("dst_endpoint") or {}
+    if dst.get("ip") == details.get("address"):
+        mapped.add("address")  # else kept in unmapped: it is not an address
+    observables += _seen("dst_endpoint", dst)
 
     approvals = ev.get("approvals") or []
     if approvals:
