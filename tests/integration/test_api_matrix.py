@@ -23,11 +23,11 @@ from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env
 
 ALLOWED = {
     "developer": {"tenant.read", "artifact.read", "artifact.submit", "deployment.read",
-                  "deployment.create", "run.read", "bucket.read"},
+                  "deployment.create", "run.read", "bucket.read", "run.events.read@own"},
     "approver": {"tenant.read", "artifact.read", "deployment.read", "run.read",
                  "approval.grant", "approval.reject"},
     "auditor": {"tenant.read", "artifact.read", "deployment.read", "run.read", "audit.read",
-                "policy.read", "run.events.read"},
+                "policy.read", "run.events.read", "run.events.read@own"},
 }  # fmt: skip
 WHO = {"developer": "dev", "approver": "alice", "auditor": "aud", "admin": "root"}
 
@@ -68,6 +68,11 @@ ACTIONS: dict[str, Call] = {
     "run.events.read": lambda h, t, f: h.get(
         f"/tenants/{t}/events", params={"run": f"r-matrix-{t}", "limit": 1}
     ),
+    # A run of a deployment the developer created: theirs to read, not an approver's.
+    # (An action written `x@case` is Cedar's action x on another resource.)
+    "run.events.read@own": lambda h, t, f: h.get(
+        f"/tenants/{t}/events", params={"run": f"r-own-{t}", "limit": 1}
+    ),
     "policy.read": lambda h, t, f: h.get(f"/tenants/{t}/policy"),
     "policy.set": lambda h, t, f: h.put(f"/tenants/{t}/quorum", json={"required": 1}),
     "approval.grant": lambda h, t, f: h.post(
@@ -103,17 +108,22 @@ def matrix_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiEn
         digest = env.rt.artifacts.submit(t, directory, env.rt.operator).digest
         env.rt.principals.create(t, "spare", "user", ["auditor"], env.rt.operator)
         env.rt.resources.add_bucket(t, "reports", env.rt.operator)
+        dev = env.rt.principals.get(t, "dev")
+        env.rt.deployments.deploy(t, env.rt.artifacts.get(t, digest), "own",
+                                  environment="sandbox", instruction="the developer's own",
+                                  actor=dev.actor)  # fmt: skip
         with env.rt.store.write() as conn:
             Runs.insert(conn, _run_row(t, f"r-matrix-{t}"), "matrix")
+            Runs.insert(conn, _run_row(t, f"r-own-{t}", "own"), "matrix")
     yield env, Fx(digest, _tar(directory), itertools.count())
     env.server.stop()
     env.rt.close()
 
 
-def _run_row(tenant: str, run_id: str) -> tuple[Any, ...]:
-    """A finished run's values in RunRecord's field order."""
-    return (run_id, tenant, "ops", 1, "sha256:" + "0" * 64, "sandbox",
-            f"spiffe://proctor.local/tenant/{tenant}/deployment/ops/run/{run_id}", "[]",
+def _run_row(tenant: str, run_id: str, deployment: str = "ops") -> tuple[Any, ...]:
+    """A finished run's values in RunRecord's field order (version 1 of ``deployment``)."""
+    return (run_id, tenant, deployment, 1, "sha256:" + "0" * 64, "sandbox",
+            f"spiffe://proctor.local/tenant/{tenant}/deployment/{deployment}/run/{run_id}", "[]",
             "bubblewrap", None, "succeeded", None, 0, 1, "{}", None, utc_now(), utc_now())  # fmt: skip
 
 
@@ -128,20 +138,21 @@ def test_role_matrix(role: str, matrix_env: tuple[ApiEnv, Fx]) -> None:
     with env.http("acme", WHO[role]) as http:
         for action, call in ACTIONS.items():
             for target in ("acme", "globex"):
-                rid = f"m-{role}-{action}-{target}"
+                rid = f"m-{role}-{action.replace('@', '.')}-{target}"
                 resp = _call(http, call, target, fx, rid)
+                cedar = action.partition("@")[0]
                 own = target == "acme"
                 if not own:
                     assert resp.status_code == 404, (role, action, target, resp.text)
                     assert resp.json()["error"]["code"] == "not_found"
-                    expected[rid] = ("deny", action)
+                    expected[rid] = ("deny", cedar)
                 elif _allowed(role, action):
                     assert resp.status_code in (200, 201), (role, action, resp.text)
-                    expected[rid] = ("allow", action)
+                    expected[rid] = ("allow", cedar)
                 else:
                     assert resp.status_code == 403, (role, action, resp.text)
                     assert resp.json()["error"]["code"] == "forbidden"
-                    expected[rid] = ("deny", action)
+                    expected[rid] = ("deny", cedar)
     # Each request is in the caller's own tenant log, with its decision.
     recorded = {
         e["details"]["request_id"]: (e["decision"], e["details"]["action"])  # type: ignore[index]
