@@ -20,7 +20,7 @@ import pytest
 
 from proctor.api import Limits
 from proctor.client import Client
-from proctor.errors import LedgerError, NotFound, ProctorError, UsageError
+from proctor.errors import LedgerError, NotFound, NotReady, ProctorError, UsageError
 from proctor.governance import ApprovalRequired, AuthenticationFailed, ControlDenied
 from proctor.ledger import Actor, EventDraft, open_checkpoint, root_from_inclusion
 from tests.integration.test_api_support import ApiEnv, api_env, artifact_dir, build_env
@@ -110,6 +110,18 @@ def test_a_submission_through_the_api_carries_what_deploy_would_refuse(
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["digest"] == art["digest"]  # stdout: the artifact alone
     assert res.stderr.count("warning:") == 2 and "proctor dataset add -t acme billing" in res.stderr
+    # Approved, the same findings refuse a production deploy through the API: 409
+    # not_ready, with the fix, and no deployment made.
+    client(api_env, "alice").approve("acme", art["digest"], comment="read it")
+    client(api_env, "bob").approve("acme", art["digest"], comment="read it too")
+    with pytest.raises(NotReady) as refused:
+        client(api_env, "dev").deploy("acme", art["digest"], "needs-setup",
+                                      instruction="first try", environment="production")  # fmt: skip
+    assert refused.value.code == "not_ready" and refused.value.status == 409
+    said = f"{refused.value.message} {refused.value.hint}"
+    assert "proctor dataset add -t acme billing" in said, said
+    names = [d["name"] for d in client(api_env, "dev").deployments("acme")]
+    assert "needs-setup" not in names
 
 
 def test_upload_is_refused_when_unsafe_or_too_large(api_env: ApiEnv) -> None:
