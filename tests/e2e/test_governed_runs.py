@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -137,8 +138,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.parametrize("backend", EVERY)
 def test_a_crashing_service_is_restarted_then_stopped_as_a_crash_loop(
-    gov: Gov, backend: str
+    gov: Gov, backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="proctor.lifecycle")
     digest = submit(gov, main=CRASHER, caps=SERVICE, name="svc")
     gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "svc",
                               environment="sandbox", mode="service", instruction="svc",
@@ -160,6 +162,15 @@ def test_a_crashing_service_is_restarted_then_stopped_as_a_crash_loop(
     assert all(e["details"]["status"] == "failed" for e in ends)
     stopped = [e for e in events(gov) if e["action"] == "deployment.stopped"]
     assert "crash loop" in stopped[-1]["reason"]
+    # serve's log says the same, a line per restart and one for the stop (docs/operations.md).
+    said = [(r.proctor_event, r.proctor_fields) for r in caplog.records  # type: ignore[attr-defined]
+            if getattr(r, "proctor_fields", {}).get("deployment") == "svc"]  # fmt: skip
+    restarts = [f for ev, f in said if ev == "service.restart"]
+    assert [f["attempt"] for f in restarts] == [2, 3], said
+    assert [f["last_run"] for f in restarts] == [e["run"] for e in starts[:2]]
+    assert [f for ev, f in said if ev == "service.stopped"] == [
+        {"tenant": "acme", "deployment": "svc", "failures": 3, "reason": "crash loop"}
+    ]
 
 
 SLEEPER = """
