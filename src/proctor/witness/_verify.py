@@ -119,19 +119,28 @@ def fetch_cosigned(http: httpx.Client, url: str, origin: str) -> str:
     """The witness at ``url``'s answer for ``origin``: the newest checkpoint note it
     cosigned, not yet checked. Raises with a reason people can act on."""
     where = url.rstrip("/") + checkpoint_path(origin)
+    # Whoever answers at the URL may not be the witness: read at most MAX_ANSWER
+    # bytes, within one overall deadline, whatever it sends.
+    deadline = time.monotonic() + ASK_TIMEOUT
+    body = b""
     try:
-        resp = http.get(where)
+        with http.stream("GET", where) as resp:
+            status = resp.status_code
+            for chunk in resp.iter_bytes():
+                body += chunk
+                if len(body) > MAX_ANSWER or time.monotonic() > deadline:
+                    status = -1
+                    break
     except httpx.HTTPError as exc:
         why = str(exc) or type(exc).__name__
         raise VerificationFailed(f"cannot be reached at {url}: {why}") from exc
-    if resp.status_code == 404:
+    if status == 404:
         raise VerificationFailed(f"at {url} has cosigned no checkpoint of {origin}")
-    if resp.status_code != 200 or len(resp.content) > MAX_ANSWER:
-        raise VerificationFailed(
-            f"at {url} answered {resp.status_code} to {checkpoint_path(origin)}, not a checkpoint"
-        )
+    if status != 200:
+        what = f"answered {status}" if status > 0 else "answered too much or too slowly"
+        raise VerificationFailed(f"at {url} {what} to {checkpoint_path(origin)}, not a checkpoint")
     try:
-        return resp.content.decode("utf-8")
+        return body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise VerificationFailed(f"at {url} answered something that is not a note") from exc
 
