@@ -70,6 +70,8 @@ def _untruths(events: list[dict[str, Any]], lines: list[bytes]) -> list[str]:
             if seen["type_id"] == 2 and not _is_ip(seen["value"]):
                 found.append(f"{at}: {seen['name']} typed IP Address holds no IP")
         status = ev["details"].get("status")
+        if ev["action"] == "http.request.end" and status is None:
+            status = ev["details"].get("answered")  # Proctor's own answer, none upstream
         recorded = ev["action"].startswith("http.") and isinstance(status, int)
         if recorded and out.get("http_response", {}).get("code") != status:
             found.append(f"{at}: status {status} recorded, not its http_response.code")
