@@ -795,6 +795,7 @@ def history(
     at: Annotated[str, typer.Option(help="ISO 8601 time")],
     window: Annotated[str, typer.Option(help="Runs this close to --at count too")] = "1h",
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -808,7 +809,7 @@ def history(
         if as_json:
             emit_json(report)
         else:
-            _print_history(report)
+            _print_history(report, wide)
         return
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, "audit.read")
@@ -816,10 +817,10 @@ def history(
     if as_json:
         emit_json(report)
         return
-    _print_history(report)
+    _print_history(report, wide)
 
 
-def _print_history(report: dict[str, Any]) -> None:
+def _print_history(report: dict[str, Any], wide: bool) -> None:
     # The runs' effective sets (tenant set + permits + forbid), not the tenant's own alone.
     effective = ", ".join(report.get("policy_versions") or []) or "no run here"
     console.print(f"[bold]{report['tenant']}[/] at {report['at']}"
@@ -831,14 +832,14 @@ def _print_history(report: dict[str, Any]) -> None:
             d["name"], str(d["version"]), d["environment"], d["mode"], d["artifact"],
             ", ".join(d["approved_by"]), d["instruction"],
         )  # fmt: skip
-    print_table(table)
+    print_table(table, wide)
     table = make_table("run", "deployment", "status", "started", "ended", "data", "hosts",
                        "denied", "policy", ids=("run", "deployment", "policy"))  # fmt: skip
     for r in report["runs"]:
         table.add_row(r["id"], r["deployment"], r["status"], r["started_at"],
                       r["ended_at"] or "", ", ".join(r["data"]), ", ".join(r["hosts"]),
                       str(r["denied"]), r.get("policy_version") or "")  # fmt: skip
-    print_table(table)
+    print_table(table, wide)
 
 
 TenantArg = Annotated[str, typer.Argument(help="Tenant name")]
