@@ -85,7 +85,7 @@ ARGS: dict[str, list[str]] = {
     "evidence report": ["{TMP}/pack.zip", "-o", "{TMP}/report"],
     "evidence verify": ["{TMP}/pack.zip", "--key", "{VKEY}"],
     "history": ["-t", "acme", "--at", "now"],
-    "hold add": ["-t", "acme", "--run", "walk-run", "--reason", "the walk"],
+    "hold add": ["-t", "acme", "--run", "{R}", "--reason", "the walk"],
     "init": ["--home", "{TMP}/another-home"],
     "lineage": ["-t", "acme", "--dataset", "crm", "--key", "1"],
     "policy set": ["-t", "globex", "{TMP}/p.cedar"],
@@ -319,6 +319,16 @@ def test_every_printing_command_speaks_json(walk_home: tuple[Gov, dict[str, str]
                             env={**os.environ, "PROCTOR_HOME": str(gov.home), "COLUMNS": "50"},
                             timeout=60, check=True)  # fmt: skip
     assert doc["id"] in narrow.stdout.decode()
+    # --wide: each table at its natural width, one row a line, whatever the terminal's.
+    for cmd in (["runs", "list", "-t", "acme"], ["runs", "show", doc["id"], "-t", "acme"],
+                ["audit", "events", "-t", "acme", "--run", doc["id"]],
+                ["history", "-t", "acme", "--at", "now"]):  # fmt: skip
+        wide = subprocess.run([PROCTOR, *cmd, "--wide"], capture_output=True, timeout=60,
+                              env={**os.environ, "PROCTOR_HOME": str(gov.home), "COLUMNS": "50"},
+                              check=True).stdout.decode()  # fmt: skip
+        rows = [line for line in wide.splitlines() if doc["id"] in line or "│" in line]
+        assert max(len(line) for line in rows) > 50, (cmd, wide)
+        assert any(doc["id"] in line for line in wide.splitlines()), (cmd, wide)
 
     os.environ["WALK_SECRET"] = "s3cr3t-walk-value"
     try:

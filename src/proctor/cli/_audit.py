@@ -19,11 +19,13 @@ from proctor.cli._common import (
     JsonOpt,
     TenantOpt,
     TokenOpt,
+    WideOpt,
     acting,
     authorize_read,
     console,
     open_runtime,
     parse_time,
+    print_table,
     remote,
 )
 from proctor.cli._witness import (
@@ -158,6 +160,7 @@ def events(
         bool,
         typer.Option("--jsonl", help="JSON Lines: one event a line, its bytes exactly as hashed"),
     ] = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -174,7 +177,7 @@ def events(
             found: Iterable[bytes] = client.events(tenant, limit=limit, newest=True, **kw)
         else:
             found = itertools.islice(client.iter_events(tenant, **kw), limit)
-        _print_events(found, form)
+        _print_events(found, form, wide)
         return
     with open_runtime(home) as rt:
         log, flt = _local_read(rt, token, tenant, flt)
@@ -182,7 +185,7 @@ def events(
             found = query_events(rt.ledger, log, flt, limit=limit, newest=not from_start)
         else:
             found = iter_events(rt.ledger, log, flt)
-        _print_events(found, form)
+        _print_events(found, form, wide)
 
 
 def _local_read(
@@ -196,7 +199,7 @@ def _local_read(
     return rt.log_name(tenant), flt
 
 
-def _print_events(found: Iterable[bytes], form: str) -> None:
+def _print_events(found: Iterable[bytes], form: str, wide: bool = False) -> None:
     out = sys.stdout.buffer
     if form == "jsonl":
         for data in found:
@@ -215,7 +218,7 @@ def _print_events(found: Iterable[bytes], form: str) -> None:
     table = _events_table()
     for data in found:
         _event_row(table, json.loads(data))
-    console.print(table)
+    print_table(table, wide)
 
 
 @audit_app.command("tail")
@@ -573,7 +576,7 @@ class RunCalls:
     def as_json(self) -> list[dict[str, Any]]:
         return [_call_json(ev) for ev in (*self.denied, *self.allowed)]
 
-    def print(self, run: dict[str, Any]) -> None:
+    def print(self, run: dict[str, Any], wide: bool = False) -> None:
         console.print(
             f"run [bold]{escape(run['id'])}[/] of {escape(run['deployment'])} v{run['version']}"
             f" ({escape(run['environment'])}): {escape(run['status'])}"
@@ -600,7 +603,7 @@ class RunCalls:
                 f"[{style}]{call['decision']}[/]",
                 escape(why or call["reason"]),
             )
-        console.print(table)
+        print_table(table, wide)
         for kind, kept in (("deny", self.denied), ("allow", self.allowed)):
             if self.total[kind] > len(kept):
                 console.print(f"({self.total[kind] - len(kept)} more {kind} not shown: --limit)")

@@ -613,6 +613,7 @@ def runs_show(
         int, typer.Option(min=1, help="Show at most N refused and N allowed calls")
     ] = 200,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -648,7 +649,7 @@ def runs_show(
     if as_json:
         emit_json({**doc, "calls": calls.as_json(), **({"logs": out} if logs else {})})
         return
-    calls.print(doc)
+    calls.print(doc, wide)
     for stream, text in out.items():
         sys.stdout.write(f"--- {stream}\n{text}")
 
