@@ -123,12 +123,14 @@ def test_the_server_refuses_several_statements_even_past_our_parse(pg: PgEnv) ->
             assert "cannot insert multiple commands" in refused.value.detail
         finally:
             stmt.close()
-        # And the fetch step on its own, inside the analysed transaction.
+        # And the fetch step on its own, inside the analysed transaction: there the
+        # text also stands in parentheses (the answer's byte budget), where a second
+        # statement is a syntax error to the server.
         stmt = _Statement(pool, "SELECT id FROM customers", (), 5.0)
         try:
             accesses = stmt.analyse()
             stmt.sql = text
-            with pytest.raises(Exception, match="multiple commands"):
+            with pytest.raises(Exception, match=r"multiple commands|syntax error"):
                 stmt.run_read(accesses, 10)
         finally:
             stmt.close()

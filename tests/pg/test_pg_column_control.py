@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +24,8 @@ import psycopg
 import pytest
 
 from proctor.broker import CallDenied, DatasetBinding, RunScope, handle_sql
+from proctor.broker import _datasets as datasets_module
+from proctor.broker._datasets import AnswerBudget, AnswerTooLarge
 from proctor.broker._pg_sql import (
     _pool,
     close_pg_pools,
@@ -338,3 +341,127 @@ def test_allowed_columns_are_still_answered_in_every_shape(
     ev = last_event(ledger_env)
     assert (ev["decision"], ev["details"]["outcome"]) == ("allow", "ok")
     assert_no_forbidden_value(json.dumps(out))
+
+
+# -- bounded answers ---------------------------------------------------------------
+
+#: The issue's statement: 8,000 copies of each customer with 1,000 bytes each.
+FAN_OUT = "SELECT c.id, repeat('x', 1000) FROM customers c, generate_series(1, 8000) g"
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak resident memory since :func:`_reset_hwm` (bytes), where
+    Linux lets a process reset it; libpq's buffers are C memory tracemalloc misses."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def test_an_answer_never_makes_the_broker_hold_more_than_its_budget(
+    scope: RunScope, ledger_env: LedgerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget = 1 << 20
+    monkeypatch.setattr(datasets_module, "ANSWER_BYTES", budget)
+    assert sql(scope, "SELECT id FROM customers WHERE id = 1")["rows"] == [[1]]  # the login
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        with pytest.raises(AnswerTooLarge) as refused:
+            sql(scope, FAN_OUT)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    # Before: every row the cross join made was buffered, 10,001 of them decoded
+    # (about 11 MiB of Python objects here, 833 MiB of C memory in the issue).
+    assert peak <= budget, peak
+    assert refused.value.code == "too_large" and refused.value.status == 413
+    assert f"budget of {budget} bytes" in refused.value.message
+    ev = last_event(ledger_env)
+    assert ev["decision"] == "allow"  # Cedar permitted it; the answer was refused
+    assert ev["details"]["outcome"] == "too_large"
+    assert ev["details"]["answer_budget"] == budget
+    # Within the budget the same shape is answered, truncated at the row limit.
+    small = replace(scope, row_limit=100)
+    out = sql(small, FAN_OUT)
+    assert out["row_count"] == 100 and out["truncated"] is True
+
+
+def test_one_huge_value_is_stopped_by_the_server_before_it_is_sent(
+    scope: RunScope, ledger_env: LedgerEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One row can be as large as PostgreSQL allows (1 GB a value): the server
+    counts the answer's bytes and stops before sending the row that passes the
+    budget, so not even libpq's buffer holds it."""
+    budget = 1 << 20
+    monkeypatch.setattr(datasets_module, "ANSWER_BYTES", budget)
+    assert sql(scope, "SELECT id FROM customers WHERE id = 1")["rows"] == [[1]]
+    measured = _reset_hwm()
+    before = _vm_hwm() if measured else None
+    with pytest.raises(AnswerTooLarge):
+        # Made from a column, so that it is made while the statement runs (a constant
+        # expression is folded when the statement is planned: see docs/postgres.md).
+        sql(scope, "SELECT id, repeat(country, 32000000) FROM customers WHERE id = 1")
+    after = _vm_hwm() if measured else None
+    assert last_event(ledger_env)["details"]["outcome"] == "too_large"
+    if before is not None and after is not None:
+        # 64 MB would have arrived; the peak moved by far less (the process's other
+        # threads allocate a little meanwhile).
+        assert after - before < 32 << 20, (before, after)
+
+
+def test_the_runs_answers_in_flight_share_one_budget(
+    scope: RunScope, ledger_env: LedgerEnv
+) -> None:
+    run_budget = AnswerBudget(256 << 10)
+    scope.__dict__["_sql_answer_budget"] = run_budget
+    query = "SELECT c.id, repeat('x', 1000) FROM customers c, generate_series(1, 20) g"
+    assert sql(scope, query)["row_count"] == 100  # ~110 KB: within
+    # Another call of the run holds most of the budget meanwhile.
+    assert run_budget.take(200 << 10)
+    with pytest.raises(AnswerTooLarge) as refused:
+        sql(scope, query)
+    assert "this run's answers in flight" in refused.value.message
+    assert last_event(ledger_env)["details"]["outcome"] == "too_large"
+    run_budget.give(200 << 10)
+    assert sql(scope, query)["row_count"] == 100
+    # Each answer gave back what it held.
+    assert run_budget.take(256 << 10)
+
+
+BOUNDED_SHAPES = {
+    "order-kept": ("SELECT id FROM customers ORDER BY id DESC", [[42], [4], [3], [2], [1]]),
+    "columns-named-like-the-wrapper": (
+        "SELECT id AS q, plan AS q, country AS w FROM customers WHERE id = 1",
+        [[1, "pro", "GB"]],
+    ),
+    "trailing-semicolon-and-comment": (
+        "SELECT id FROM customers WHERE id = 2; -- the end",
+        [[2]],
+    ),
+    "trailing-line-comment": ("SELECT id FROM customers WHERE id = 3 -- ) q) w", [[3]]),
+    "set-operation": (
+        "(SELECT id FROM customers WHERE id = 1) UNION ALL (SELECT id FROM customers WHERE id = 2)",
+        [[1], [2]],
+    ),
+    "limit-offset": ("SELECT id FROM customers ORDER BY id LIMIT 2 OFFSET 1", [[2], [3]]),
+}
+
+
+@pytest.mark.parametrize("query, rows", list(BOUNDED_SHAPES.values()), ids=list(BOUNDED_SHAPES))
+def test_the_bounded_answer_is_the_statements_own(
+    scope: RunScope, query: str, rows: list[list[Any]]
+) -> None:
+    assert sql(scope, query)["rows"] == rows

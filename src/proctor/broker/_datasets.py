@@ -35,6 +35,49 @@ class StatementTimeout(BrokerError):
     status = 408
 
 
+class AnswerTooLarge(BadCall):
+    """A read's answer is larger than its budget (or the run's answers in flight
+    would be): refused, recorded; the guest asks for fewer rows or columns."""
+
+    code = "too_large"
+    status = 413
+
+
+#: Bytes one read's answer may make the broker hold (counted as PostgreSQL sends
+#: the rows, and again as the broker holds them).
+ANSWER_BYTES = 16 << 20
+#: Bytes the answers of one run's calls in flight may hold together.
+RUN_ANSWER_BYTES = 32 << 20
+
+
+class AnswerBudget:
+    """What one run's answers in flight hold, bounded. Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Hold ``n`` more bytes, if that stays within the limit."""
+        with self._lock:
+            if self._held + n > self.limit:
+                return False
+            self._held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._held = max(0, self._held - n)
+
+
+def run_answer_budget(scope: RunScope) -> AnswerBudget:
+    budget: AnswerBudget = scope.__dict__.setdefault(
+        "_sql_answer_budget", AnswerBudget(RUN_ANSWER_BYTES)
+    )
+    return budget
+
+
 class PlanRead(Protocol):
     """Columns a statement's plan orders rows by that the engine did not report as
     read (an index it reads through): decided as reads, named in the refusal."""
@@ -135,6 +178,25 @@ class Failed(Exception):
 
 class DatabaseRefused(Exception):
     """The database's own grants refused a statement Cedar permitted."""
+
+
+class TooLarge(Exception):
+    """The answer passed its byte budget (``run``: the run's answers in flight did)."""
+
+    def __init__(self, budget: int, *, run: bool = False) -> None:
+        super().__init__(budget)
+        self.budget, self.run = budget, run
+
+    def sentence(self) -> str:
+        if self.run:
+            return (
+                f"this run's answers in flight would hold more than its budget of"
+                f" {self.budget} bytes: wait for one, or ask for fewer rows or columns"
+            )
+        return (
+            f"the answer is larger than its budget of {self.budget} bytes: ask for fewer"
+            " rows or columns (LIMIT, a narrower select list)"
+        )
 
 
 class Statement(Protocol):
@@ -405,7 +467,7 @@ async def answer(
             return accesses, grants, None, None
         try:
             outcome = stmt.run_read(accesses, scope.row_limit)
-        except (TimedOut, Failed, DatabaseRefused) as exc:
+        except (TimedOut, Failed, DatabaseRefused, TooLarge) as exc:
             return accesses, grants, exc, None
         # Hashing one key per row is CPU work: here, not on the event loop.
         return accesses, grants, outcome, _lineage(scope, outcome)
@@ -457,6 +519,12 @@ async def answer(
         raise StatementTimeout(
             f"sql: the statement was stopped after {scope.statement_timeout:g} s"
         ) from None
+    except TooLarge as exc:
+        # Nothing is answered: the guest learns the budget and asks for less.
+        details["outcome"] = "too_large"
+        details["answer_budget"] = exc.budget
+        await scope.record(action, resource, decision, reason=reason, details=details)
+        raise AnswerTooLarge(f"sql: refused: {exc.sentence()}") from None
     except DatabaseRefused as exc:
         # Cedar permitted more than the database grants: the database has the last word.
         details["outcome"] = "refused_by_database"

@@ -73,6 +73,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -84,8 +85,10 @@ from pglast import ast as pgast
 from pglast import visitors as pgvisitors
 from psycopg import sql as pgsql
 
+from proctor.broker import _datasets as budgets
 from proctor.broker._datasets import (
     Accesses,
+    AnswerBudget,
     DatabaseRefused,
     Failed,
     IdleConnections,
@@ -94,8 +97,10 @@ from proctor.broker._datasets import (
     SqlCall,
     Statement,
     TimedOut,
+    TooLarge,
     answer,
     column_permitted,
+    run_answer_budget,
 )
 from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant
@@ -417,8 +422,16 @@ class _RolePool:
     """Connections of one run as its login role; reused across its calls. The
     login is created at the first statement and dropped by :meth:`close`."""
 
-    def __init__(self, dsn: str, role: str, login: str, allow: Callable[[str, str], bool]) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        role: str,
+        login: str,
+        allow: Callable[[str, str], bool],
+        budget: AnswerBudget | None = None,
+    ) -> None:
         self.dsn, self.role, self.login, self.allow = dsn, role, login, allow
+        self.budget = budget if budget is not None else AnswerBudget(budgets.RUN_ANSWER_BYTES)
         self._idle = IdleConnections[psycopg.Connection[Any]]()
         self._keys: dict[str, list[str] | None] = {}
         self._columns: dict[str, set[str]] = {}
@@ -485,7 +498,10 @@ def _pool(scope: RunScope, binding: DatasetBinding) -> _RolePool:
         def allow(table: str, column: str) -> bool:
             return column_permitted(scope, binding.name, binding, table, column)
 
-        pool = pools.setdefault(binding.name, _RolePool(binding.location, role, login, allow))
+        pool = pools.setdefault(
+            binding.name,
+            _RolePool(binding.location, role, login, allow, run_answer_budget(scope)),
+        )
     return pool
 
 
@@ -751,6 +767,8 @@ class _Statement(Statement):
         self.plan: Mapping[str, Any] = {}
         # Whether a result row may stand for several table rows (from the plan).
         self.coarse = True
+        # Bytes this statement's answer holds of the run's budget (given back at close).
+        self.held = 0
 
     def analyse(self) -> Accesses:
         try:
@@ -837,20 +855,87 @@ class _Statement(Statement):
     def _fetch(
         self, conn: psycopg.Connection[Any], sql: str, row_limit: int, key_width: int
     ) -> Outcome:
+        """The answer, read through a cursor a batch at a time: never more than the
+        answer's budget held, on the wire (the server stops the statement first,
+        :func:`bounded_statement`) or in the broker's rows."""
+        limit = budgets.ANSWER_BYTES
+        bounded = bounded_statement(sql, limit)
+        if bounded is None:
+            raise Failed("SyntaxError", "the statement cannot be read to its end")
         # The guest's text, as a prepared statement: the server runs one statement.
-        cur = conn.execute(sql, self.params, prepare=True)
-        raw = cur.fetchmany(row_limit + 1)
-        description = cur.description or []
-        out = Outcome(truncated=len(raw) > row_limit)
-        raw = raw[:row_limit]
-        width = len(description) - key_width
-        out.columns = [d.name for d in description[:width]]
-        out.rows = [[_json_value(v) for v in row[:width]] for row in raw]
+        conn.execute(f"DECLARE {_CURSOR} NO SCROLL CURSOR FOR {bounded}", self.params, prepare=True)
+        out = Outcome()
+        keys: list[str] = []
+        try:
+            self._read_rows(conn, out, keys, row_limit, key_width)
+        except BaseException:
+            # A keyed variant that failed is run again as written: what it held is
+            # given back first (and the rows let go now, not when the exception is).
+            out.rows.clear()
+            keys.clear()
+            self.pool.budget.give(self.held)
+            self.held = 0
+            raise
+        finally:
+            if conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
+                conn.execute(f"CLOSE {_CURSOR}")
+        out.truncated = len(out.rows) > row_limit
+        del out.rows[row_limit:]
         if key_width:
-            out.keys = [key_text([_json_value(v) for v in row[width:]]) for row in raw]
+            out.keys = keys[:row_limit]
         return out
 
+    def _read_rows(
+        self,
+        conn: psycopg.Connection[Any],
+        out: Outcome,
+        keys: list[str],
+        row_limit: int,
+        key_width: int,
+    ) -> None:
+        # The rows held stay under 7/8 of the budget: the rest is for the batch being
+        # read and the call's event.
+        limit = budgets.ANSWER_BYTES
+        rows_limit = limit - limit // 8
+        width = -1
+        held = 0  # what this answer holds in the broker (estimated from its objects)
+        batch = 32
+        while len(out.rows) <= row_limit:
+            want = min(batch, row_limit + 1 - len(out.rows))
+            try:
+                cur = conn.execute(f"FETCH FORWARD {want} FROM {_CURSOR}")
+                raw = cur.fetchall()
+            except psycopg.errors.InvalidTextRepresentation as exc:
+                if _BUDGET_MARK in str(exc):
+                    raise TooLarge(limit) from None
+                raise
+            if width < 0:
+                # The last column is the running byte count the server keeps.
+                width = len(cur.description or ()) - 1 - key_width
+                out.columns = [d.name for d in (cur.description or ())[:width]]
+            for row in raw:
+                values = [_json_value(v) for v in row[:width]]
+                size = _held_size(values)
+                if key_width:
+                    key = key_text([_json_value(v) for v in row[width : width + key_width]])
+                    keys.append(key)
+                    size += sys.getsizeof(key)
+                held += size
+                if held > rows_limit:
+                    raise TooLarge(limit)
+                if not self.pool.budget.take(size):
+                    raise TooLarge(self.pool.budget.limit, run=True)
+                self.held += size
+                out.rows.append(values)
+            if len(raw) < want:
+                break
+            # Batches of about a sixteenth of the budget, at the rows' size so far.
+            per_row = max(1, held // max(1, len(out.rows)))
+            batch = max(16, min(1000, (limit // 16) // per_row))
+
     def close(self) -> None:
+        held, self.held = self.held, 0
+        self.pool.budget.give(held)
         conn, self.conn = self.conn, None
         if conn is None:
             return
@@ -860,6 +945,49 @@ class _Statement(Statement):
         except psycopg.Error:
             conn.close()
         self.pool.give(conn)
+
+
+_CURSOR = "proctor_answer"
+#: What the server's refusal of an answer over its budget says (a cast that fails).
+_BUDGET_MARK = "proctor answer budget"
+_TRAILING = frozenset({"ASCII_59", "SQL_COMMENT", "C_COMMENT"})
+
+
+def bounded_statement(sql: str, limit: int) -> str | None:
+    """``sql`` (one SELECT, psycopg text) wrapped so that the server stops it,
+    before sending the row, once its rows' text passes ``limit`` bytes: the broker
+    never receives more than the budget, whatever one row holds. The rows and
+    their order are the statement's; one column is added last, the running total.
+    None if the statement's end cannot be found (what follows it: ``;``, comments,
+    is left out so that it can stand in parentheses)."""
+    try:
+        tokens = pglast.parser.scan(sql)
+    except pglast.parser.ParseError:
+        return None
+    body = [t for t in tokens if t.name not in _TRAILING]
+    if not body:
+        return None
+    text = sql[: body[-1].end + 1]
+    # ROW(q.*), not q: a column the statement names q would stand for the row. The
+    # guest's text is the statement by design (the run's login enforces what it reads).
+    head = (
+        "SELECT w.* FROM (SELECT q.*, sum(octet_length(ROW(q.*)::text))"
+        " OVER (ROWS UNBOUNDED PRECEDING) AS proctor_answer_bytes FROM (\n"
+    )
+    tail = (
+        f"\n) q) w WHERE CASE WHEN w.proctor_answer_bytes > {int(limit)}"
+        f" THEN ('{_BUDGET_MARK}: ' || w.proctor_answer_bytes)::int > 0 ELSE true END"
+    )
+    return head + text + tail
+
+
+def _held_size(value: Any) -> int:
+    """About what ``value`` holds in this process (its objects, nested)."""
+    if isinstance(value, list):
+        return sys.getsizeof(value) + sum(_held_size(v) for v in value)
+    if isinstance(value, dict):
+        return sys.getsizeof(value) + sum(_held_size(k) + _held_size(v) for k, v in value.items())
+    return sys.getsizeof(value)
 
 
 def _json_value(value: Any) -> Any:
