@@ -273,3 +273,42 @@ def test_an_address_that_is_not_one_is_kept_not_mapped_to_ip() -> None:
                     address="api.example.com"))  # fmt: skip
     assert "ip" not in out["dst_endpoint"]
     assert out["unmapped"]["details"]["address"] == "api.example.com"
+
+
+def api_request(decision: str = "allow", source: str | None = "203.0.113.7") -> dict[str, Any]:
+    """An ``api.request`` as the API records each request it decides (api/_context.py)."""
+    event = control("api.request", request_id="req_0123456789abcdef", source=source,
+                    method="POST", path="/tenants/acme/artifacts")  # fmt: skip
+    event["details"]["action"] = "artifact.submit"
+    event["resource"] = "tenant/acme"
+    if decision == "allow":
+        event.update(policies=["control:developer"], reason="artifact.submit allowed")
+    else:
+        event.update(decision="deny", policies=[],
+                     reason="no role of acme/alice permits artifact.submit")  # fmt: skip
+    return event
+
+
+def test_the_apis_record_of_a_request_names_its_client_and_the_role_policy() -> None:
+    out = ocsf(api_request())
+    assert out["src_endpoint"] == {"ip": "203.0.113.7"}
+    seen = {o["name"]: (o["type_id"], o["value"]) for o in out["observables"]}
+    assert seen["src_endpoint.ip"] == (2, "203.0.113.7")
+    assert out["api"] == {"operation": "artifact.submit", "service": {"name": "proctor"},
+                          "request": {"uid": "req_0123456789abcdef"}}  # fmt: skip
+    assert out["http_request"] == {"http_method": "POST",
+                                   "url": {"path": "/tenants/acme/artifacts"}}  # fmt: skip
+    # The role policy that permitted; the event records no version of it, so none.
+    assert out["policy"] == {"uid": "control:developer", "name": "control:developer",
+                             "is_applied": True}  # fmt: skip
+    assert "unmapped" not in out
+
+
+def test_the_apis_refusal_is_the_role_policys_default_deny() -> None:
+    out = ocsf(api_request("deny"))
+    assert out["policy"]["uid"] == "default-deny" and out["action"] == "Denied"
+
+
+def test_an_api_request_without_a_client_address_says_it_is_unknown() -> None:
+    out = ocsf(api_request(source=None))
+    assert out["src_endpoint"] == {"name": "client of acme/alice", "type_id": 0, "type": "Unknown"}

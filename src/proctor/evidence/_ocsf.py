@@ -242,8 +242,9 @@ def _who(
 
 
 # What a denial that cites no policy says when Cedar's default deny decided it
-# (``Decision.why``; the control plane's ``no role of <principal> permits it``).
-_DEFAULT_DENY = re.compile(r"no policy permits it|no role of .+ permits it")
+# (``Decision.why``; the control plane's ``no role of <principal> permits it``, the
+# API's ``no role of <principal> permits <action>``).
+_DEFAULT_DENY = re.compile(r"no policy permits it|no role of .+ permits ")
 
 
 def _version(
@@ -345,6 +346,43 @@ def _url(
     _put(url, "scheme", scheme)
     _put(url, "path", path)
     return url
+
+
+def _api_request(
+    out: dict[str, Any],
+    details: dict[str, Any],
+    mapped: set[str],
+    observables: list[dict[str, Any]],
+) -> str | None:
+    """What the API records of a request it decided: the control-plane action asked
+    for, the request's id, its HTTP method and path, and the client's address (the
+    encoded ``src_endpoint``, or None without one)."""
+    asked = _str(details.get("action"))
+    if asked:
+        out["api"]["operation"] = asked
+        mapped.add("action")
+    request_id = _str(details.get("request_id"))
+    if request_id:
+        out["api"]["request"] = {"uid": request_id}
+        mapped.add("request_id")
+    request: dict[str, Any] = {}
+    method = str(details.get("method") or "").upper()
+    if method in _HTTP_ACTIVITY:
+        request["http_method"] = method
+        mapped.add("method")
+    path = _str(details.get("path"))
+    if path:
+        request["url"] = {"path": path}
+        mapped.add("path")
+    if request:
+        out["http_request"] = request
+    client = _str(details.get("source"))
+    if client is None or not _is_ip(client):
+        return None
+    mapped.add("source")
+    src = {"ip": client}
+    observables += _seen("src_endpoint", src)
+    return _encode(src)
 
 
 def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
@@ -532,6 +570,8 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
             # A broker request refused: the status the broker answered it with.
             out["http_response"] = {"code": code}
             mapped.add("status")
+        if action == "api.request":
+            src = _api_request(out, details, mapped, observables) or src
     if not workload and class_uid != 6003:
         _put(unmapped, "deployment", deployment)
         _put(unmapped, "artifact", artifact)
