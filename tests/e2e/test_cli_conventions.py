@@ -356,6 +356,8 @@ def test_every_printing_command_speaks_json(walk_home: tuple[Gov, dict[str, str]
                 isinstance(parsed, list) and not all(isinstance(x, dict) for x in parsed)
             ):
                 problems.append(f"proctor {path} --json: not an object or array of objects")
+            if path.endswith(" list") and not isinstance(parsed, list):
+                problems.append(f"proctor {path} --json: a list prints one array (docs/cli.md)")
             assert "s3cr3t-walk-value" not in out + err, f"proctor {path} printed the secret"
         assert not problems, "\n".join(problems)
     finally:

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -265,19 +265,45 @@ def list_cmd(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """The tenant's witnesses, its witness policy, and how well witnessed its log is."""
-    from proctor.witness import TenantWitnesses
-
-    with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
-        status = TenantWitnesses(rt.store, rt.ledger).status(tenant)
+    """The tenant's witnesses, and how far each has cosigned its log. --json: one array,
+    one object a witness (`witness status` has the policy and the log's standing)."""
+    status = _status(tenant, token, home)
     if as_json:
-        emit_json(status)
+        emit_json([{**w, "cosigned_up_to": status["per_witness"][w["name"]]}
+                   for w in status["witnesses"]])  # fmt: skip
         return
     table = make_table("name", "url", "cosigned up to", "key", ids=("name", "url", "key"))
     for w in status["witnesses"]:
         table.add_row(w["name"], w["url"], str(status["per_witness"][w["name"]]), w["vkey"])
     print_table(table, wide)
+    _print_standing(status)
+
+
+@witness_app.command("status")
+def status_cmd(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """How well witnessed the tenant's log is: its size, the newest checkpoint a quorum
+    cosigned and how long ago, against the witness policy; each witness's progress."""
+    status = _status(tenant, token, home)
+    if as_json:
+        emit_json(status)
+        return
+    _print_standing(status)
+
+
+def _status(tenant: str, token: str | None, home: Path | None) -> dict[str, Any]:
+    from proctor.witness import TenantWitnesses
+
+    with open_runtime(home) as rt:
+        authorize_read(rt, token, tenant, "audit.read")
+        return TenantWitnesses(rt.store, rt.ledger).status(tenant)
+
+
+def _print_standing(status: dict[str, Any]) -> None:
     policy = status["policy"]
     age = status["newest_cosigned_age_seconds"]
     console.print(

@@ -317,7 +317,7 @@ class TenantWitnesses:
         return int(row[0]) if row is not None and row[0] is not None else 0
 
     def status(self, tenant: str) -> dict[str, Any]:
-        """How well witnessed the tenant's log is, for the evidence pack and `witness list`.
+        """How well witnessed the tenant's log is, for the evidence pack and `witness status`.
 
         ``newest_cosigned_age_seconds`` is how long ago the newest checkpoint with
         the policy's quorum was cosigned; ``uncosigned_for_seconds`` how long the log
