@@ -10,15 +10,18 @@ so is an object altered in the store before the pack was made.
 from __future__ import annotations
 
 import json
+import re
+import sqlite3
 import zipfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 
 from proctor.evidence import export_pack, lineage, verify_pack
-from proctor.ledger import lineage_keys, lineage_object
+from proctor.ledger import lineage_keys, lineage_leaf, lineage_object
 from proctor.runtime import Runtime
-from tests.conftest import copy_home
+from tests.conftest import copy_home, run_cli
 from tests.security.test_evidence_tamper import ALL, fails, rewrite
 
 
@@ -101,3 +104,152 @@ def test_an_object_altered_in_the_store_is_caught_in_the_pack(
 def _objects(rt: Runtime) -> list[tuple[object, ...]]:
     with rt.store.read() as conn:
         return [tuple(r) for r in conn.query("SELECT digest, data FROM ledger_objects")]
+
+
+# -- one real erasure cannot hide every read (issue 31, item 2) ----------------------
+#
+# A store writer without the signing key turns every other entry of every lineage
+# object into its leaf (count and root still verify), names a real erasure in each,
+# and deletes the key index: before erasures committed to their entries, lineage of
+# every other key found nothing and `audit verify` and `evidence verify` passed.
+
+
+def forge_erased(data: bytes, erasure: str) -> bytes | None:
+    """A lineage object (plain or erased, format 2) with every entry turned into its
+    leaf and ``erasure`` named, as a store writer forges it; None if not one."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None  # a policy text
+    if not isinstance(doc, dict) or doc.get("format") not in (
+        "proctor-lineage/2", "proctor-lineage-erased/2"):  # fmt: skip
+        return None
+    keys = [lineage_leaf(e[0], e[1]).hex() if isinstance(e, list) else e for e in doc["keys"]]
+    return json.dumps(
+        {"erasures": doc.get("erasures", [erasure]), "format": "proctor-lineage-erased/2",
+         "keys": keys}, sort_keys=True, separators=(",", ":"),
+    ).encode()  # fmt: skip
+
+
+def forge_store(db: Path, erasure: str) -> int:
+    """What the writer does to the SQLite file; returns how many entries it hid."""
+    hidden = 0
+    with closing(sqlite3.connect(db)) as conn:
+        for digest, data in conn.execute("SELECT digest, data FROM ledger_objects").fetchall():
+            new = forge_erased(bytes(data), erasure)
+            if new is None:
+                continue
+            hidden += sum(isinstance(e, list) for e in json.loads(data)["keys"])
+            conn.execute("UPDATE ledger_objects SET data = ? WHERE digest = ?", (new, digest))
+        conn.execute("DELETE FROM ledger_lineage")
+        conn.commit()
+    return hidden
+
+
+def _reads(home: Path, key: str) -> list[object]:
+    out = run_cli("lineage", "-t", "acme", "--dataset", "crm", "--key", key, "--json", home=home)
+    return list(json.loads(out.out)["read"])
+
+
+@pytest.fixture(scope="module")
+def erased(demo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """A copy of the demo after one real erasure (key 1, read by two runs), by the
+    CLI; its pack, and the erasure's id."""
+    base = tmp_path_factory.mktemp("erased")
+    home = copy_home(demo_home, base / "home")
+    done = json.loads(run_cli("erase", "-t", "acme", "--dataset", "crm", "--key", "1",
+                              "--request-ref", "DSR-31", "--json", home=home).out)  # fmt: skip
+    assert (done["events"], done["objects"]) == (2, 2)
+    run_cli("evidence", "export", "-t", "acme", "--from", ALL[0], "--to", ALL[1],
+            "-o", str(base / "erased.zip"), home=home)  # fmt: skip
+    return home, str(base / "erased.zip"), str(done["erasure"])
+
+
+def test_one_real_erasure_cannot_hide_every_read(
+    erased: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    template, _, erasure = erased
+    home = copy_home(template, tmp_path / "home")
+    # The legitimate erasure verifies, and key 2's reads are found.
+    run_cli("audit", "verify", "-t", "acme", home=home)
+    assert len(_reads(home, "2")) == 2
+    assert forge_store(home / "proctor.db", erasure) == 19_998
+    # What the attack buys: no read of any key is found any more.
+    assert _reads(home, "2") == [] and _reads(home, "777") == []
+    res = run_cli("audit", "verify", "-t", "acme", home=home, check=False)
+    assert res.code == 3, res.out + res.err
+    assert re.search(r"entry \d+ of lineage object sha256:[0-9a-f]{64} is erased, but no erasure "
+                     r"the object names lists it", res.err), res.err  # fmt: skip
+    pack = tmp_path / "forged.zip"
+    run_cli("evidence", "export", "-t", "acme", "--from", ALL[0], "--to", ALL[1],
+            "-o", str(pack), home=home)  # fmt: skip
+    res = run_cli("evidence", "verify", str(pack), home=home, check=False)
+    assert res.code == 3, res.out + res.err
+    assert re.search(r"lineage/[0-9a-f]{64}: entry \d+ of lineage object sha256:[0-9a-f]{64} is "
+                     r"erased, but no erasure", res.err), res.err  # fmt: skip
+
+
+def test_the_pack_itself_forged_the_same_way(erased: tuple[Path, str, str], tmp_path: Path) -> None:
+    """The same forgery made in the pack (manifest fixed), and the erasure's proof or
+    list altered or dropped: each is refused."""
+    _, pack, erasure = erased
+    good = Path(pack)
+    verify_pack(good)
+
+    def forge(files: dict[str, bytes]) -> None:
+        for name in [n for n in files if n.startswith("lineage/")]:
+            files[name] = forge_erased(files[name], erasure) or files[name]
+
+    fails(rewrite(good, tmp_path / "a.zip", forge), _vkey(good), "no erasure the object names")
+
+    def drop_lists(files: dict[str, bytes]) -> None:
+        for name in [n for n in files if n.startswith("erasures/lists/")]:
+            del files[name]
+
+    fails(rewrite(good, tmp_path / "b.zip", drop_lists), _vkey(good), "entry list .* is missing")
+
+    def widen_list(files: dict[str, bytes]) -> None:
+        # The list made to name every entry of every object: it no longer hashes to
+        # the digest the signed event carries.
+        forge(files)
+        (name,) = [n for n in files if n.startswith("erasures/lists/")]
+        doc = json.loads(files[name])
+        doc["entries"] = sorted(
+            ["sha256:" + n.removeprefix("lineage/"), i]
+            for n in files if n.startswith("lineage/")
+            for i in range(len(json.loads(files[n])["keys"]))
+        )  # fmt: skip
+        files[name] = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    fails(rewrite(good, tmp_path / "c.zip", widen_list), _vkey(good), "does not hash to its digest")
+
+
+def test_the_key_index_is_held_to_the_objects(
+    erased: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    """The index alone: a row deleted hides a read from `proctor lineage`, a row added
+    frames one; `audit verify` names either (the pack holds no index)."""
+    template, _, _ = erased
+    home = copy_home(template, tmp_path / "home")
+    db = home / "proctor.db"
+    with closing(sqlite3.connect(db)) as conn:
+        seq, key = conn.execute("SELECT seq, key FROM ledger_lineage ORDER BY seq, key"
+                                " LIMIT 1 OFFSET 2500").fetchone()  # fmt: skip
+        conn.execute("DELETE FROM ledger_lineage WHERE seq = ? AND key = ?", (seq, key))
+        conn.commit()
+    res = run_cli("audit", "verify", "-t", "acme", home=home, check=False)
+    assert res.code == 3 and f"event seq {seq}: entry " in res.err, res.err
+    assert "has no row in the lineage key index" in res.err
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("INSERT INTO ledger_lineage (log, key, seq) VALUES ('acme', ?, ?)",
+                     (key, seq))  # fmt: skip
+        conn.execute("INSERT INTO ledger_lineage (log, key, seq) VALUES ('acme', ?, ?)",
+                     (bytes(16), seq))  # fmt: skip
+        conn.commit()
+    res = run_cli("audit", "verify", "-t", "acme", home=home, check=False)
+    assert res.code == 3 and "for keys its lineage object" in res.err, res.err
+
+
+def _vkey(pack: Path) -> str:
+    with zipfile.ZipFile(pack) as zf:
+        return zf.read("verifier.key").decode().strip()

@@ -165,6 +165,18 @@ def verify(
         f"access(es) checked; {report.policy_versions} policy text(s) hash to the versions "
         f"cited, {report.decisions_redecided} recorded decision(s) decided again alike"
     )
+    if report.erasures:
+        older = report.erasures_uncommitted
+        console.print(
+            "erasures: every erased lineage entry is listed by a proven erasure its object "
+            f"names ({report.erasures} erasure(s))"
+            + (
+                f"; {older} recorded before erasures listed their entries, held to one entry "
+                "per object, their dataset, their order and their object count only"
+                if older
+                else ""
+            )
+        )
 
 
 @evidence_app.command("report")

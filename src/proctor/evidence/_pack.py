@@ -19,7 +19,14 @@ Layout (every file listed with its SHA-256 in ``manifest.json``):
 - ``lineage/<hex>``: every lineage object a period event references (by
   ``details.lineage_object.digest``, ``sha256:<hex>``), its bytes as stored;
 - ``policies/<hex>.cedar``: the text of every policy version a period event cites
-  (``details.policy_version``), the bytes that hash to it (``_policies.py``).
+  (``details.policy_version``), the bytes that hash to it (``_policies.py``);
+- ``erasures/events.jsonl``: every ``erasure.request`` event of the log up to the
+  head at export (the bytes as hashed), ``erasures/proofs.jsonl`` an inclusion proof
+  each against ``erasures/checkpoint.note`` (the head's signed checkpoint),
+  ``erasures/consistency.json`` from the end checkpoint to it, and
+  ``erasures/lists/<hex>`` the entry list each erasure's event commits to: what
+  ``verify`` holds every erased lineage object to (an erasure after the period
+  still explains a leaf in a period object). Absent if the log records no erasure.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from proctor.evidence._retention import retention_record
 from proctor.evidence._summary import Summary
 from proctor.evidence._tree import range_proof
 from proctor.evidence._witnessed import witness_files
-from proctor.governance import Home, Runs, Subprocessors
+from proctor.governance import Home, Retention, Runs, Subprocessors
 from proctor.ledger import (
     canonical_json,
     is_pruned_marker,
@@ -319,6 +326,7 @@ def export_pack(rt: Home, tenant: str, start: str, end: str, out_zip: Path) -> P
             writer.put("checkpoints/start.note", start_cp[1].encode())
             cons = rt.ledger.consistency_proof(tenant, start_cp[0], end_size)
             writer.put("proofs/consistency.json", _json(cons.as_json()))
+        _put_erasures(writer, rt, tenant, end_size)
         docs = _governance(rt, tenant, digests, start, end)
         for name, value in docs.items():
             writer.put(f"governance/{name}.json", _json(value))
@@ -426,6 +434,42 @@ def _put_lineage(writer: _Writer, rt: Home, tenant: str, digests: set[str]) -> N
     is left out, and `evidence verify` names it."""
     for digest, data in sorted(read_objects(rt.store, tenant, digests).items()):
         writer.put(lineage_name(digest), data)
+
+
+def _put_erasures(writer: _Writer, rt: Home, tenant: str, end_size: int) -> None:
+    """The log's erasures, proven against its head, and their entry lists (see the
+    module text); nothing if it records none."""
+    head = rt.ledger.head(tenant)
+    seqs = [
+        int(e["seq"])
+        for e in Retention(rt.store, rt.ledger).history(tenant)
+        if e["action"] == "erasure.request" and e["decision"] == "allow" and e["seq"] < head.size
+    ]
+    if not seqs:
+        return
+    events = writer.stream("erasures/events.jsonl")
+    proofs = writer.stream("erasures/proofs.jsonl", spool=True)
+    lists: set[str] = set()
+    for seq in seqs:
+        (data,) = rt.ledger.entries(tenant, seq, seq + 1)
+        events.line(data)
+        proofs.line(canonical_json(rt.ledger.inclusion_proof(tenant, seq, head.size).as_json()))
+        ref = (json.loads(data).get("details") or {}).get("entries")
+        if isinstance(ref, dict) and isinstance(ref.get("digest"), str):
+            lists.add(ref["digest"])
+    events.close()
+    proofs.close()
+    writer.put("erasures/checkpoint.note", head.checkpoint.encode())
+    if head.size > end_size:
+        cons = rt.ledger.consistency_proof(tenant, end_size, head.size)
+        writer.put("erasures/consistency.json", _json(cons.as_json()))
+    for digest, data in sorted(read_objects(rt.store, tenant, lists).items()):
+        writer.put(erasure_list_name(digest), data)
+
+
+def erasure_list_name(digest: str) -> str:
+    """Where a pack holds the erasure entry list ``sha256:<hex>``."""
+    return "erasures/lists/" + digest.removeprefix("sha256:")
 
 
 def _put_policies(writer: _Writer, rt: Home, tenant: str, versions: set[str]) -> None:

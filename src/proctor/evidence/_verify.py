@@ -38,8 +38,10 @@ from proctor.governance import (
 )
 from proctor.ledger import (
     Checkpoint,
+    ErasureCheck,
     Verifier,
     check_lineage_object,
+    erasure_record,
     is_pruned_marker,
     leaf_hash,
     open_checkpoint,
@@ -68,6 +70,8 @@ class PackReport:
     vkey: str
     policy_versions: int = 0  # cited policy versions whose texts hash to them
     decisions_redecided: int = 0  # recorded decisions decided again with those texts
+    erasures: int = 0  # proven erasure.request events the lineage objects were held to
+    erasures_uncommitted: int = 0  # of which recorded before erasures listed their entries
 
 
 def _fail(message: str) -> VerificationFailed:
@@ -209,7 +213,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
     head = _read_head(zf, vkey)
     end_cp = _check_checkpoints(zf, head)
     period = _check_period(zf, head, end_cp)
-    _check_lineage(zf)
+    objects = _check_lineage(zf)
+    erasures = _check_erasures(zf, head, end_cp, period, objects)
     context_docs = _check_context(zf, head, end_cp, period.events)
     if "governance/retention.json" in zf.namelist():
         check_retention_record(_load(zf, "governance/retention.json"), period.events)
@@ -233,6 +238,8 @@ def _verify(zf: zipfile.ZipFile, vkey: str | None) -> PackReport:
         head.verifier.vkey(),
         policy_versions=policies.versions,
         decisions_redecided=policies.redecided,
+        erasures=erasures.records,
+        erasures_uncommitted=erasures.uncommitted,
     )
 
 
@@ -653,29 +660,127 @@ def _check_records(
             )
 
 
-def _check_lineage(zf: zipfile.ZipFile) -> int:
+def _check_lineage(zf: zipfile.ZipFile) -> dict[str, list[tuple[int, str]]]:
     """Every lineage object a period event references is in the pack and is that
     object: its digest, its key count and the Merkle root of its keys as the (proven)
-    event says. Returns how many were checked."""
+    event says. Returns the (seq, dataset) of the events that reference each."""
     names = set(zf.namelist())
-    checked: set[str] = set()
+    checked: dict[str, list[tuple[int, str]]] = {}
     for data in iter_lines(zf, "events/events.jsonl"):
         if b'"lineage_object"' not in data:
             continue
         ev = json.loads(data)
-        ref = (ev.get("details") or {}).get("lineage_object")
+        d = ev.get("details") or {}
+        ref = d.get("lineage_object")
         if not isinstance(ref, dict):
             raise _fail(f"event seq {ev.get('seq')}: its lineage_object is not an object")
         digest = str(ref.get("digest"))
+        reader = (int(ev["seq"]), str(d.get("dataset")))
         if digest in checked:
+            checked[digest].append(reader)
             continue
         name = lineage_name(digest)
         blob = zf.read(name) if name in names else None
         problem = check_lineage_object(ref, blob)
         if problem is not None:
             raise _fail(f"event seq {ev.get('seq')}: {name}: {problem}")
-        checked.add(digest)
-    return len(checked)
+        checked[digest] = [reader]
+    return checked
+
+
+def _check_erasures(
+    zf: zipfile.ZipFile,
+    head: _Head,
+    end_cp: Checkpoint,
+    period: _Period,
+    objects: dict[str, list[tuple[int, str]]],
+) -> ErasureCheck:
+    """Every erased entry of a lineage object in the pack is one that a proven
+    erasure it names lists (``ledger.ErasureCheck``): the erasures of the period, and
+    those the pack carries with their proofs against a later signed checkpoint."""
+    names = set(zf.namelist())
+    events = {
+        s: e
+        for s, e in period.events.items()
+        if e["action"] == "erasure.request" and e["decision"] == "allow"
+    }
+    if "erasures/checkpoint.note" in names:
+        events.update(_proven_erasures(zf, head, end_cp))
+    lists = {"sha256:" + n.removeprefix(_LISTS): zf.read(n) for n in names if n.startswith(_LISTS)}
+    records = []
+    for seq, ev in sorted(events.items()):
+        try:
+            records.append(erasure_record(ev, lists))
+        except ValueError as exc:
+            erasure = (ev.get("details") or {}).get("erasure")
+            raise _fail(f"erasure {erasure!r} (event seq {seq}): {exc}") from None
+    check = ErasureCheck(records)
+    problems: list[str] = []
+    for digest, readers in sorted(objects.items()):
+        found = check.object(digest, zf.read(lineage_name(digest)), readers)
+        problems += [f"{lineage_name(digest)}: {p}" for p in found]
+    problems += check.finish()
+    if problems:
+        # A hidden entry is named first: it is what the forgery was for.
+        raise _fail(min(problems, key=lambda p: ": entry " not in p))
+    return check
+
+
+_LISTS = "erasures/lists/"
+
+
+def _proven_erasures(
+    zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint
+) -> dict[int, dict[str, Any]]:
+    """The pack's erasure events, each proven included in the signed checkpoint
+    ``erasures/checkpoint.note``, itself consistent with the end checkpoint."""
+    where = "erasures/checkpoint.note"
+    cp = open_checkpoint(_read(zf, where).decode(), head.verifier, head.origin)
+    if cp.size < end_cp.size or (cp.size == end_cp.size and cp.root != end_cp.root):
+        raise _fail(f"{where}: not a later checkpoint of the log than the end checkpoint")
+    if cp.size > end_cp.size:
+        cons = _load(zf, "erasures/consistency.json")
+        if (cons.get("old"), cons.get("new")) != (end_cp.size, cp.size):
+            raise _fail("erasures/consistency.json: sizes do not match the checkpoints")
+        try:
+            verify_consistency(
+                end_cp.size,
+                cp.size,
+                end_cp.root,
+                cp.root,
+                decode_hashes(cons.get("hashes"), "erasures/consistency.json"),
+            )
+        except VerificationFailed as exc:
+            raise _fail(f"erasures/consistency.json: {exc.message}") from exc
+    out: dict[int, dict[str, Any]] = {}
+    proofs = iter_lines(zf, "erasures/proofs.jsonl")
+    for data in iter_lines(zf, "erasures/events.jsonl"):
+        ev = _parse_event(data, "erasures/events.jsonl")
+        seq = ev.get("seq")
+        if type(seq) is not int or ev.get("tenant") != head.tenant:
+            raise _fail(f"erasures/events.jsonl: event {seq!r}: bad seq or tenant")
+        if ev.get("action") != "erasure.request":
+            raise _fail(f"erasures/events.jsonl: event seq {seq} is not an erasure")
+        raw = next(proofs, None)
+        if raw is None:
+            raise _fail(f"erasures/events.jsonl: event seq {seq}: no inclusion proof")
+        try:
+            p = json.loads(raw)
+            hashes = decode_hashes(p.get("hashes"), f"proof of erasure event {seq}")
+            if p.get("index") != seq or p.get("size") != cp.size:
+                raise _fail(f"erasure event seq {seq}: its proof is for another index or size")
+            verify_inclusion(seq, cp.size, leaf_hash(data), hashes, cp.root)
+        except ValueError as exc:
+            raise _fail(f"erasure event seq {seq}: unreadable proof") from exc
+        except VerificationFailed as exc:
+            raise _fail(
+                f"erasure event seq {seq}: {exc.message}; the event or its proof was altered"
+            ) from exc
+        if ev.get("decision") == "allow":
+            out[seq] = ev
+    if next(proofs, None) is not None:
+        raise _fail("erasures/proofs.jsonl: more proofs than erasure events")
+    return out
 
 
 def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven, scan: PolicyScan) -> PolicyCheck:

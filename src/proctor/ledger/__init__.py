@@ -7,6 +7,13 @@ verification from an export and the verifier key alone.
 """
 
 from proctor.ledger._canonical import canonical_json, parse_canonical
+from proctor.ledger._erasures import (
+    ERASURE_LIST_FORMAT,
+    ErasureCheck,
+    ErasureRecord,
+    erasure_list,
+    erasure_record,
+)
 from proctor.ledger._event import (
     CUT_MARKER,
     MAX_EVENT_BYTES,
@@ -55,6 +62,7 @@ from proctor.ledger._objects import (
     LedgerObject,
     check_erased_object,
     check_lineage_object,
+    erase_entry,
     erase_from_object,
     erased_entries,
     is_erased_object,
@@ -82,6 +90,7 @@ __all__ = [
     "CUT_MARKER",
     "DECISIONS",
     "ERASED_FORMAT",
+    "ERASURE_LIST_FORMAT",
     "LINEAGE_FORMAT",
     "MAX_EVENT_BYTES",
     "MAX_PRUNED_PER_EVENT",
@@ -96,6 +105,8 @@ __all__ = [
     "CosignatureVerifier",
     "Cosigner",
     "Decision",
+    "ErasureCheck",
+    "ErasureRecord",
     "EventDraft",
     "EventFilter",
     "InclusionProof",
@@ -117,8 +128,11 @@ __all__ = [
     "clip",
     "cosigned_by",
     "cosigned_message",
+    "erase_entry",
     "erase_from_object",
     "erased_entries",
+    "erasure_list",
+    "erasure_record",
     "is_erased_object",
     "is_pruned_marker",
     "iter_events",
