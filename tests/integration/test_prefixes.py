@@ -43,3 +43,37 @@ def test_exact_ids_win_prefixes_resolve_and_ambiguity_is_an_error(store_url: str
         assert find("r-beef", tenant="other") == 9
     finally:
         store.close()
+
+
+def test_a_name_several_rows_share_resolves_to_that_name(store_url: str) -> None:
+    """A deployment's name (one row per version): an exact name, or a unique prefix of
+    one; two names starting alike are ambiguous however many versions each has."""
+    from proctor.governance._prefixes import resolve_prefix
+
+    store = open_store(store_url, create=True)
+    try:
+        with store.write() as conn:
+            conn.execute("CREATE TABLE deps (name TEXT, tenant TEXT, version INTEGER)")
+            for name, versions in (("nightly-report", 3), ("batch-daily", 2),
+                                   ("batch-weekly", 1), ("batch", 1)):  # fmt: skip
+                for v in range(versions):
+                    conn.execute("INSERT INTO deps VALUES (?, ?, ?)", (name, "acme", v))
+            conn.execute("INSERT INTO deps VALUES (?, ?, ?)", ("hourly-sync", "other", 1))
+
+        def resolve(given: str, tenant: str = "acme") -> str:
+            with store.read() as conn:
+                return resolve_prefix(conn, "deps", "name", tenant, given, noun="deployment",
+                                      what="name", hint="list them")  # fmt: skip
+
+        assert resolve("nightly-report") == "nightly-report"
+        assert resolve("nigh") == "nightly-report"  # three versions, one name
+        assert resolve("batch") == "batch"  # an exact name wins
+        assert resolve("batch-d ") == "batch-daily"
+        with pytest.raises(UsageError, match=r"ambiguous: 3 deployment names .*batch-daily"):
+            resolve("batc")
+        with pytest.raises(NotFound, match="no deployment 'hourly'"):
+            resolve("hourly")  # another tenant's
+        with pytest.raises(NotFound, match="no deployment 'nig'"):
+            resolve("nig")  # too short to be meant
+    finally:
+        store.close()

@@ -6,11 +6,18 @@ leave every checkpoint, inclusion and consistency proof valid; ``verify`` counts
 the pruned entries; an altered marker, a marker no prune made, and a marker whose
 leaf hash was changed all fail; a held run's events and the governance events are
 untouched. On SQLite and PostgreSQL (``ledger_env``).
+
+Issue 31: a back-dated ``time`` column prunes nothing (the prune goes by each
+event's signed time); a marker whose time is not its event's, or not before its
+prune's cut-off, fails ``verify`` naming its seq; a hold given by a unique prefix
+holds the run or deployment it names, an ambiguous or unknown one is refused, and a
+prefix stored before holds were resolved still keeps what it starts.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,17 +26,19 @@ from pathlib import Path
 import pytest
 
 from proctor.errors import NotFound, UsageError, VerificationFailed
-from proctor.governance import Retention
+from proctor.governance import Retention, Runs
 from proctor.ledger import (
     Actor,
     EventDraft,
     Ledger,
+    canonical_json,
     leaf_hash,
     open_checkpoint,
     verify_consistency,
     verify_export,
     verify_inclusion,
 )
+from proctor.store import Store
 from tests.conftest import LedgerEnv
 
 T = "acme"
@@ -77,8 +86,35 @@ def year(ledger_env: LedgerEnv) -> Iterator[tuple[Ledger, Clock, LedgerEnv]]:
             ],
         )
     clock.now = START + timedelta(days=DAYS, hours=2)
+    add_run(ledger_env.store, "run-held")
+    for name in ("dep-a", "dep-b"):
+        add_deployment(ledger_env.store, name)
     yield ledger, clock, ledger_env
     ledger.close()
+
+
+def add_run(store: Store, run: str, deployment: str = "dep-a", tenant: str = T) -> None:
+    """The run's row, as the supervisor writes it (holds resolve runs from the store)."""
+    with store.write() as conn:
+        Runs.insert(
+            conn,
+            (run, tenant, deployment, 1, "sha256:" + "0" * 64, "production", "wl", "[]",
+             "bwrap", None, "succeeded", None, 0, 1, "{}", None, "2025-01-01T00:00:00.000000Z",
+             None),
+            "test",
+        )  # fmt: skip
+
+
+def add_deployment(store: Store, name: str, tenant: str = T) -> None:
+    """A deployment's row (its backing event is not what these tests are about)."""
+    with store.write() as conn:
+        conn.execute(
+            "INSERT INTO deployments (tenant, name, version, digest, environment, mode,"
+            " every_seconds, instruction, reference, approvals, created_by, created_at,"
+            " status, seq) VALUES (?, ?, 1, ?, 'production', 'job', NULL, 'x', '', '[]',"
+            " 'root', '2025-01-01T00:00:00.000000Z', 'active', 0)",
+            (tenant, name, "sha256:" + "0" * 64),
+        )
 
 
 def _entries(env: LedgerEnv) -> dict[int, bytes]:
@@ -235,3 +271,241 @@ def test_a_year_pruned_keeps_every_proof_and_verify_tells_pruned_from_tampered(
         ledger.verify(T)
     _set(env, held_seq, before[held_seq])
     assert ledger.verify(T).pruned == result.pruned
+
+
+# -- issue 31: the signed time decides, and holds resolve ------------------------
+
+RECENT = "r-eecf0a1b2c3d"
+#: Old runs (one a day from START) and their deployments; the holds below cover some.
+OLD_RUNS = (
+    ("r-aaaa00000001", "alpha"),  # held by its full id
+    ("r-bbbb00000002", "alpha"),  # held by a unique prefix of its id
+    ("r-cccc00000003", "batch-daily"),  # r-cccc is ambiguous; held by "batch-d"
+    ("r-cccc00000004", "batch-daily"),
+    ("r-dddd00000005", "gamma-sync"),  # its deployment held by its full name
+    ("r-eeee00000006", "omega"),  # a prefix stored before holds were resolved
+    ("r-ffff00000007", "legacy-dep"),  # a deployment prefix stored before
+    ("r-0000aaaa0008", "omega"),  # no hold: pruned
+    ("r-0000bbbb0009", "omega"),
+)
+DEPLOYMENTS = ("alpha", "batch-daily", "batch-weekly", "gamma-sync", "omega", "legacy-dep",
+               "nightly-report")  # fmt: skip
+RULE_DAYS = 200
+
+
+@pytest.fixture
+def small(ledger_env: LedgerEnv) -> Iterator[tuple[Ledger, Clock, LedgerEnv]]:
+    """Nine runs a year old, then a run of 14 events minutes old; every run and
+    deployment has its row, as the runtime writes them."""
+    clock = Clock()
+    ledger = Ledger(ledger_env.store, ledger_env.signer, "test.local", clock=clock)
+    with ledger_env.store.write() as conn:
+        conn.execute(
+            "INSERT INTO tenants (name, created_at, created_by, status)"
+            " VALUES (?, ?, 'root', 'active')",
+            (T, clock()),
+        )
+    ledger.create_log(T, EventDraft(OP, "tenant.create", f"tenant/{T}"))
+    for day, (run, dep) in enumerate(OLD_RUNS):
+        clock.now = START + timedelta(days=day, hours=1)
+        ledger.append_many(T, [
+            EventDraft(Actor("workload", run), "sql.select", "table/people", run=run,
+                       deployment=dep, details={"rows": day}),
+            EventDraft(OP, "run.end", f"run/{run}", run=run, deployment=dep),
+        ])  # fmt: skip
+    clock.now = START + timedelta(days=400)
+    ledger.append(T, EventDraft(OP, "run.start", f"run/{RECENT}", run=RECENT,
+                                deployment="nightly-report"))  # fmt: skip
+    for i in range(12):
+        clock.now += timedelta(seconds=20)
+        ledger.append(T, EventDraft(Actor("workload", RECENT), "sql.select", "table/people",
+                                    run=RECENT, deployment="nightly-report",
+                                    details={"rows": i}))  # fmt: skip
+    ledger.append(T, EventDraft(OP, "run.end", f"run/{RECENT}", run=RECENT,
+                                deployment="nightly-report"))  # fmt: skip
+    clock.now += timedelta(minutes=10)
+    for run, dep in (*OLD_RUNS, (RECENT, "nightly-report")):
+        add_run(ledger_env.store, run, dep)
+    for name in DEPLOYMENTS:
+        add_deployment(ledger_env.store, name)
+    yield ledger, clock, ledger_env
+    ledger.close()
+
+
+def _seqs_of(env: LedgerEnv, run: str) -> list[int]:
+    return [s for s, d in _entries(env).items() if json.loads(d).get("run") == run]
+
+
+def test_a_back_dated_time_column_prunes_nothing_recent(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, _, env = small
+    recent = _seqs_of(env, RECENT)
+    assert len(recent) == 14
+    # A store writer back-dates the time column of the recent run's entries: the copy
+    # of the time that nobody signed.
+    with env.store.write() as conn:
+        conn.execute(
+            "UPDATE ledger_entries SET time = ? WHERE log = ? AND seq >= ?",
+            ("2025-01-02T00:00:00.000000Z", T, recent[0]),
+        )
+    before = _entries(env)
+    ret = Retention(env.store, ledger)
+    ret.set(T, RULE_DAYS, OP)
+    result = ret.prune(T, OP)
+    after = _entries(env)
+    for seq in recent:
+        assert after[seq] == before[seq], f"seq {seq} of a minutes-old run was pruned"
+    # The old runs' events were pruned, each marker carrying its event's signed time.
+    assert result.pruned == 2 * len(OLD_RUNS)
+    assert list(result.misdated) == recent
+    for seq, data in after.items():
+        if json.loads(data).get("action") == "ledger.pruned":
+            assert json.loads(data)["time"] == json.loads(before[seq])["time"]
+    assert ledger.verify(T).pruned == result.pruned
+    assert ret.prune(T, OP).pruned == 0
+
+
+def prune_as_before(ledger: Ledger, store: Store, seqs: list[int], cutoff: str) -> None:
+    """What the prune wrote before issue 31, had it chosen these entries: markers
+    whose time is the time column's, committed to by a real signed prune event."""
+    from proctor.ledger._prune import marker_bytes, ranges_of
+
+    by, at = "00112233aabbccdd", ledger.now()
+    digest = hashlib.sha256()
+    rows = []
+    with store.read() as conn:
+        got = conn.query(
+            "SELECT seq, time, data FROM ledger_entries WHERE log = ? ORDER BY seq", (T,)
+        )
+    for seq, time, data in got:
+        if int(seq) in seqs:
+            m = marker_bytes(int(seq), T, str(time), leaf_hash(bytes(data)), at=at, by=by,
+                             rule=f"retention/{RULE_DAYS}d")  # fmt: skip
+            digest.update(m + b"\n")
+            rows.append((m, T, int(seq)))
+    ranges = ranges_of(seqs)
+    details = {"prune_id": by, "rule": f"retention/{RULE_DAYS}d", "at": at, "cutoff": cutoff,
+               "count": len(rows), "first": seqs[0], "last": seqs[-1], "ranges": ranges,
+               "markers": "sha256:" + digest.hexdigest()}  # fmt: skip
+    ledger.append(
+        T,
+        EventDraft(OP, "retention.prune", f"tenant/{T}", details=details),
+        hook=lambda conn: conn.executemany(
+            "UPDATE ledger_entries SET data = ? WHERE log = ? AND seq = ?", rows
+        ),
+    )
+
+
+def test_a_marker_whose_time_is_not_its_events_fails_verify_naming_the_seq(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, clock, env = small
+    recent = _seqs_of(env, RECENT)
+    cutoff = (clock.now - timedelta(days=RULE_DAYS)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    with env.store.write() as conn:
+        conn.execute(
+            "UPDATE ledger_entries SET time = ? WHERE log = ? AND seq >= ?",
+            ("2025-01-02T00:00:00.000000Z", T, recent[0]),
+        )
+    # The runtime before issue 31 pruned them, signing markers with the column's time;
+    # the events signed before them are later than that.
+    prune_as_before(ledger, env.store, recent, cutoff)
+    with pytest.raises(
+        VerificationFailed,
+        match=rf"event seq {recent[0]}: pruned marker's time 2025-01-02\S* is before the time"
+        r" 2025-01-09\S* of event seq 1[78], signed before it",
+    ):
+        ledger.verify(T)
+
+
+def test_a_marker_past_its_prunes_cutoff_fails_verify_naming_the_seq(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, clock, env = small
+    recent = _seqs_of(env, RECENT)
+    # A prune (signed) whose markers carry the events' true times, which are after
+    # its cut-off: those events were not past the period.
+    cutoff = (clock.now - timedelta(days=RULE_DAYS)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    prune_as_before(ledger, env.store, recent, cutoff)
+    with pytest.raises(
+        VerificationFailed,
+        match=rf"event seq {recent[-1]}: pruned marker's time \S+ is not before the cut-off"
+        rf" {cutoff}",
+    ):
+        ledger.verify(T)
+
+
+def test_a_forged_marker_time_fails_verify_naming_the_seq(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, _, env = small
+    ret = Retention(env.store, ledger)
+    ret.set(T, RULE_DAYS, OP)
+    assert ret.prune(T, OP).pruned == 2 * len(OLD_RUNS)
+    after = _entries(env)
+    markers = sorted(s for s, d in after.items() if json.loads(d)["action"] == "ledger.pruned")
+    seq = markers[3]  # not the prune's first: the seq named is the forged one's
+    # Before the event signed ahead of it: the log's times say it is a forgery.
+    for forged in ("2024-12-31T00:00:00.000000Z",):
+        _set(env, seq, canonical_json({**json.loads(after[seq]), "time": forged}))
+        with pytest.raises(VerificationFailed, match=rf"event seq {seq}: pruned marker's time"):
+            ledger.verify(T)
+    # A time between its neighbours': the prune event's digest of its markers catches it.
+    m = json.loads(after[seq])
+    _set(env, seq, canonical_json({**m, "time": m["time"][:-2] + "9Z"}))
+    with pytest.raises(VerificationFailed, match="do not match their prune event"):
+        ledger.verify(T)
+    _set(env, seq, after[seq])
+    assert ledger.verify(T).pruned == len(markers)
+
+
+def test_holds_by_id_and_by_prefix_keep_what_they_name(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, _, env = small
+    ret = Retention(env.store, ledger)
+    ret.set(T, RULE_DAYS, OP)
+    size = ledger.head(T).size
+    # Unknown, too short and ambiguous ids are refused, and nothing is stored.
+    for scope, given, err, why in (
+        ("run", "r-zzzz9999", NotFound, "no run 'r-zzzz9999'"),
+        ("run", "r-", NotFound, "no run 'r-'"),
+        ("run", "r-cccc", UsageError, r"ambiguous: 2 run ids .*r-cccc00000003"),
+        ("deployment", "nope", NotFound, "no deployment 'nope'"),
+        ("deployment", "batch", UsageError, r"ambiguous: 2 deployment names"),
+        ("run", "run-held", NotFound, "no run 'run-held'"),
+    ):
+        with pytest.raises(err, match=why):
+            ret.add_hold(T, scope, given, "case 31", OP)
+    assert ret.holds(T, all_=True) == [] and ledger.head(T).size == size
+    # Every way a person gives a run or a deployment: the full id, a unique prefix.
+    by_id = ret.add_hold(T, "run", "r-aaaa00000001", "case 31", OP)
+    by_prefix = ret.add_hold(T, "run", " r-bbbb ", "case 31", OP)
+    dep_prefix = ret.add_hold(T, "deployment", "batch-d", "case 31", OP)
+    dep_full = ret.add_hold(T, "deployment", "gamma-sync", "case 31", OP)
+    assert [by_id.target, by_prefix.target, dep_prefix.target, dep_full.target] == [
+        "r-aaaa00000001", "r-bbbb00000002", "batch-daily", "gamma-sync"]  # fmt: skip
+    added = [e for e in ret.history(T) if e["action"] == "hold.add"]
+    assert [e["details"]["target"] for e in added][1:3] == ["r-bbbb00000002", "batch-daily"]
+    # Holds stored before ids were resolved: what a person typed, kept as typed.
+    with env.store.write() as conn:
+        for hid, scope, target in (("hold-old1", "run", "r-eeee"),
+                                   ("hold-old2", "deployment", "legacy")):  # fmt: skip
+            conn.execute(
+                "INSERT INTO legal_holds (id, tenant, scope, target, reason, created_by,"
+                " created_at) VALUES (?, ?, ?, ?, 'old', 'root', ?)",
+                (hid, T, scope, target, "2025-06-01T00:00:00.000000Z"),
+            )
+    # A hold on the tenant, by its name, suspends everything.
+    whole = ret.add_hold(T, "tenant", None, "case 31", OP)
+    assert ret.prune(T, OP).why_none == "the tenant is under legal hold"
+    ret.remove_hold(T, whole.id, OP)
+
+    before = _entries(env)
+    result = ret.prune(T, OP)
+    after = _entries(env)
+    pruned_runs = {json.loads(before[s]).get("run") for s in before if after[s] != before[s]}
+    assert pruned_runs == {"r-0000aaaa0008", "r-0000bbbb0009"}
+    assert result.pruned == 4 and result.held == 2 * (len(OLD_RUNS) - 2)
+    assert ledger.verify(T).pruned == 4

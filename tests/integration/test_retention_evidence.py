@@ -20,6 +20,7 @@ from proctor.ledger import Actor, EventDraft, lineage_object, lineage_seqs
 from proctor.lifecycle._serve import prune_all
 from tests.e2e.conftest_gov import build_gov
 from tests.integration.test_erasure import derivable
+from tests.integration.test_retention import add_run
 
 
 def test_every_control_names_checks_that_exist() -> None:
@@ -49,6 +50,7 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
             details={"dataset": "crm", "lineage_object": ref}))  # fmt: skip
     ret = Retention(rt.store, rt.ledger)
     ret.set("acme", 200, op)
+    add_run(rt.store, "run-held")  # a hold names a run that exists
     ret.add_hold("acme", "run", "run-held", "case 9", op)
     # A year later (the ledger's clock moves on; event times never go back).
     later = datetime.now(UTC) + timedelta(days=365)

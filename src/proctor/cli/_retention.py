@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from proctor.cli._common import (
@@ -170,6 +171,20 @@ def prune_cmd(
         f"{doc['pruned']} events of {escape(tenant)} pruned before {doc['cutoff']} under "
         f"{doc['rule']}; {doc['held']} kept under legal hold"
     )
+    # What the prune saw of tampering: it went by the signed times, but say so.
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    for key, what in (
+        ("misdated", "whose stored time column is not the time they were signed at (the"
+         " column was altered; pruning goes by the signed time, so they were judged by it)"),
+        ("unverified", "whose bytes do not hash to the log's tree: not pruned"),
+    ):  # fmt: skip
+        if doc.get(f"{key}_count"):
+            seqs = ", ".join(str(s) for s in doc.get(key, []))
+            more = "" if len(doc.get(key, [])) >= doc[f"{key}_count"] else ", …"
+            err.print(
+                f"[yellow]warning:[/] {doc[f'{key}_count']} entries {what}: seq {seqs}{more};"
+                f" run `proctor audit verify -t {escape(tenant)}`"
+            )
 
 
 @hold_app.command("add")
@@ -177,22 +192,34 @@ def hold_add(
     tenant: TenantOpt,
     reason: Annotated[str, typer.Option("--reason", help="Why (a case or request reference)")],
     run: Annotated[
-        str | None, typer.Option("--run", help="Hold one run's events", show_default=False)
+        str | None,
+        typer.Option(
+            "--run",
+            help="Hold one run's events (its id, or a unique prefix of it)",
+            show_default=False,
+        ),
     ] = None,
     deployment: Annotated[
         str | None,
-        typer.Option("--deployment", help="Hold one deployment's events", show_default=False),
+        typer.Option(
+            "--deployment",
+            help="Hold one deployment's events (its name, or a unique prefix of it)",
+            show_default=False,
+        ),
     ] = None,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Put a legal hold on the tenant (or on one run or deployment): nothing under it is pruned."""
-    if run and deployment:
+    """Put a legal hold on the tenant (or on one run or deployment): nothing under it is pruned.
+
+    The run or deployment must exist; the hold stores its full id."""
+    if run is not None and deployment is not None:
         raise UsageError("a hold is on a run or on a deployment, not both",
                          hint="add two holds")  # fmt: skip
-    scope, target = ("run", run) if run else ("deployment", deployment) if deployment else (
-        "tenant", None)  # fmt: skip
+    # `--run ""` (an empty variable) is a run not named, refused: never a hold on the tenant.
+    scope, target = ("run", run) if run is not None else (
+        ("deployment", deployment) if deployment is not None else ("tenant", None))  # fmt: skip
     doc: dict[str, Any]
     if (client := remote(token)) is not None:
         doc = dict(client.add_hold(tenant, reason, run=run, deployment=deployment))

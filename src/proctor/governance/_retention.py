@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from proctor.errors import NotFound, UsageError
+from proctor.governance._prefixes import resolve_prefix
 from proctor.ledger import (
     MAX_PRUNE_RANGES,
     MAX_PRUNED_PER_EVENT,
@@ -32,6 +33,7 @@ from proctor.ledger import (
     PrunePlan,
     is_pruned_marker,
     kept_keys,
+    leaf_hash,
     prune_draft,
     read_objects,
 )
@@ -143,6 +145,11 @@ class PruneResult:
     held: int
     events: tuple[int, ...]  # the seqs of the retention.prune events written
     why_none: str | None = None
+    #: Entries whose ``time`` column disagrees with the time their bytes carry (the
+    #: column was altered: pruning goes by the signed time, so it changed nothing).
+    misdated: tuple[int, ...] = ()
+    #: Entries whose bytes do not hash to the log's tree: not pruned (``audit verify``).
+    unverified: tuple[int, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -153,7 +160,19 @@ class PruneResult:
             "held": self.held,
             "prune_events": list(self.events),
             "why_none": self.why_none,
+            "misdated": list(self.misdated[:_SHOWN_SEQS]),
+            "misdated_count": len(self.misdated),
+            "unverified": list(self.unverified[:_SHOWN_SEQS]),
+            "unverified_count": len(self.unverified),
         }
+
+
+#: At most this many seqs of a kind listed in a prune's result.
+_SHOWN_SEQS = 20
+#: At most this many misdated entries past the walk are looked up (they are only told).
+_MAX_MISDATED = 1000
+#: Leaves per level-0 tile (C2SP tlog-tiles), 32 bytes each.
+_TILE_WIDTH = 256
 
 
 _HOLD_COLS = "id, tenant, scope, target, reason, created_by, created_at, removed_by, removed_at"
@@ -165,6 +184,41 @@ def _hold(row: Any) -> Hold:
 
     a, b, c, d, e, f, g = (str(v) for v in row[:7])
     return Hold(a, b, c, d, e, f, g, opt(row[7]), opt(row[8]))
+
+
+def _resolve(conn: Conn, tenant: str, scope: str, given: str) -> str:
+    """The run id or deployment name ``given`` (or a unique prefix of it) names; one
+    that does not exist is refused, so a hold always covers something real."""
+    if scope == "run":
+        return resolve_prefix(conn, "runs", "id", tenant, given, noun="run",
+                              hint=f"`proctor runs list -t {tenant}` shows them")  # fmt: skip
+    return resolve_prefix(
+        conn, "deployments", "name", tenant, given, noun="deployment", what="name",
+        hint=f"`proctor deployment list -t {tenant}` shows them",
+    )  # fmt: skip
+
+
+def _held(
+    conn: Conn, tenant: str, holds: list[Hold], scope: str
+) -> tuple[set[str], tuple[str, ...]]:
+    """What the active holds of ``scope`` keep: the ids that exist, and, for a target
+    stored before holds were resolved (a prefix a person typed, or an id no longer in
+    the store), everything it starts (so such a hold keeps more, never less)."""
+    table, column = ("runs", "id") if scope == "run" else ("deployments", "name")
+    exact: set[str] = set()
+    prefixes: list[str] = []
+    for h in holds:
+        if h.scope != scope:
+            continue
+        row = conn.query_one(
+            f"SELECT 1 FROM {table} WHERE tenant = ? AND {column} = ? LIMIT 1",  # noqa: S608
+            (tenant, h.target),
+        )
+        if row is not None:
+            exact.add(h.target)
+        else:
+            prefixes.append(h.target.strip())
+    return exact, tuple(prefixes)
 
 
 def _reason(reason: str, what: str) -> str:
@@ -265,15 +319,16 @@ class Retention:
     ) -> Hold:
         if scope not in HOLD_SCOPES:
             raise UsageError(f"a hold is on one of {', '.join(HOLD_SCOPES)}, not {scope!r}")
-        if scope == "tenant":
-            target = tenant
-        elif not target:
+        if scope != "tenant" and not (target or "").strip():
             raise UsageError(f"a hold on a {scope} names it", hint=f"--{scope} ID")
         reason = _reason(reason, "a legal hold")
-        hold_id = "hold-" + secrets.token_hex(6)
-        now = self._ledger.now()
         with self._store.read() as conn:
             self._tenant(conn, tenant)
+            # The full id, resolved as everywhere else (an exact id, or the one id a
+            # unique prefix names): prune compares the events' ids with it.
+            target = tenant if scope == "tenant" else _resolve(conn, tenant, scope, str(target))
+        hold_id = "hold-" + secrets.token_hex(6)
+        now = self._ledger.now()
 
         def write(conn: Conn) -> None:
             conn.execute(
@@ -342,29 +397,72 @@ class Retention:
             return PruneResult(tenant, rule.name, None, 0, 0, (), "the tenant is under legal hold")
         at = self._ledger.now()
         cutoff = _format_time(_parse_time(at) - timedelta(days=rule.days))
-        held_runs = {h.target for h in holds if h.scope == "run"}
-        held_deps = {h.target for h in holds if h.scope == "deployment"}
-        chosen: list[tuple[int, str, bytes]] = []
+        chosen: list[tuple[int, bytes]] = []
         digests: dict[int, str] = {}  # seq -> its lineage object, whose keys index it
         held = 0
+        misdated: list[int] = []
+        unverified: list[int] = []
         with self._store.read() as conn:
-            rows = conn.iterate(
-                "SELECT seq, time, data FROM ledger_entries WHERE log = ? AND time < ?"
-                " ORDER BY seq",
-                (tenant, cutoff),
-            )
-            for seq, time, raw in rows:
-                data = bytes(raw)
+            runs, run_prefixes = _held(conn, tenant, holds, "run")
+            deps, dep_prefixes = _held(conn, tenant, holds, "deployment")
+            # By each event's own signed time, never the time column (a copy nobody
+            # signed, which a store writer can back-date). A log's times never go back,
+            # so the first event signed at or after the cut-off ends the walk; only an
+            # event whose bytes hash to the tree's leaf is believed, so altered bytes
+            # can neither be pruned nor end the walk early.
+            tile = (-1, b"")
+            stop: int | None = None
+            for seq_, column, raw in conn.iterate(
+                "SELECT seq, time, data FROM ledger_entries WHERE log = ? ORDER BY seq",
+                (tenant,),
+            ):
+                seq, data = int(seq_), bytes(raw)
                 ev = json.loads(data)
-                if is_pruned_marker(ev) or kept(str(ev.get("action", ""))):
+                if is_pruned_marker(ev):
                     continue
-                if ev.get("run") in held_runs or ev.get("deployment") in held_deps:
+                at_tile, offset = divmod(seq, _TILE_WIDTH)
+                if tile[0] != at_tile:
+                    row = conn.query_one(
+                        "SELECT hashes FROM ledger_tiles WHERE log = ? AND level = 0 AND idx = ?",
+                        (tenant, at_tile),
+                    )
+                    tile = (at_tile, b"" if row is None else bytes(row[0]))
+                time = ev.get("time")
+                if tile[1][offset * 32 : offset * 32 + 32] != leaf_hash(data) or not isinstance(
+                    time, str
+                ):
+                    unverified.append(seq)
+                    continue
+                if column != time:
+                    misdated.append(seq)
+                if time >= cutoff:
+                    stop = seq
+                    break
+                if kept(str(ev.get("action", ""))):
+                    continue
+                run, dep = ev.get("run"), ev.get("deployment")
+                if (
+                    run in runs
+                    or dep in deps
+                    or (run_prefixes and isinstance(run, str) and run.startswith(run_prefixes))
+                    or (dep_prefixes and isinstance(dep, str) and dep.startswith(dep_prefixes))
+                ):
                     held += 1
                     continue
-                chosen.append((int(seq), str(time), data))
+                chosen.append((seq, data))
                 ref = (ev.get("details") or {}).get("lineage_object")
                 if isinstance(ref, dict) and isinstance(ref.get("digest"), str):
-                    digests[int(seq)] = ref["digest"]
+                    digests[seq] = ref["digest"]
+            if stop is not None:
+                # Past the walk, a time column before the cut-off was back-dated: say so.
+                misdated += [
+                    int(r[0])
+                    for r in conn.query(
+                        "SELECT seq FROM ledger_entries WHERE log = ? AND time < ? AND seq > ?"
+                        " ORDER BY seq LIMIT ?",
+                        (tenant, cutoff, stop, _MAX_MISDATED),
+                    )
+                ]
         objects = read_objects(self._store, tenant, set(digests.values()))
         written: list[int] = []
         extra = {"days": rule.days, "holds": [h.id for h in holds][:64], "held": held}
@@ -378,7 +476,7 @@ class Retention:
             # by seq alone each delete would scan the log's whole index.
             index = [
                 (tenant, bytes.fromhex(k), seq)
-                for seq, _, _ in part
+                for seq, _ in part
                 if seq in digests
                 for k in _object_keys(objects.get(digests[seq]))
             ]
@@ -396,7 +494,10 @@ class Retention:
                 )
 
             written.append(self._ledger.append(tenant, draft, hook=write).seq)
-        return PruneResult(tenant, rule.name, cutoff, len(chosen), held, tuple(written))
+        return PruneResult(
+            tenant, rule.name, cutoff, len(chosen), held, tuple(written),
+            misdated=tuple(misdated), unverified=tuple(unverified),
+        )  # fmt: skip
 
     def history(self, tenant: str) -> list[dict[str, Any]]:
         """The retention record of the tenant's log: rule changes, holds, prunes and
@@ -417,10 +518,10 @@ class Retention:
         return out
 
 
-def _chunks(chosen: list[tuple[int, str, bytes]]) -> list[list[tuple[int, str, bytes]]]:
+def _chunks(chosen: list[tuple[int, bytes]]) -> list[list[tuple[int, bytes]]]:
     """Split into parts of at most MAX_PRUNED_PER_EVENT entries and MAX_PRUNE_RANGES seq ranges."""
-    parts: list[list[tuple[int, str, bytes]]] = []
-    cur: list[tuple[int, str, bytes]] = []
+    parts: list[list[tuple[int, bytes]]] = []
+    cur: list[tuple[int, bytes]] = []
     runs = 0
     for item in chosen:
         gap = not cur or cur[-1][0] + 1 != item[0]

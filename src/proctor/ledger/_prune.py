@@ -15,6 +15,16 @@ verifier (:func:`proctor.ledger.verify_log`) takes a marker's leaf from the mark
 holds it to the tiles and the signed roots, and holds the marker itself to its
 prune event: an altered leaf hash breaks the root, an altered field breaks the
 prune event's digest, a marker no prune event names was not made by pruning.
+
+``time`` is the pruned event's own signed ``time`` (read from the event's bytes,
+never from the ``ledger_entries.time`` column, which a store writer can change), so
+the prune event's digest commits to it. A verifier holds it to what the log still
+signs: it must be before the prune's cut-off, and, as a log's times never go
+backwards, not before the time of any event signed earlier in the log nor after
+that of any signed later. Markers written before the time was taken from the event
+carry the column's copy (equal to it unless the column was altered); they verify
+under the same checks, which is what catches one made from a back-dated column
+whenever a later-dated event was signed before it.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,12 +89,25 @@ def ranges_of(seqs: Sequence[int]) -> list[list[int]]:
     return out
 
 
+def signed_time(data: bytes) -> str:
+    """The ``time`` an event's bytes carry (what its leaf hash commits to)."""
+    try:
+        ev = json.loads(data)
+    except ValueError:
+        ev = None
+    time = ev.get("time") if isinstance(ev, dict) else None
+    if not isinstance(time, str):
+        raise UsageError("an entry without a signed time cannot be pruned")
+    return time
+
+
 @dataclass(frozen=True)
 class PrunePlan:
-    """One prune event's worth of entries: (seq, time, stored bytes) in seq order."""
+    """One prune event's worth of entries: (seq, stored bytes) in seq order. Each
+    marker's time is read from the entry's bytes, never given by the caller."""
 
     tenant: str
-    entries: tuple[tuple[int, str, bytes], ...]
+    entries: tuple[tuple[int, bytes], ...]
     rule: str
     at: str
     cutoff: str
@@ -93,19 +117,24 @@ class PrunePlan:
 def prune_draft(plan: PrunePlan, actor: Actor) -> tuple[EventDraft, list[tuple[bytes, str, int]]]:
     """The ``retention.prune`` event for ``plan`` and the rows to rewrite with it
     ((marker, log, seq)); the caller appends the event with a hook that writes them,
-    so the markers exist exactly when their event does."""
+    so the markers exist exactly when their event does. Refuses an entry whose own
+    signed time is not before the cut-off, whatever the caller chose it by."""
     if not plan.entries:
         raise UsageError("nothing to prune")
     by = secrets.token_hex(8)
     digest = hashlib.sha256()
     rows: list[tuple[bytes, str, int]] = []
-    for seq, time, data in plan.entries:
-        if time >= plan.cutoff:
-            raise UsageError(f"event seq {seq} is not past the retention period")
+    for seq, data in plan.entries:
+        time = signed_time(data)
+        if not time < plan.cutoff:
+            raise UsageError(
+                f"event seq {seq} is not past the retention period (signed at {time},"
+                f" the cut-off is {plan.cutoff})"
+            )
         m = marker_bytes(seq, plan.tenant, time, leaf_hash(data), at=plan.at, by=by, rule=plan.rule)
         digest.update(m + b"\n")
         rows.append((m, plan.tenant, seq))
-    ranges = ranges_of([s for s, _, _ in plan.entries])
+    ranges = ranges_of([s for s, _ in plan.entries])
     details: dict[str, Any] = {
         "prune_id": by,
         "rule": plan.rule,
@@ -130,13 +159,29 @@ def prune_draft(plan: PrunePlan, actor: Actor) -> tuple[EventDraft, list[tuple[b
     return draft, rows
 
 
+@dataclass
+class _Prune:
+    """The markers naming one prune, as far as the stream has read them."""
+
+    digest: Any
+    count: int
+    at: str
+    rule: str
+    latest: tuple[str, int]  # the latest marker time, and its seq
+    first: int
+
+
 class MarkerCheck:
     """What :func:`verify_log` holds pruned markers to, as it streams a log: each
-    marker's own shape, and, once its prune event comes, the event's commitment."""
+    marker's own shape, its time against the times the log signs around it, and,
+    once its prune event comes, the event's commitment and cut-off."""
 
     def __init__(self) -> None:
-        # prune id -> (running digest, count, at, rule, latest marker time, first seq)
-        self._open: dict[str, tuple[Any, int, str, str, str, int]] = {}
+        self._open: dict[str, _Prune] = {}
+        # The latest time a real (signed) event carried so far, and its seq; the
+        # latest marker time not yet followed by a signed event, and its seq.
+        self._signed: tuple[str, int] | None = None
+        self._ahead: tuple[str, int] | None = None
         self.pruned = 0
         self.problems: list[str] = []
 
@@ -162,21 +207,42 @@ class MarkerCheck:
             self.problems.append(f"event seq {seq}: a pruned marker without a leaf hash")
             return None
         by, at, rule, time = p["by"], p["at"], p["rule"], str(event["time"])
+        # A log's times never go back (the writer gives each event at least the last
+        # one's), so the pruned event was signed no earlier than any event before it.
+        if self._signed is not None and time < self._signed[0]:
+            self.problems.append(
+                f"event seq {seq}: pruned marker's time {time} is before the time"
+                f" {self._signed[0]} of event seq {self._signed[1]}, signed before it:"
+                " the pruned event was not as old as its marker says"
+            )
+        if self._ahead is None or time > self._ahead[0]:
+            self._ahead = (time, seq)
         cur = self._open.get(by)
         if cur is None:
-            cur = (hashlib.sha256(), 0, at, rule, time, seq)
-        digest, count, at0, rule0, latest, first = cur
-        if (at0, rule0) != (at, rule):
+            cur = self._open[by] = _Prune(hashlib.sha256(), 0, at, rule, (time, seq), seq)
+        if (cur.at, cur.rule) != (at, rule):
             self.problems.append(
                 f"event seq {seq}: pruned marker's time or rule differs from its prune's"
             )
-        digest.update(data + b"\n")
-        self._open[by] = (digest, count + 1, at0, rule0, max(latest, time), first)
+        cur.digest.update(data + b"\n")
+        cur.count += 1
+        cur.latest = max(cur.latest, (time, seq))
         self.pruned += 1
         return leaf
 
     def event(self, seq: int, event: dict[str, Any]) -> None:
-        """A real event: if it is a prune event, settle the markers it names."""
+        """A real event: its time bounds the markers around it; if it is a prune
+        event, settle the markers it names."""
+        time = event.get("time")
+        if isinstance(time, str):
+            if self._ahead is not None and time < self._ahead[0]:
+                self.problems.append(
+                    f"event seq {self._ahead[1]}: pruned marker's time {self._ahead[0]} is"
+                    f" after the time {time} of event seq {seq}, signed after it"
+                )
+            self._ahead = None
+            if self._signed is None or time > self._signed[0]:
+                self._signed = (time, seq)
         if event.get("action") != PRUNE_ACTION:
             return
         d = event.get("details")
@@ -187,24 +253,29 @@ class MarkerCheck:
         if cur is None:
             # A prune whose entries were all restored from a copy is no tampering.
             return
-        digest, count, at, rule, latest, first = cur
-        want = d.get("markers")
         if (
-            want != "sha256:" + digest.hexdigest()
-            or count != d.get("count")
-            or at != d.get("at")
-            or rule != d.get("rule")
-            or not latest < str(d.get("cutoff"))
+            d.get("markers") != "sha256:" + cur.digest.hexdigest()
+            or cur.count != d.get("count")
+            or cur.at != d.get("at")
+            or cur.rule != d.get("rule")
         ):
             self.problems.append(
-                f"event seq {first}: pruned markers do not match their prune event (seq {seq}):"
-                " a marker was altered, added or removed"
+                f"event seq {cur.first}: pruned markers do not match their prune event"
+                f" (seq {seq}): a marker was altered, added or removed"
+            )
+        cutoff = d.get("cutoff")
+        latest, late = cur.latest
+        if not isinstance(cutoff, str) or not latest < cutoff:
+            self.problems.append(
+                f"event seq {late}: pruned marker's time {latest} is not before the cut-off"
+                f" {cutoff} of its prune (event seq {seq}): the event was not past the"
+                " retention period"
             )
 
     def finish(self) -> None:
         for by, cur in self._open.items():
             self.problems.append(
-                f"event seq {cur[5]}: pruned marker(s) naming prune {by!r}, which no prune"
+                f"event seq {cur.first}: pruned marker(s) naming prune {by!r}, which no prune"
                 " event in the log records: not pruned by the runtime"
             )
         self._open.clear()
