@@ -72,6 +72,8 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
     export_pack(rt, "acme", "2000-01-01T00:00:00.000000Z", "2100-01-01T00:00:00.000000Z", pack)
     report = verify_pack(pack)
     assert report.events == rt.ledger.head("acme").size
+    # The erased object is held to the erasure's list, which the pack carries.
+    assert (report.erasures, report.erasures_uncommitted) == (1, 0)
     with zipfile.ZipFile(pack) as zf:
         record = json.loads(zf.read("governance/retention.json"))
         md = zf.read("report/report.md").decode()
@@ -82,6 +84,7 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
     assert record["erasures"] == ["DSR-77"]
     assert [e["action"] for e in record["history"]] == [
         "retention.set", "hold.add", "retention.prune", "erasure.request"]  # fmt: skip
+    assert record["history"][-1]["details"]["entries"]["count"] == 1
     for _, title, *_ in RETENTION_CONTROLS:
         assert title in md and title in html
     assert "retention/200d" in md

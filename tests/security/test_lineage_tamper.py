@@ -253,3 +253,49 @@ def test_the_key_index_is_held_to_the_objects(
 def _vkey(pack: Path) -> str:
     with zipfile.ZipFile(pack) as zf:
         return zf.read("verifier.key").decode().strip()
+
+
+def test_an_erasure_after_the_period_is_proven_against_a_later_checkpoint(
+    erased: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    """A pack of a period before the erasure holds objects erased since: the erasure's
+    event comes with its proof against the head checkpoint, consistent with the end
+    one. Dropped, or the event altered, the erased objects are unexplained."""
+    home = copy_home(erased[0], tmp_path / "home")
+    # A second erasure (key 3), so the head is past the end checkpoint.
+    run_cli("erase", "-t", "acme", "--dataset", "crm", "--key", "3", "--request-ref", "DSR-32",
+            home=home)  # fmt: skip
+    with Runtime.open(home) as rt:
+        evs = [json.loads(e) for e in rt.ledger.entries("acme")]
+        at = next(e for e in evs if e["action"] == "erasure.request")["time"]
+        vkey = rt.ledger.vkey()
+        export_pack(rt, "acme", ALL[0], at, tmp_path / "before.zip")
+    good = tmp_path / "before.zip"
+    report = verify_pack(good, vkey)
+    assert (report.erasures, report.erasures_uncommitted) == (2, 0)
+    with zipfile.ZipFile(good) as zf:
+        names = set(zf.namelist())
+        period = zf.read("events/events.jsonl")
+    assert b'"erasure.request"' not in period
+    assert {"erasures/checkpoint.note", "erasures/consistency.json"} <= names
+
+    def drop(files: dict[str, bytes]) -> None:
+        for name in [n for n in files if n.startswith("erasures/")]:
+            del files[name]
+
+    fails(
+        rewrite(good, tmp_path / "a.zip", drop), vkey, "is erased, but no erasure the object names"
+    )
+
+    def alter(files: dict[str, bytes]) -> None:
+        files["erasures/events.jsonl"] = files["erasures/events.jsonl"].replace(
+            b'"DSR-31"', b'"DSR-99"'
+        )
+
+    fails(rewrite(good, tmp_path / "b.zip", alter), vkey, "the event or its proof was altered")
+
+    def fork(files: dict[str, bytes]) -> None:
+        # The later checkpoint swapped for the end one's sibling: no longer consistent.
+        files["erasures/consistency.json"] = files["proofs/range.json"]
+
+    fails(rewrite(good, tmp_path / "c.zip", fork), vkey, "erasures/consistency.json")

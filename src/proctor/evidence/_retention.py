@@ -36,6 +36,8 @@ CHECKS: dict[str, str] = {
     "erase_key": "proctor.governance:erase_key",
     "check_lineage_object": "proctor.ledger:check_lineage_object",
     "check_erased_object": "proctor.ledger:check_erased_object",
+    "erasure_check": "proctor.ledger:ErasureCheck.object",
+    "unbacked_erasures": "proctor.governance:unbacked_erasures",
     "check_retention_record": "proctor.evidence._retention:check_retention_record",
     "ropa": "proctor.evidence:ropa",
     "dpa_annex": "proctor.evidence:dpa_annex",
@@ -101,9 +103,10 @@ RETENTION_CONTROLS: list[tuple[str, str, str, tuple[str, ...], str]] = [
      ("retention_prune", "verify_log"),
      "Choose a period no longer than your purposes need; run serve (or prune) regularly."),
     ("GDPR-17", "GDPR Art. 17: right to erasure",
-     "Each erasure.request event names the request; the subject's keyed hash is gone from "
-     "lineage objects and index; counts and roots still verify.",
-     ("erase_key", "check_erased_object", "lineage"),
+     "Each erasure.request event names the request and commits to the lineage entries it "
+     "erased; the subject's keyed hash is gone from lineage objects and index; counts and "
+     "roots still verify, and every erased entry is held to the erasure that lists it.",
+     ("erase_key", "check_erased_object", "erasure_check", "unbacked_erasures", "lineage"),
      "Answer the request (identify the key, run proctor erase); erase the person's data in "
      "your own datasets, which Proctor does not hold."),
     ("GDPR-28", "GDPR Art. 28: processor",
