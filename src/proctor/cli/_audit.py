@@ -426,14 +426,15 @@ def verify(
                 # The log is sound; now every governance row must be one it backs.
                 backing = unbacked_rows(rt.store, rt.ledger, rt.artifacts, rt.approvals,
                                         rt.deployments, log)  # fmt: skip
-                # An erased lineage object must be an erasure's (docs/compliance.md).
+                # Lineage objects held to their events, each erased entry to the erasure
+                # that lists it, the key index to the objects (docs/compliance.md).
                 erasures = unbacked_erasures(rt.store, log)
                 if erasures:
                     raise VerificationFailed(
-                        f"{len(erasures)} lineage object(s) of {tenant!r} were erased by no "
-                        f"recorded erasure: {erasures[0]}",
-                        hint="someone rewrote the store without an erasure request; restore"
-                        " the objects from a backup",
+                        f"{len(erasures)} problem(s) in the lineage record of {tenant!r} that"
+                        f" the signed log does not back: {erasures[0]}",
+                        hint="someone rewrote lineage objects or the key index without an"
+                        " erasure request; restore them from a backup",
                     )
     # With --json, stdout is the one JSON object's; the sentences go to stderr.
     say = Console(stderr=True, highlight=False) if as_json else console
