@@ -48,12 +48,15 @@ class Limits:
     request_burst: int = 500
     #: Log follows (``logs?follow=true``) one principal may hold open at once.
     follows_per_principal: int = 8
-    #: Connections the server holds from one client address, and in all (None: a
-    #: quarter of the process's descriptor limit).
+    #: Connections the server holds from one client address (an IPv6 /64), and in all
+    #: (None: a quarter of the process's descriptor limit; never over half of it).
     connections_per_source: int = 64
     connections_total: int | None = None
-    #: A connection that sends no byte for this long is closed, and counted.
+    #: A connection that sends no byte of a request head for this long is closed, and
+    #: one whose head is not whole this long after it opened or after its last
+    #: response (slow headers); both counted.
     first_byte_timeout: float = 10.0
+    head_timeout: float = 20.0
 
 
 @dataclass

@@ -9,20 +9,24 @@ the count, so the refusals cannot flood the ledger either. A principal may
 also hold only so many log follows open at once (each waits for a run that
 may take hours).
 
-Below HTTP, :class:`ConnectionGate` bounds the connections the server holds,
-per client address and in total, and closes a connection that sends nothing
-before its first-byte timeout; what it closes is counted and recorded the
-same way (``api.connections.refused`` in the system log).
+Below HTTP (and below TLS), :class:`ConnectionGate` bounds the connections the
+server holds from their accept, before a byte is read: per client address, in
+total, and those not yet authenticated, with the rest kept for connections that
+carry a principal; the server closes one that sends nothing before its first-byte
+timeout or no whole request head before its head timeout. What is closed is
+counted and recorded the same way (``api.connections.refused`` in the system log).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from proctor.api._errors import ApiError
 from proctor.errors import LedgerError
@@ -95,6 +99,11 @@ class PrincipalLimits:
             due = b.refused > 0 and now - b.recorded >= WINDOW
         if due:
             self._record((p.tenant, p.id))
+        held = CONNECTION.get()
+        if allowed and held is not None:
+            # The protocol cannot see who authenticated; this is the one place every
+            # authenticated request passes, so the connection is marked here.
+            held.gate.protect(held, (p.tenant, p.id))
         if not allowed:
             raise ApiError(
                 429,
@@ -185,85 +194,268 @@ class PrincipalLimits:
             self._record(key)
 
 
+#: The connection a request came on, set by the server around each request, so that
+#: :meth:`PrincipalLimits.admit` can tell the gate it carries an authenticated principal.
+CONNECTION: ContextVar[Held | None] = ContextVar("proctor_api_connection", default=None)
+
+#: Connections of one principal kept from eviction; more of them are served, but a
+#: flood of new connections may close them like any unauthenticated one.
+PROTECTED_PER_PRINCIPAL = 16
+#: Why the gate closed a connection, as counted in ``api.connections.refused``.
+REASONS = ("over_source", "over_total", "idle", "slow_head")
+
+
+def source_key(host: str) -> str:
+    """What one "address" is for the per-address bound: an IPv4 address, or the /64 of
+    an IPv6 address (one host holds a whole /64; IPv4-mapped ones count as IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class Held:
+    """One connection the gate holds; ``abort`` closes it (on the server's loop)."""
+
+    __slots__ = ("abort", "gate", "key", "open", "principal")
+
+    def __init__(self, gate: ConnectionGate, key: str, abort: Callable[[], None]) -> None:
+        self.gate = gate
+        self.key = key
+        self.abort = abort
+        self.open = True
+        self.principal: tuple[str, str] | None = None
+
+
 @dataclass
-class _Gate:
-    per_source: dict[str, int] = field(default_factory=dict)
-    open: int = 0
+class _Counts:
     over_source: int = 0
     over_total: int = 0
     idle: int = 0
+    slow_head: int = 0
     total: int = 0
     first: float | None = None
 
+    def pending(self) -> int:
+        return self.over_source + self.over_total + self.idle + self.slow_head
+
+
+@dataclass(frozen=True)
+class GateBounds:
+    """The gate's bounds, derived from the process's descriptor limit at start."""
+
+    per_source: int
+    total: int
+    unauthenticated: int
+    per_principal: int
+    first_byte: float
+    head: float
+
+
+def gate_bounds(
+    nofile: int,
+    per_source: int,
+    total: int | None,
+    first_byte: float,
+    head: float,
+) -> GateBounds:
+    """Bounds under a descriptor limit of ``nofile``: connections in all at most a
+    quarter of it (never over half, whatever is asked: the store, the ledger, the
+    broker's sockets and the sandboxes need the rest; the broker takes another
+    quarter), of them at most three quarters not yet authenticated (the last quarter
+    is kept for connections that carry a principal)."""
+    cap = max(4, nofile // 2)
+    held = min(total if total is not None else nofile // 4, cap)
+    held = max(4, held)
+    unauthenticated = max(2, held - held // 4)
+    return GateBounds(
+        per_source=max(1, min(per_source, unauthenticated)),
+        total=held,
+        unauthenticated=unauthenticated,
+        per_principal=PROTECTED_PER_PRINCIPAL,
+        first_byte=first_byte,
+        head=max(head, first_byte),
+    )
+
 
 class ConnectionGate:
-    """Connections the API server holds: at most ``per_source`` from one client
-    address and ``total`` in all. Called on the server's event loop only."""
+    """Connections the API server holds, counted from the socket's accept, before a
+    byte is read (and before a TLS handshake): at most ``per_source`` from one
+    address, ``total`` in all, and of them at most ``unauthenticated`` that have not
+    carried an authenticated principal's admitted request.
 
-    def __init__(
-        self, ledger: Ledger, per_source: int, total: int, first_byte: float, actor: Actor
-    ) -> None:
+    A connection over a bound is admitted only by closing, at once, the oldest
+    unauthenticated connection of its own address (per-address bound), or of the
+    address holding the most unauthenticated connections (total bounds); when there
+    is none to close, the new connection is closed unread. So a flood of
+    unauthenticated connections, from one address or many, never takes the
+    descriptors of connections that authenticated, and a new connection always gets
+    in long enough to authenticate unless the flood's addresses each hold as few
+    as it does. Thread-safe: admission and release run on the server's loop,
+    :meth:`protect` on the worker thread that authenticated the request."""
+
+    def __init__(self, ledger: Ledger, bounds: GateBounds, actor: Actor) -> None:
         self._ledger = ledger
-        self.per_source = per_source
-        self.total = total
-        self.first_byte = first_byte
+        self.bounds = bounds
+        self.per_source = bounds.per_source
+        self.total = bounds.total
+        self.first_byte = bounds.first_byte
+        self.head = bounds.head
         self._actor = actor
-        self._g = _Gate()
         self._lock = threading.Lock()
+        self._c = _Counts()
+        self._open = 0
+        self._per_source: dict[str, int] = {}
+        # Unauthenticated connections per address, oldest first, and the addresses by
+        # how many they hold (index: count), to find the largest holder quickly.
+        self._unauth: dict[str, dict[Held, None]] = {}
+        self._by_count: list[dict[str, None]] = [{} for _ in range(bounds.per_source + 1)]
+        self._unauth_n = 0
+        self._protected: dict[tuple[str, str], int] = {}
+        #: A record of what was closed is scheduled (the server's loop sets and clears it).
+        self.record_due = False
 
-    def admit(self, source: str) -> bool:
+    # -- the unauthenticated index ---------------------------------------------------
+
+    def _unauth_add(self, h: Held) -> None:
+        held = self._unauth.setdefault(h.key, {})
+        n = len(held)
+        if n:
+            del self._by_count[n][h.key]
+        held[h] = None
+        self._by_count[n + 1][h.key] = None
+        self._unauth_n += 1
+
+    def _unauth_remove(self, h: Held) -> None:
+        held = self._unauth[h.key]
+        n = len(held)
+        del held[h]
+        del self._by_count[n][h.key]
+        if n > 1:
+            self._by_count[n - 1][h.key] = None
+        else:
+            del self._unauth[h.key]
+        self._unauth_n -= 1
+
+    def _oldest(self, key: str | None) -> Held | None:
+        held = self._unauth.get(key) if key is not None else None
+        return next(iter(held)) if held else None
+
+    def _largest_holder(self) -> str | None:
+        for n in range(len(self._by_count) - 1, 0, -1):
+            if self._by_count[n]:
+                return next(iter(self._by_count[n]))
+        return None
+
+    def _drop(self, h: Held) -> None:
+        h.open = False
+        self._open -= 1
+        left = self._per_source[h.key] - 1
+        if left:
+            self._per_source[h.key] = left
+        else:
+            del self._per_source[h.key]
+        if h.principal is None:
+            self._unauth_remove(h)
+        else:
+            n = self._protected[h.principal] - 1
+            if n:
+                self._protected[h.principal] = n
+            else:
+                del self._protected[h.principal]
+
+    # -- the server's calls ----------------------------------------------------------
+
+    def admit(self, source: str, abort: Callable[[], None]) -> Held | None:
+        """Hold a new connection from ``source``, or return None: the caller closes it
+        unread. A connection the gate closes to make room is aborted here."""
+        key = source_key(source)
+        closed: list[Held] = []
         with self._lock:
-            g = self._g
-            if g.per_source.get(source, 0) >= self.per_source:
+            if self._per_source.get(key, 0) >= self.per_source:
+                oldest = self._oldest(key)
                 self._count("over_source")
-                return False
-            if g.open >= self.total:
+                if oldest is None:
+                    return None
+                self._drop(oldest)
+                closed.append(oldest)
+            if self._open >= self.total or self._unauth_n >= self.bounds.unauthenticated:
+                oldest = self._oldest(self._largest_holder())
                 self._count("over_total")
-                return False
-            g.per_source[source] = g.per_source.get(source, 0) + 1
-            g.open += 1
-            return True
+                if oldest is None:
+                    return None
+                self._drop(oldest)
+                closed.append(oldest)
+            h = Held(self, key, abort)
+            self._per_source[key] = self._per_source.get(key, 0) + 1
+            self._open += 1
+            self._unauth_add(h)
+        for old in closed:
+            old.abort()
+        return h
 
-    def release(self, source: str) -> None:
+    def protect(self, h: Held, principal: tuple[str, str]) -> None:
+        """``h`` carried an admitted request of ``principal``: no longer closed to make
+        room, unless the principal already holds its share of such connections."""
         with self._lock:
-            g = self._g
-            g.open -= 1
-            g.per_source[source] -= 1
-            if not g.per_source[source]:
-                del g.per_source[source]
+            if not h.open or h.principal is not None:
+                return
+            if self._protected.get(principal, 0) >= self.bounds.per_principal:
+                return
+            self._unauth_remove(h)
+            h.principal = principal
+            self._protected[principal] = self._protected.get(principal, 0) + 1
 
-    def idle(self) -> None:
+    def release(self, h: Held) -> None:
+        """The connection is gone (safe to call more than once)."""
         with self._lock:
-            self._count("idle")
+            if h.open:
+                self._drop(h)
+
+    def closed(self, why: str) -> None:
+        """The server closed a connection for ``why`` (``idle``, ``slow_head``)."""
+        with self._lock:
+            self._count(why)
 
     def _count(self, why: str) -> None:
-        g = self._g
-        if g.over_source + g.over_total + g.idle == 0:
-            g.first = time.monotonic()
-        setattr(g, why, getattr(g, why) + 1)
-        g.total += 1
+        c = self._c
+        if c.pending() == 0:
+            c.first = time.monotonic()
+        setattr(c, why, getattr(c, why) + 1)
+        c.total += 1
 
     def pending(self) -> int:
         with self._lock:
-            return self._g.over_source + self._g.over_total + self._g.idle
+            return self._c.pending()
 
     def held(self) -> int:
         with self._lock:
-            return self._g.open
+            return self._open
+
+    def unauthenticated(self) -> int:
+        with self._lock:
+            return self._unauth_n
 
     def record(self) -> int:
         """Record one ``api.connections.refused`` event for what was counted; returns
         how many it covered (0: none, or not recordable now and kept)."""
         with self._lock:
-            g = self._g
-            counts = {"over_source": g.over_source, "over_total": g.over_total, "idle": g.idle}
+            c = self._c
+            counts: dict[str, int] = {why: getattr(c, why) for why in REASONS}
             count = sum(counts.values())
             if count == 0:
                 return 0
-            first = g.first or time.monotonic()
-            g.over_source = g.over_total = g.idle = 0
-            g.first = None
-            total = g.total
+            first = c.first or time.monotonic()
+            for why in REASONS:
+                setattr(c, why, 0)
+            c.first = None
+            total = c.total
+        b = self.bounds
         draft = EventDraft(
             self._actor,
             "api.connections.refused",
@@ -271,25 +463,27 @@ class ConnectionGate:
             decision="deny",
             policies=(CONNECTION_LIMIT_RULE,),
             reason=(
-                f"{count} connections closed unread: over {self.per_source} from one address "
-                f"or {self.total} in all, or silent for {self.first_byte:g} s"
+                f"{count} connections closed: over {b.per_source} from one address, "
+                f"{b.total} in all or {b.unauthenticated} unauthenticated, silent for "
+                f"{b.first_byte:g} s, or no request head within {b.head:g} s"
             ),
             details={
                 "refused": count,
                 **counts,
                 "refused_total": total,
                 "seconds": round(time.monotonic() - first, 3),
-                "per_source": self.per_source,
-                "total": self.total,
+                "per_source": b.per_source,
+                "total": b.total,
+                "unauthenticated": b.unauthenticated,
             },
         )
         try:
             self._ledger.append(SYSTEM_LOG, draft)
         except LedgerError as exc:
             with self._lock:
-                for name, n in counts.items():
-                    setattr(self._g, name, getattr(self._g, name) + n)
-                self._g.first = first
+                for why, n in counts.items():
+                    setattr(self._c, why, getattr(self._c, why) + n)
+                self._c.first = first
             log.error("api.connections.refused not recorded: %s", exc.message)
             return 0
         return count

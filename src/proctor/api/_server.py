@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
+import ssl
 import threading
 import time
+from asyncio.sslproto import SSLProtocol
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -18,13 +21,15 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from proctor.api._app import create_app
 from proctor.api._auth import OIDCIssuer
 from proctor.api._context import Limits
-from proctor.api._limits import WINDOW, ConnectionGate
+from proctor.api._limits import CONNECTION, WINDOW, ConnectionGate, Held, gate_bounds
 from proctor.errors import ProctorError, UsageError
 from proctor.ledger import Actor
 from proctor.runtime import Runtime
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
+#: Seconds an idle kept-alive connection is held (uvicorn's default).
+KEEP_ALIVE = 5
 
 
 def raise_open_files_limit() -> int:
@@ -40,49 +45,220 @@ def raise_open_files_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+class _Tcp:
+    """One TCP connection under the gate, from its accept (before a byte is read, and
+    before a TLS handshake) to its close: its place in the gate, and the one timer that
+    bounds how long it may wait for a request head. Loop thread only."""
+
+    __slots__ = ("_bytes", "_deadline", "_timer", "held", "loop", "transport")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport) -> None:
+        self.loop = loop
+        self.transport = transport
+        self.held: Held | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._bytes = False
+        self._deadline = 0.0
+
+    def admit(self, gate: ConnectionGate) -> bool:
+        peer = self.transport.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+        self.held = gate.admit(source, self._abort)
+        if gate.pending():  # this one refused, or an older one closed to make room
+            _schedule_record(gate, self.loop)
+        if self.held is None:
+            self.transport.abort()  # unread: its descriptor is freed at once
+            return False
+        self.awaiting_head()
+        return True
+
+    def _abort(self) -> None:
+        self.transport.abort()
+
+    def awaiting_head(self) -> None:
+        """A request head is due (the connection opened, or a response ended): it must
+        start within the first-byte timeout and be whole within the head timeout."""
+        gate = self._gate()
+        now = self.loop.time()
+        self._bytes = False
+        self._deadline = now + gate.head
+        self._arm(now + gate.first_byte)
+
+    def saw_bytes(self) -> None:
+        self._bytes = True
+
+    def head_complete(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_at(when, self._expired)
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.held is None or not self.held.open:
+            return
+        if self._bytes and self.loop.time() < self._deadline:
+            self._arm(self._deadline)  # bytes came: the head's whole deadline applies
+            return
+        gate = self._gate()
+        gate.closed("slow_head" if self._bytes else "idle")
+        _schedule_record(gate, self.loop)
+        self.transport.abort()
+
+    def lost(self) -> None:
+        self.head_complete()
+        if self.held is not None:
+            self.held.gate.release(self.held)
+
+    def _gate(self) -> ConnectionGate:
+        assert self.held is not None
+        return self.held.gate
+
+
+def _schedule_record(gate: ConnectionGate, loop: asyncio.AbstractEventLoop) -> None:
+    """One ``api.connections.refused`` event per window of closes, written off the loop
+    (the ledger append fsyncs)."""
+    if gate.record_due:
+        return
+    gate.record_due = True
+
+    def flush() -> None:
+        gate.record_due = False
+        loop.run_in_executor(None, gate.record)
+
+    loop.call_later(WINDOW, flush)
+
+
+class _OnConnection:
+    """The app as one connection's requests see it: :data:`CONNECTION` names the
+    connection while a request runs, so that authenticating a principal on it (in
+    ``PrincipalLimits.admit``) can keep it from being closed to make room."""
+
+    __slots__ = ("app", "held")
+
+    def __init__(self, app: Any, held: Held) -> None:
+        self.app = app
+        self.held = held
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        token = CONNECTION.set(self.held)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CONNECTION.reset(token)
+
+
 class _GatedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol behind a :class:`ConnectionGate`: a connection over
-    its address's or the server's bound is closed before a byte is read, and one
-    that sends nothing before the first-byte timeout is closed; both are counted."""
+    """uvicorn's HTTP/1.1 protocol behind a :class:`ConnectionGate`. Over plain TCP it
+    is the socket's protocol and admits the connection itself; under TLS the
+    :class:`_GatedTLS` below it has admitted the connection at accept."""
 
     gate: ConnectionGate
-    _flush: asyncio.TimerHandle | None = None
-    _source: str | None = None
+    _tcp: _Tcp | None = None
+    _refused = False
+    made = False  # connection_made: under TLS, once the handshake is done
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self._tcp is None:
+            tcp = _Tcp(self.loop, transport)
+            if not tcp.admit(self.gate):
+                self._refused = True
+                return
+            self._tcp = tcp
         super().connection_made(transport)
-        source = self.client[0] if self.client else "unknown"
-        if not self.gate.admit(source):
-            transport.abort()
-            self._schedule_record()
-            return
-        self._source = source
-        # The keep-alive timer doubles as the first-byte timeout: any byte cancels it.
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.gate.first_byte, self._first_byte_timeout
-        )
+        self.made = True
+        assert self._tcp.held is not None
+        self.app = _OnConnection(self.app, self._tcp.held)
 
-    def _first_byte_timeout(self) -> None:
-        self.gate.idle()
-        self._schedule_record()
-        self.timeout_keep_alive_handler()
+    def data_received(self, data: bytes) -> None:
+        if self._tcp is not None:
+            self._tcp.saw_bytes()
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle and self._tcp is not None:
+            self._tcp.head_complete()  # a request head was parsed whole
+
+    def on_response_complete(self) -> None:
+        if self._tcp is not None and not self.transport.is_closing():
+            self._tcp.awaiting_head()  # a kept-alive connection: the next head is due
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._source is not None:
-            self.gate.release(self._source)
-            self._source = None
+        if self._refused:
+            return
+        if self._tcp is not None:
+            self._tcp.lost()
         super().connection_lost(exc)
 
-    def _schedule_record(self) -> None:
-        cls = type(self)
-        if cls._flush is None:
-            cls._flush = self.loop.call_later(WINDOW, cls._record, self.loop)
 
-    @classmethod
-    def _record(cls, loop: asyncio.AbstractEventLoop) -> None:
-        cls._flush = None
-        # The ledger append blocks (fsync): off the loop.
-        loop.run_in_executor(None, cls.gate.record)
+class _GatedTLS(SSLProtocol):
+    """TLS under the gate: asyncio would hand a connection to the HTTP protocol only
+    after its handshake, so a client that never finishes one was held (60 s each,
+    without bound) before any gate saw it. This wraps the HTTP protocol at accept."""
+
+    def __init__(self, h11: _GatedH11, context: ssl.SSLContext, loop: asyncio.AbstractEventLoop
+                 ) -> None:  # fmt: skip
+        gate = h11.gate
+        super().__init__(
+            loop,
+            h11,
+            context,
+            None,  # type: ignore[arg-type]  # no one waits on the handshake
+            server_side=True,
+            ssl_handshake_timeout=math.ceil(gate.head),
+        )
+        self._h11 = h11
+        self._gate = gate
+        self._tcp: _Tcp | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tcp = _Tcp(self._h11.loop, cast(asyncio.Transport, transport))
+        if not tcp.admit(self._gate):
+            return
+        self._tcp = self._h11._tcp = tcp
+        # uvicorn's shutdown closes what is in this set: a handshake in progress too.
+        self._h11.connections.add(cast(Any, self))
+        super().connection_made(transport)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._tcp is not None:
+            self._tcp.saw_bytes()
+        super().buffer_updated(nbytes)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._tcp is None:
+            return  # refused at accept
+        self._tcp.lost()
+        self._h11.connections.discard(cast(Any, self))
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown: a connection still in its handshake is closed; one past
+        it is closed by its HTTP protocol."""
+        if self._tcp is not None and not self._h11.made:
+            self._tcp.transport.abort()
+
+
+def _protocol_factory(gate: ConnectionGate, context: ssl.SSLContext | None) -> Any:
+    protocol = type("GatedH11", (_GatedH11,), {"gate": gate})
+
+    def make(config: uvicorn.Config, server_state: Any, app_state: dict[str, Any],
+             _loop: asyncio.AbstractEventLoop | None = None) -> asyncio.BaseProtocol:  # fmt: skip
+        h11: _GatedH11 = protocol(
+            config=config, server_state=server_state, app_state=app_state, _loop=_loop
+        )
+        if context is None:
+            return h11
+        return _GatedTLS(h11, context, h11.loop)
+
+    return make
 
 
 class ApiServer:
@@ -156,14 +332,28 @@ def serve_api(
     limits = limits or Limits()
     # A connection is a descriptor: raise the soft limit, bound connections below it.
     nofile = raise_open_files_limit()
-    gate = ConnectionGate(
-        rt.ledger,
+    bounds = gate_bounds(
+        nofile,
         limits.connections_per_source,
-        limits.connections_total or max(256, nofile // 4),
+        limits.connections_total,
         limits.first_byte_timeout,
-        Actor("runtime", "proctor-api"),
+        limits.head_timeout,
     )
-    protocol = type("GatedH11", (_GatedH11,), {"gate": gate})
+    gate = ConnectionGate(rt.ledger, bounds, Actor("runtime", "proctor-api"))
+    # TLS is done under the gate (see _GatedTLS), not by uvicorn's listener.
+    context = (
+        uvicorn.config.create_ssl_context(
+            certfile=certfile,
+            keyfile=keyfile,
+            password=None,
+            ssl_version=uvicorn.config.SSL_PROTOCOL_VERSION,
+            cert_reqs=ssl.CERT_NONE,
+            ca_certs=None,
+            ciphers=None,
+        )
+        if certfile is not None
+        else None
+    )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections
     # only when the socket says so, and without it Nagle's algorithm meets delayed
@@ -179,16 +369,19 @@ def serve_api(
         app,
         log_level=log_level,
         log_config=None if json_log else uvicorn.config.LOGGING_CONFIG,
-        ssl_certfile=str(certfile) if certfile else None,
-        ssl_keyfile=str(keyfile) if keyfile else None,
         access_log=False,
-        http=protocol,
+        http=_protocol_factory(gate, context),
+        # No WebSocket route: an upgrade would leave the gate's head timer behind.
+        ws="none",
         server_header=False,
         # Enough for 64 clients without queueing in the kernel backlog, and also how
-        # many connections asyncio accepts at a time: a flood refused costs at most
-        # that many descriptors at once.
-        backlog=128,
-        timeout_keep_alive=30,
+        # many connections asyncio accepts at a time before the gate sees them: a
+        # flood holds about three batches at once beyond the gate's bound (accepted,
+        # being admitted, being closed), so an eighth of the limit at most each.
+        backlog=max(16, min(128, nofile // 8)),
+        # An idle kept-alive connection: uvicorn closes it quietly after 5 s (the head
+        # timer would close it, counted, at the first-byte timeout).
+        timeout_keep_alive=KEEP_ALIVE,
         # A client that keeps its connection open must not hold up stop() for long.
         timeout_graceful_shutdown=5,
     )
@@ -204,6 +397,6 @@ def serve_api(
             sock.close()
             raise ProctorError("the API server did not start (see the log above)")
         time.sleep(0.01)
-    api = ApiServer(server, thread, sock, "https" if certfile else "http")
+    api = ApiServer(server, thread, sock, "https" if context is not None else "http")
     api.gate = gate
     return api
