@@ -15,7 +15,7 @@ import pytest
 
 from proctor.evidence import export_pack, verify_pack
 from proctor.evidence._retention import CHECKS, RETENTION_CONTROLS
-from proctor.governance import Retention, erase_key, record_key_hmac
+from proctor.governance import Retention, erase_key, record_key_hmac, unbacked_erasures
 from proctor.ledger import Actor, EventDraft, lineage_object, lineage_seqs
 from proctor.lifecycle._serve import prune_all
 from tests.e2e.conftest_gov import build_gov
@@ -72,8 +72,10 @@ def test_a_pack_after_pruning_and_erasure(tmp_path: Path, monkeypatch: pytest.Mo
     export_pack(rt, "acme", "2000-01-01T00:00:00.000000Z", "2100-01-01T00:00:00.000000Z", pack)
     report = verify_pack(pack)
     assert report.events == rt.ledger.head("acme").size
-    # The erased object is held to the erasure's list, which the pack carries.
+    # The erased object is held to the erasure's list, which the pack carries; in the
+    # store, the pruned reads' index rows are gone with them, the held one's kept.
     assert (report.erasures, report.erasures_uncommitted) == (1, 0)
+    assert unbacked_erasures(rt.store, "acme") == []
     with zipfile.ZipFile(pack) as zf:
         record = json.loads(zf.read("governance/retention.json"))
         md = zf.read("report/report.md").decode()
