@@ -136,7 +136,9 @@ def _policy(uid: str, version: str | None, desc: str | None = None) -> dict[str,
     return out
 
 
+@lru_cache(maxsize=1024)
 def _is_ip(text: str) -> bool:
+    # Cached: a run's calls name the same few hosts, and a failed parse raises.
     try:
         ip_address(text.removeprefix("[").removesuffix("]"))
     except ValueError:
