@@ -30,6 +30,8 @@ class RetentionIn(Strict):
 
 class HoldIn(Strict):
     scope: Literal["tenant", "deployment", "run"]
+    # A run id or deployment name, or a unique prefix of one: Retention.add_hold
+    # resolves it as the CLI does (404 unknown, 400 ambiguous) and stores the full id.
     target: str | None = Field(default=None, min_length=1, max_length=200)
     reason: str = Field(min_length=1, max_length=512)
 

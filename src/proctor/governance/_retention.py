@@ -455,14 +455,16 @@ class Retention:
                     digests[seq] = ref["digest"]
             if stop is not None:
                 # Past the walk, a time column before the cut-off was back-dated: say so.
-                misdated += [
+                # Through the time index (what the prune used to read), not the rest of
+                # the log: `seq + 0` and no ORDER BY keep both engines off the key.
+                misdated += sorted(
                     int(r[0])
                     for r in conn.query(
-                        "SELECT seq FROM ledger_entries WHERE log = ? AND time < ? AND seq > ?"
-                        " ORDER BY seq LIMIT ?",
+                        "SELECT seq FROM ledger_entries WHERE log = ? AND time < ?"
+                        " AND seq + 0 > ? LIMIT ?",
                         (tenant, cutoff, stop, _MAX_MISDATED),
                     )
-                ]
+                )
         objects = read_objects(self._store, tenant, set(digests.values()))
         written: list[int] = []
         extra = {"days": rule.days, "holds": [h.id for h in holds][:64], "held": held}
