@@ -241,6 +241,24 @@ def _closed(sock: socket.socket, limit: float = 10.0) -> bytes:
     return got
 
 
+def _response(sock: socket.socket) -> bytes:
+    """One whole response (head and Content-Length body) read from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(rest) < length:
+        rest += sock.recv(4096)
+    return head + b"\r\n\r\n" + rest
+
+
 def _refused(env: Any) -> list[dict[str, Any]]:
     events = [json.loads(e) for e in env.rt.ledger.entries("system")]
     return [e for e in events if e["action"] == "api.connections.refused"]
@@ -273,7 +291,7 @@ def test_slow_heads_and_idle_kept_alive_connections_are_closed_and_counted(
 
         kept = socket.create_connection((host, port), timeout=10, source_address=("127.0.0.6", 0))
         kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = kept.recv(4096)
+        first = _response(kept)
         assert first.startswith(b"HTTP/1.1 200"), first
         dribble(kept, head)
         assert _closed(kept) == b""  # no second answer
@@ -281,7 +299,7 @@ def test_slow_heads_and_idle_kept_alive_connections_are_closed_and_counted(
 
         idle = socket.create_connection((host, port), timeout=10, source_address=("127.0.0.7", 0))
         idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _response(idle).startswith(b"HTTP/1.1 200")
         assert _closed(idle) == b""
         idle.close()
 
@@ -311,6 +329,38 @@ def test_a_tls_handshake_never_finished_is_closed_and_counted(tmp_path: Path) ->
         silent.close()
         env.server.stop()
         assert sum(e["details"]["idle"] for e in _refused(env)) == 1
+    finally:
+        env.server.stop()
+        env.rt.close()
+
+
+def test_a_connection_that_authenticated_is_not_the_one_closed_to_make_room(
+    tmp_path: Path,
+) -> None:
+    """An address at its bound (2 here) opens one more: its oldest unauthenticated
+    connection gives way, not the older one that carried a principal's request (the
+    mark goes from authentication, on a worker thread, to the socket's gate)."""
+    env = build_env(tmp_path, limits=Limits(connections_per_source=2))
+    try:
+        host, port, source = env.server.host, env.server.port, "127.0.0.9"
+        gate = env.server.gate
+        assert gate is not None
+        authed = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+        request = (
+            f"GET /tenants/acme/runs HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {env.token('acme', 'aud')}\r\n\r\n"
+        ).encode()
+        authed.sendall(request)
+        assert _response(authed).startswith(b"HTTP/1.1 200")
+        assert gate.unauthenticated() == 0
+        first = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+        second = socket.create_connection((host, port), timeout=10, source_address=(source, 0))
+        assert _closed(first) == b""  # the address's oldest unauthenticated one
+        assert _open(second)
+        authed.sendall(request)  # the same kept-alive connection, served again
+        assert _response(authed).startswith(b"HTTP/1.1 200")
+        for sock in (authed, first, second):
+            sock.close()
     finally:
         env.server.stop()
         env.rt.close()
