@@ -336,3 +336,38 @@ def _write(gov: Gov, seq: int, data: bytes) -> None:
     with sqlite3.connect(gov.home / "proctor.db", timeout=30) as db:
         db.execute("UPDATE ledger_entries SET data = ? WHERE log = 'acme' AND seq = ?", (data, seq))
     db.close()
+
+
+def test_serves_prune_goes_by_the_signed_time_and_warns_of_a_back_dated_column(
+    aged: tuple[Gov, ApiServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``proctor serve`` runs at start and every six hours, for every tenant."""
+    import logging
+
+    from proctor.governance import Retention
+    from proctor.lifecycle._serve import prune_all
+
+    gov, _ = aged
+    rt = gov.rt
+    add_run(rt.store, RECENT, "omega", tenant="acme")
+    recent = [rt.ledger.append("acme", EventDraft(Actor("workload", RECENT), "sql.select",
+                                                  "table/customers", run=RECENT,
+                                                  deployment="omega")).seq
+              for _ in range(3)]  # fmt: skip
+    Retention(rt.store, rt.ledger).set("acme", 200, rt.operator)
+    with sqlite3.connect(gov.home / "proctor.db", timeout=30) as db:
+        db.execute(
+            "UPDATE ledger_entries SET time = '2025-03-02T00:00:00.000000Z'"
+            " WHERE log = 'acme' AND seq BETWEEN ? AND ?",
+            (recent[0], recent[-1]),
+        )
+    db.close()
+    before = _entries(gov)
+    with caplog.at_level(logging.INFO, logger="proctor"):
+        prune_all(rt, Actor("runtime", "supervisor:test"))
+    assert _runs_changed(before, _entries(gov)) == {run for run, _ in OLD}
+    warned = [
+        r for r in caplog.records if getattr(r, "proctor_event", "") == "retention.prune_tampering"
+    ]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert warned[0].proctor_fields["misdated"] == recent  # type: ignore[attr-defined]

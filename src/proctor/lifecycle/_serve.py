@@ -254,3 +254,10 @@ def prune_all(rt: Home, actor: Actor) -> None:
         if result.pruned:
             log_event(log, "retention.prune", tenant=tenant.name, pruned=result.pruned,
                       held=result.held, cutoff=result.cutoff, rule=result.rule)  # fmt: skip
+        if result.misdated or result.unverified:
+            # The prune went by the signed times; what it saw of a store changed by hand
+            # is for the operator (`proctor audit verify`).
+            log_event(log, "retention.prune_tampering", logging.WARNING, tenant=tenant.name,
+                      misdated=list(result.misdated[:20]), misdated_count=len(result.misdated),
+                      unverified=list(result.unverified[:20]),
+                      unverified_count=len(result.unverified))  # fmt: skip
