@@ -509,3 +509,33 @@ def test_holds_by_id_and_by_prefix_keep_what_they_name(
     assert pruned_runs == {"r-0000aaaa0008", "r-0000bbbb0009"}
     assert result.pruned == 4 and result.held == 2 * (len(OLD_RUNS) - 2)
     assert ledger.verify(T).pruned == 4
+
+
+def test_bytes_rewritten_with_another_time_are_neither_pruned_nor_believed(
+    small: tuple[Ledger, Clock, LedgerEnv],
+) -> None:
+    ledger, _, env = small
+    recent = _seqs_of(env, RECENT)
+    first_old = _seqs_of(env, OLD_RUNS[0][0])[0]
+    before = _entries(env)
+
+    def retimed(seq: int, time: str) -> bytes:
+        return canonical_json({**json.loads(before[seq]), "time": time})
+
+    # A store writer rewrites the signed time itself: a recent event's to a year ago (to
+    # have it pruned), an old event's to now (to end the prune's walk before the rest).
+    _set(env, recent[0], retimed(recent[0], "2025-01-02T00:00:00.000000Z"))
+    _set(env, first_old, retimed(first_old, "2026-12-01T00:00:00.000000Z"))
+    forged = _entries(env)
+    ret = Retention(env.store, ledger)
+    ret.set(T, RULE_DAYS, OP)
+    result = ret.prune(T, OP)
+    after = _entries(env)
+    assert list(result.unverified) == [first_old, recent[0]]
+    assert after[recent[0]] == forged[recent[0]] and after[first_old] == forged[first_old]
+    # Every other old event was pruned all the same; the recent run kept.
+    assert result.pruned == 2 * len(OLD_RUNS) - 1
+    assert all(after[s] == before[s] for s in recent if s != recent[0])
+    # What verify says is the rewriting, at its seq, not a prune.
+    with pytest.raises(VerificationFailed, match=rf"event seq {first_old}: "):
+        ledger.verify(T)

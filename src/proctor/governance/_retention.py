@@ -9,6 +9,12 @@ governance rows (approvals, deployments, principals, quorum, policies, and the
 retention record itself) are kept for the tenant's life: ``audit verify`` holds
 the rows to them.
 
+An event is past the period by its own signed ``time`` (in the bytes its leaf hash
+commits to, held to the tree's level-0 tile), never by the ``ledger_entries.time``
+column, which a store writer can back-date. A hold names a run or deployment that
+exists, resolved from a unique prefix like every id a person types, and stores the
+full id; a hold stored before that (a prefix as typed) keeps all it starts.
+
 The EU AI Act (Art. 19(1), 26(6)) asks for at least six months: a period under
 :data:`LEGAL_MINIMUM_DAYS` is refused unless the operator gives a reason, which
 is recorded in the ``retention.set`` event.
