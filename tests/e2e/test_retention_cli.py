@@ -122,8 +122,18 @@ def test_cli_local_and_through_the_server(served: tuple[Gov, ApiServer, str]) ->
     erased = run_cli("erase", "-t", "acme", "--dataset", "crm", "--key", "7",
                      "--request-ref", "DSR-2", "--json", home=home)  # fmt: skip
     assert json.loads(erased.out)["request_ref"] == "DSR-2"
-    removed = run_cli("hold", "remove", "-t", "acme", held["id"], "--json", home=home)
-    assert json.loads(removed.out)["removed_at"]
+    # A hold's id, like every id, by any unique prefix; "hold-" names both holds.
+    second = json.loads(run_cli("hold", "add", "-t", "acme", "--run", "r-run1", "--reason",
+                                "audit 2026-4", "--json", home=home).out)  # fmt: skip
+    before = gov.rt.ledger.head("acme").size
+    ambiguous = run_cli("hold", "remove", "-t", "acme", "hold-", home=home, check=False)
+    assert ambiguous.code == 2 and "ambiguous" in ambiguous.err, ambiguous.err
+    assert gov.rt.ledger.head("acme").size == before  # refused: nothing recorded
+    removed = run_cli("hold", "remove", "-t", "acme", held["id"][:13], "--json", home=home)
+    assert json.loads(removed.out)["id"] == held["id"] and json.loads(removed.out)["removed_at"]
+    again = run_cli("hold", "remove", "-t", "acme", held["id"][:13], home=home, check=False)
+    assert again.code == 2 and "removed already" in again.err
+    run_cli("hold", "remove", "-t", "acme", second["id"], home=home)
     verified = json.loads(run_cli("audit", "verify", "-t", "acme", "--json", home=home).out)
     assert verified["verified"] and verified["pruned"] == 0
 

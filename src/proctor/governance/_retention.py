@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from proctor.errors import NotFound, UsageError
-from proctor.governance._prefixes import resolve_prefix
+from proctor.governance._prefixes import find_by_prefix, resolve_prefix
 from proctor.ledger import (
     MAX_PRUNE_RANGES,
     MAX_PRUNED_PER_EVENT,
@@ -357,18 +357,17 @@ class Retention:
         return self.hold(tenant, hold_id)
 
     def hold(self, tenant: str, hold_id: str) -> Hold:
+        """The hold whose id is ``hold_id`` or the one id starting with it."""
         with self._store.read() as conn:
-            row = conn.query_one(
-                f"SELECT {_HOLD_COLS} FROM legal_holds WHERE tenant = ? AND id = ?",  # noqa: S608
-                (tenant, hold_id),
-            )
-        if row is None:
-            raise NotFound(f"no legal hold {hold_id!r} in tenant {tenant!r}",
-                           hint=f"proctor hold list -t {tenant}")  # fmt: skip
+            row = find_by_prefix(
+                conn, "legal_holds", _HOLD_COLS, tenant, hold_id,
+                noun="legal hold", hint=f"proctor hold list -t {tenant}",
+            )  # fmt: skip
         return _hold(row)
 
     def remove_hold(self, tenant: str, hold_id: str, actor: Actor) -> Hold:
         held = self.hold(tenant, hold_id)
+        hold_id = held.id
         if not held.active:
             raise UsageError(f"legal hold {hold_id} was removed already ({held.removed_at})")
         now = self._ledger.now()
