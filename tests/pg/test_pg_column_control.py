@@ -28,6 +28,7 @@ from proctor.broker import _datasets as datasets_module
 from proctor.broker._datasets import AnswerBudget, AnswerTooLarge
 from proctor.broker._pg_sql import (
     _pool,
+    accesses_from_plan,
     close_pg_pools,
     column_grants,
     connect_as_role,
@@ -465,3 +466,27 @@ def test_the_bounded_answer_is_the_statements_own(
     scope: RunScope, query: str, rows: list[list[Any]]
 ) -> None:
     assert sql(scope, query)["rows"] == rows
+
+
+def test_reading_a_plan_costs_memory_in_proportion_to_it() -> None:
+    """A plan can hold a folded constant of many megabytes; its reading once cost
+    Python's matcher memory per character (a 4 MB constant: 580 MB), and a long
+    word time in the square of its length."""
+    big = "x" * (4 << 20)
+    plan = {
+        "Node Type": "Seq Scan",
+        "Relation Name": "customers",
+        "Schema": "public",
+        "Alias": "customers",
+        "Output": ["id", f"'{big}'::text", f'"quoted {big}"', f"{big} + 1"],
+        "Filter": f"(country = '{big}'::text)",
+    }
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        accesses, _ = accesses_from_plan(plan, lambda t: {"id", "country"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert accesses.reads == {"customers": {"", "id", "country"}}
+    assert peak < 4 * len(big), peak

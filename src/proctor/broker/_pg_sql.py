@@ -119,8 +119,14 @@ _READ_WORDS = frozenset({"SELECT", "WITH", "TABLE", "VALUES"})
 _COARSE_NODES = frozenset(
     {"Aggregate", "WindowAgg", "Unique", "SetOp", "Append", "Group", "Recursive Union"}
 )
+# Quoted names and literals as "unrolled loops" ([^"]* then ("" [^"]*)*): an
+# alternation per character costs Python's matcher memory per character, and a
+# plan can hold a constant of many megabytes (a folded repeat('x', n)). A name
+# starts only where no name goes on: tried from inside a long word, the pattern
+# would cost time in the square of its length.
 _QUAL_NAME = re.compile(
-    r'("(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*)\.("(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*)'
+    r'(?<![A-Za-z0-9_$"])'
+    r'("[^"]*(?:""[^"]*)*"|[A-Za-z_][A-Za-z0-9_$]*)\.("[^"]*(?:""[^"]*)*"|[A-Za-z_][A-Za-z0-9_$]*)'
 )
 
 
@@ -544,8 +550,8 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(v)
 
 
-_LITERAL = re.compile(r"'(?:[^']|'')*'")
-_WORD = re.compile(r'"(?:[^"]|"")+"|[A-Za-z_][A-Za-z0-9_$]*')
+_LITERAL = re.compile(r"'[^']*(?:''[^']*)*'")
+_WORD = re.compile(r'"[^"]*(?:""[^"]*)*"|[A-Za-z_][A-Za-z0-9_$]*')
 
 
 def accesses_from_plan(
