@@ -209,35 +209,29 @@ def decide(
         result = cedarpy.is_authorized(
             request.to_cedar(), compiled._policy_set, entity_set._handle, schema_handle()
         )
-        raw = result._authz_resp
-        verdict = raw.get("decision")
-        diagnostics = raw.get("diagnostics", {})
-        reasons = tuple(compiled._ids.get(r, r) for r in diagnostics.get("reason", []))
-        errors = tuple(compiled._translate(str(e)) for e in diagnostics.get("errors", []))
+        allowed = result.decision is cedarpy.Decision.Allow
+        raw_errors = [str(e) for e in result.diagnostics.errors]
+        reasons = tuple(compiled._ids.get(r, r) for r in result.diagnostics.reasons)
+        errors = tuple(compiled._translate(e) for e in raw_errors)
     except Exception as exc:  # fail closed on anything, including our own bugs
         return Decision(False, (), compiled.version, (f"{type(exc).__name__}: {exc}",))
     if errors:
         failing = tuple(
             dict.fromkeys(
                 compiled._ids.get(m.group(1), m.group(1))
-                for e in diagnostics.get("errors", [])
-                for m in [_CEDAR_ID.search(str(e))]
+                for e in raw_errors
+                for m in [_CEDAR_ID.search(e)]
                 if m
             )
         )
         return Decision(False, failing, compiled.version, errors)
-    if verdict == "Allow":
+    if allowed:
         return Decision(True, reasons, compiled.version)
     # "Deny" (forbid or no permit) and "NoDecision" (request did not build) alike.
     return Decision(False, reasons, compiled.version)
 
 
 def _request_from_json(payload: Mapping[str, Any]) -> tuple[Request, list[Entity]]:
-    def ref(value: Any, what: str) -> EntityRef:
-        if not isinstance(value, Mapping) or set(value) != {"type", "id"}:
-            raise PolicyError(f"{what} must be an object {{'type': ..., 'id': ...}}")
-        return EntityRef(str(value["type"]), value["id"])
-
     known = {"principal", "action", "resource", "context", "entities"}
     unknown = set(payload) - known
     if unknown:
@@ -256,28 +250,34 @@ def _request_from_json(payload: Mapping[str, Any]) -> tuple[Request, list[Entity
     raw_entities = payload.get("entities", [])
     if not isinstance(raw_entities, list):
         raise PolicyError("entities must be a list")
-    entities = []
-    for i, item in enumerate(raw_entities):
-        if not isinstance(item, Mapping) or "uid" not in item:
-            raise PolicyError(f"entities[{i}] must be an object with a 'uid'")
-        attrs = item.get("attrs", {})
-        parents = item.get("parents", [])
-        if not isinstance(attrs, Mapping) or not isinstance(parents, list):
-            raise PolicyError(f"entities[{i}]: 'attrs' must be an object, 'parents' a list")
-        entities.append(
-            Entity(
-                ref(item["uid"], f"entities[{i}].uid"),
-                dict(attrs),
-                tuple(ref(p, f"entities[{i}].parents") for p in parents),
-            )
-        )
+    entities = [_entity_from_json(i, item) for i, item in enumerate(raw_entities)]
     request = Request(
-        ref(payload["principal"], "principal"),
+        _ref_from_json(payload["principal"], "principal"),
         action,
-        ref(payload["resource"], "resource"),
+        _ref_from_json(payload["resource"], "resource"),
         dict(context),
     )
     return request, entities
+
+
+def _ref_from_json(value: Any, what: str) -> EntityRef:
+    if not isinstance(value, Mapping) or set(value) != {"type", "id"}:
+        raise PolicyError(f"{what} must be an object {{'type': ..., 'id': ...}}")
+    return EntityRef(str(value["type"]), value["id"])
+
+
+def _entity_from_json(i: int, item: Any) -> Entity:
+    if not isinstance(item, Mapping) or "uid" not in item:
+        raise PolicyError(f"entities[{i}] must be an object with a 'uid'")
+    attrs = item.get("attrs", {})
+    parents = item.get("parents", [])
+    if not isinstance(attrs, Mapping) or not isinstance(parents, list):
+        raise PolicyError(f"entities[{i}]: 'attrs' must be an object, 'parents' a list")
+    return Entity(
+        _ref_from_json(item["uid"], f"entities[{i}].uid"),
+        dict(attrs),
+        tuple(_ref_from_json(p, f"entities[{i}].parents") for p in parents),
+    )
 
 
 def evaluate_request(compiled: CompiledPolicies, payload: str | Mapping[str, Any]) -> Decision:
