@@ -33,12 +33,12 @@ from typing import IO, BinaryIO
 
 from proctor.api._errors import ApiError
 from proctor.errors import UsageError
+from proctor.governance import LinkLoop, LinkOutside, PathKind, resolve_inside
 
 # The same bounds Artifacts.submit applies to a directory, checked here before
 # anything is written.
 MAX_DEPTH = 64
 MAX_PATH_BYTES = 1024
-_MAX_LINK_HOPS = 40
 # Tar headers and padding on top of the content: 1 KiB per member is generous, and
 # the archive's end is padded to a 10 KiB record.
 _OVERHEAD_PER_MEMBER = 1024
@@ -97,7 +97,7 @@ class _Extraction:
         self.count = 0
         self.total = 0
         # What each path written so far is: "dir", "file" or "link"; () is dest.
-        self.kinds: dict[tuple[str, ...], str] = {(): "dir"}
+        self.kinds: dict[tuple[str, ...], PathKind] = {(): "dir"}
         self.links: dict[tuple[str, ...], str] = {}
 
     def run(self, stream: BinaryIO) -> None:
@@ -171,7 +171,7 @@ class _Extraction:
                 f"the archive entry {name!r} is {kind}, not a file, directory or symlink"
             )
 
-    def _claim(self, parts: tuple[str, ...], kind: str, name: str) -> None:
+    def _claim(self, parts: tuple[str, ...], kind: PathKind, name: str) -> None:
         """Record ``parts`` as ``kind``, refusing a path through a link or a file, and
         a second entry with the same name (only a directory may be named twice)."""
         for i in range(1, len(parts)):
@@ -251,31 +251,17 @@ class _Extraction:
         """Follow the link through what was written, as the kernel would: it must
         never climb above the directory (a dangling link is Artifacts.submit's to refuse)."""
         name = "/".join(path)
-        current = list(path[:-1])
-        todo = [p for p in target.split("/") if p not in ("", ".")]
-        hops = 0
-        while todo:
-            part = todo.pop(0)
-            if part == "..":
-                if not current:
-                    raise UsageError(
-                        f"the archive entry {name!r} is a symlink leading outside the "
-                        f"artifact ({target!r})"
-                    )
-                current.pop()
-                continue
-            candidate = (*current, part)
-            kind = self.kinds.get(candidate)
-            if kind == "link":
-                hops += 1
-                if hops > _MAX_LINK_HOPS:
-                    raise UsageError(f"the archive entry {name!r}: too many levels of symlinks")
-                again = [p for p in self.links[candidate].split("/") if p not in ("", ".")]
-                todo = again + todo
-            elif kind == "dir":
-                current.append(part)
-            else:
-                return  # a file or nothing: the kernel stops here, inside
+        try:
+            resolve_inside(path[:-1], target, self._kind_of, self.links.__getitem__)
+        except LinkOutside:
+            raise UsageError(
+                f"the archive entry {name!r} is a symlink leading outside the artifact ({target!r})"
+            ) from None
+        except LinkLoop:
+            raise UsageError(f"the archive entry {name!r}: too many levels of symlinks") from None
+
+    def _kind_of(self, parts: tuple[str, ...]) -> PathKind | None:
+        return self.kinds.get(parts)
 
 
 def _parts(name: str) -> tuple[str, ...]:

@@ -77,6 +77,7 @@ from proctor.governance._objects import (
     read_object_file,
     stage_object,
 )
+from proctor.governance._paths import LinkLoop, LinkOutside, PathKind, Resolved, resolve_inside
 from proctor.governance._policies import EMPTY as EMPTY_POLICY
 from proctor.governance._policies import (
     Policies,
@@ -144,11 +145,14 @@ __all__ = [
     "HomeConfig",
     "KeyRing",
     "Lifecycle",
+    "LinkLoop",
+    "LinkOutside",
     "Manifest",
     "NotApproved",
     "ObjectMissing",
     "ObjectTooBig",
     "ObjectUnsafe",
+    "PathKind",
     "Policies",
     "PolicyVersion",
     "Principal",
@@ -156,6 +160,7 @@ __all__ = [
     "ProductionName",
     "PruneResult",
     "QuorumRule",
+    "Resolved",
     "Resources",
     "Retention",
     "RetentionRule",
@@ -193,6 +198,7 @@ __all__ = [
     "readiness",
     "record_key_hmac",
     "require_backed",
+    "resolve_inside",
     "role_policy",
     "run_events_context",
     "split_entry",

@@ -49,6 +49,7 @@ from proctor.governance._manifest import (
     check_entrypoint,
     parse_manifest,
 )
+from proctor.governance._paths import LinkLoop, LinkOutside, PathKind, resolve_inside
 from proctor.ledger import Actor, EventDraft, Ledger, canonical_json, utc_now
 from proctor.store import Conn, Store
 
@@ -61,7 +62,6 @@ MAX_PATH_BYTES = 1024
 # Past this size a unified diff is more noise than review.
 MAX_TEXT_DIFF_BYTES = 512 * 1024
 _CHUNK = 1 << 16
-_MAX_LINK_HOPS = 40
 _MIN_PREFIX = 4
 _HEX = frozenset("0123456789abcdef")
 
@@ -443,52 +443,49 @@ class _Walk:
     def _check_link(self, path: str, target: str) -> None:
         """Follow the link through the recorded tree: it must end at a file or directory
         of the artifact without ever leaving it."""
-        parent = path.rsplit("/", 1)[0] if "/" in path else ""
-        current = [p for p in parent.split("/") if p]
-        todo = [p for p in target.split("/") if p not in ("", ".")]
-        hops = 0
-        while todo:
-            part = todo.pop(0)
-            if part == "..":
-                if not current:
-                    raise UsageError(
-                        f"{path}: the symlink points outside the artifact ({target!r})",
-                        hint="only relative links to files inside the artifact are kept",
-                    )
-                current.pop()
-                continue
-            candidate = "/".join([*current, part])
-            if candidate in self.links:
-                hops += 1
-                if hops > _MAX_LINK_HOPS:
-                    raise UsageError(f"{path}: too many levels of symlinks")
-                todo = [p for p in self.links[candidate].split("/") if p not in ("", ".")] + todo
-                continue
-            if candidate in self.dirs:
-                current.append(part)
-                continue
-            if candidate in self.files and not todo:
-                current.append(part)
-                continue
+        try:
+            end = resolve_inside(_parent_parts(path), target, self._kind_of, self._link_of)
+        except LinkOutside:
+            raise UsageError(
+                f"{path}: the symlink points outside the artifact ({target!r})",
+                hint="only relative links to files inside the artifact are kept",
+            ) from None
+        except LinkLoop:
+            raise UsageError(f"{path}: too many levels of symlinks") from None
+        if not end.complete:
             raise UsageError(
                 f"{path}: the symlink's target {target!r} is not in the artifact",
                 hint="dangling links, and links into skipped directories, are refused",
             )
+
+    def _kind_of(self, parts: tuple[str, ...]) -> PathKind | None:
+        rel = "/".join(parts)
+        if rel in self.links:
+            return "link"
+        if rel in self.dirs:
+            return "dir"
+        if rel in self.files:
+            return "file"
+        return None
+
+    def _link_of(self, parts: tuple[str, ...]) -> str:
+        return self.links["/".join(parts)]
 
     def resolves_to_file(self, path: str) -> bool:
         if path in self.files:
             return True
         if path not in self.links:
             return False
-        parent = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
-        for _ in range(_MAX_LINK_HOPS):
-            path = posixpath.normpath(parent + self.links[path])
-            if path in self.files:
-                return True
-            if path not in self.links:
-                return False
-            parent = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
-        return False
+        target = self.links[path]
+        try:
+            end = resolve_inside(_parent_parts(path), target, self._kind_of, self._link_of)
+        except UsageError:
+            return False
+        return end.complete and end.kind == "file"
+
+
+def _parent_parts(path: str) -> tuple[str, ...]:
+    return tuple(p for p in path.split("/")[:-1] if p)
 
 
 def _check_name(rel: str) -> None:
