@@ -56,18 +56,19 @@ INDEXED_ACTIONS = (
     "tenant.freeze", "tenant.unfreeze",
 )  # fmt: skip
 _IN = "(" + ", ".join(f"'{a}'" for a in INDEXED_ACTIONS) + ")"
-_LITE = (
-    "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
-    " WHERE (CASE WHEN json_valid(CAST(data AS TEXT))"
-    " THEN json_extract(CAST(data AS TEXT), '$.resource') END) = ? AND +log = ?"
-    " AND (CASE WHEN json_valid(CAST(data AS TEXT))"
-    f" THEN json_extract(CAST(data AS TEXT), '$.action') END) IN {_IN} ORDER BY seq"
-)
-_PG = (
-    "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
-    " WHERE proctor_event_field(data, 'resource') = ? AND log = ?"
-    f" AND proctor_event_field(data, 'action') IN {_IN} ORDER BY seq"
-)
+
+
+def _by_resource(store: Store) -> str:
+    """The query of one resource's governance events, in the expressions the store's
+    index is built on. ``log || ''`` keeps SQLite off the primary key (log, seq),
+    which it would otherwise prefer for the ORDER BY and walk the whole log."""
+    return (
+        "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
+        f" WHERE {store.event_field('resource')} = ? AND log || '' = ?"
+        f" AND {store.event_field('action')} IN {_IN} ORDER BY seq"
+    )
+
+
 # A store row's timestamp is taken just before (or, for principals, inside) the
 # transaction that records its event.
 CLOCK_SLACK = 60.0
@@ -112,6 +113,7 @@ class Record:
 
     def __init__(self, store: Store, ledger: Ledger) -> None:
         self._store = store
+        self._sql = _by_resource(store)
         self._ledger = ledger
         self._heads: dict[str, Checkpoint] = {}
         self._cache: dict[tuple[str, str], list[Event]] = {}
@@ -131,9 +133,8 @@ class Record:
         if cached is not None:
             return cached
         cp = self._head(tenant)
-        sql = _PG if self._store.engine == "postgresql" else _LITE
         with self._store.read() as conn:
-            rows = conn.query(sql, (resource, tenant))
+            rows = conn.query(self._sql, (resource, tenant))
         out: list[Event] = []
         for seq_value, raw in rows:
             seq, data = int(seq_value), bytes(raw)

@@ -25,12 +25,9 @@ import hashlib
 import json
 import re
 import secrets
-import sqlite3
 from collections.abc import Iterable
-from contextlib import closing, suppress
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 from proctor.errors import NotFound, UsageError
 from proctor.ledger import (
@@ -147,12 +144,12 @@ def erase_key(
     # leaf of an erased object to a list like this one (ledger.ErasureCheck).
     listed, listed_ref = erasure_list(erasure, dataset, erased)
     raw = bytes.fromhex(key_hmac)
-    sqlite = store.engine == "sqlite"
+    secure = store.capabilities.secure_delete
 
     def write(conn: Conn) -> None:
-        if sqlite:
+        if secure:
             # Freed and overwritten cells are zeroed, not left in free pages.
-            conn.execute("PRAGMA secure_delete = ON")
+            conn.secure_delete()
         conn.executemany(
             "UPDATE ledger_objects SET data = ? WHERE log = ? AND digest = ?",
             [(new, tenant, digest) for digest, new in changed.items()],
@@ -181,23 +178,13 @@ def erase_key(
         ),
         hook=write,
     )
-    if sqlite:
-        _scrub_sqlite(store)
+    if secure:
+        # The write-ahead log may still hold page images from before the erasure; a
+        # scrub that a reader's snapshot defeats is done again by the next one
+        # (proctor erase is idempotent).
+        store.scrub()
     return ErasureResult(erasure, tenant, dataset, request_ref, len(refs), len(changed),
                          appended.seq)  # fmt: skip
-
-
-def _scrub_sqlite(store: Store) -> None:
-    """Truncate the write-ahead log, which may still hold page images from before the
-    erasure, and turn ``secure_delete`` off again for the writer."""
-    with store.write() as conn:
-        conn.execute("PRAGMA secure_delete = OFF")
-    # A reader's open snapshot can keep frames; a busy checkpoint is retried by SQLite
-    # at the next one, and the scrub can be run again (proctor erase is idempotent).
-    path = store.url.removeprefix("sqlite:///")
-    uri = f"file:{quote(path)}?mode=rw"  # never makes a file: the store's own, or nothing
-    with suppress(sqlite3.Error), closing(sqlite3.connect(uri, uri=True, timeout=10)) as db:
-        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
 
 #: Problems named at most; a store rewritten wholesale would give one per object.

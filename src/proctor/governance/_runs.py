@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from proctor.errors import RunRefused
 from proctor.governance._prefixes import find_by_prefix
 from proctor.ledger import utc_now
-from proctor.store import Conn, Store
+from proctor.store import Conflict, Conn, Store
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,10 @@ class Runs:
                 " (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (*values, supervisor, deployment if exclusive else None),
             )
-        except Exception as exc:
+        except Conflict:
             # A start on another connection won the race between our look and our
-            # insert: the index refuses the second (the engines name it differently).
-            if exclusive and type(exc).__name__ in ("UniqueViolation", "IntegrityError"):
+            # insert: the index refuses the second.
+            if exclusive:
                 raise _already_running(deployment, None) from None
             raise
 

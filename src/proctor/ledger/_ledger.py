@@ -459,7 +459,7 @@ class Ledger:
             store_objects(
                 conn,
                 [(r[1], r[2], r[0].draft.objects) for r in results if r[6] and r[0].draft.objects],
-                self._store.engine,
+                self._store.capabilities.bulk_insert,
             )
             notes: dict[str, str] = {}
             for log, state in touched.items():

@@ -256,11 +256,12 @@ def lineage_proof(source: bytes | Sequence[str], key: str) -> tuple[int, list[by
 def store_objects(
     conn: Conn,
     staged: Sequence[tuple[str, int, Sequence[LedgerObject]]],
-    engine: str = "sqlite",
+    bulk_insert: bool = False,
 ) -> None:
     """Write the objects of a batch's events, given as (log, seq, objects), and their
     key index rows, in the append's transaction. An object already stored (the same
-    rows read again) is kept."""
+    rows read again) is kept. ``bulk_insert``: the store's
+    ``capabilities.bulk_insert`` (one statement over arrays per log)."""
     if not staged:
         return
     conn.executemany(
@@ -268,7 +269,7 @@ def store_objects(
         " ON CONFLICT (log, digest) DO NOTHING",
         [(log, o.digest, o.data) for log, _, objects in staged for o in objects],
     )
-    if engine == "postgresql":
+    if bulk_insert:
         # One statement per log with two arrays: row by row, 100,000 keys take
         # seconds of the one writer's time (bench/lineage.py).
         by_log: dict[str, tuple[list[bytes], list[int]]] = {}

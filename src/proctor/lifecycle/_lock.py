@@ -13,21 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-from proctor.errors import AlreadyExists, StoreError
+from proctor.errors import AlreadyExists
 from proctor.store import Store
 
 LOCK_FILE = "serve.lock"
-_PG_LOCK = "proctor:serve:supervisor"
-
-
-def _pg_key(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+_STORE_LOCK = "proctor:serve:supervisor"
 
 
 class ServeLock:
@@ -38,7 +33,7 @@ class ServeLock:
         self.store = store
         self.owner = owner
         self._fd: int | None = None
-        self._pg: Any = None
+        self._held: AbstractContextManager[None] | None = None
 
     def acquire(self) -> ServeLock:
         path = self.home / LOCK_FILE
@@ -63,32 +58,23 @@ class ServeLock:
         return self
 
     def _lock_store(self) -> None:
-        dsn = getattr(self.store, "dsn", None)
-        if self.store.engine != "postgresql" or not isinstance(dsn, str):
-            return  # a SQLite store belongs to one home: the file lock is enough
-        import psycopg
-
-        try:
-            conn = psycopg.connect(dsn, autocommit=True, application_name="proctor serve lock")
-            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_pg_key(_PG_LOCK),)).fetchone()
-        except psycopg.Error as exc:
-            raise StoreError(
-                f"cannot take the store's supervisor lock: {type(exc).__name__}"
-            ) from None
-        if not (row and row[0]):
-            conn.close()
+        if not self.store.capabilities.advisory_lock:
+            return  # a store without session locks belongs to one home: the file lock is enough
+        held = self.store.try_lock(_STORE_LOCK)
+        if held is None:
             raise AlreadyExists(
                 f"a proctor serve supervises the store of {self.home} already "
                 "(a PostgreSQL store shared by another home)",
                 hint="one serve per store until node membership exists: stop the other one",
             )
-        self._pg = conn
+        held.__enter__()
+        self._held = held
 
     def release(self) -> None:
-        if self._pg is not None:
+        if self._held is not None:
             with contextlib.suppress(Exception):
-                self._pg.close()  # the session's advisory lock goes with it
-            self._pg = None
+                self._held.__exit__(None, None, None)
+            self._held = None
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)

@@ -5,11 +5,26 @@ Callers talk to a :class:`Store` and its :class:`Conn` with portable SQL
 ``write()`` transactions. Each engine owns its connections, its migrations and
 its way of serialising writers: SQLite has one writer per process and a file
 lock between processes; a PostgreSQL engine takes the advisory lock named by
-``write(lock=...)``. Callers never see which engine they have.
+``write(lock=...)``. Callers never see which engine they have: what differs is
+asked of :attr:`Store.capabilities` (bulk inserts over arrays, secure deletion,
+session locks) or of the store itself (:meth:`Store.event_field`,
+:meth:`Store.try_lock`, :meth:`Store.scrub`), and a write that loses to another
+writer (a unique key taken, a serialization failure) raises :class:`Conflict` on
+either engine. :class:`Engine` spells the engines' names, once.
 """
 
-from proctor.store._base import Conn, Row, Store
+from proctor.store._base import Capabilities, Conflict, Conn, Engine, Row, Store
 from proctor.store._open import open_store
 from proctor.store._pgtext import redact, to_pg_sql
 
-__all__ = ["Conn", "Row", "Store", "open_store", "redact", "to_pg_sql"]
+__all__ = [
+    "Capabilities",
+    "Conflict",
+    "Conn",
+    "Engine",
+    "Row",
+    "Store",
+    "open_store",
+    "redact",
+    "to_pg_sql",
+]

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
 from proctor.errors import StoreError
@@ -9,11 +11,45 @@ from proctor.errors import StoreError
 Row = tuple[Any, ...]
 
 
+class Engine(StrEnum):
+    """The database engines a store can be: the one place their names are spelled."""
+
+    SQLITE = "sqlite"
+    POSTGRESQL = "postgresql"
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an engine can do beyond portable SQL. Callers ask these instead of
+    testing the engine, so a third engine states its abilities in one place."""
+
+    #: Many rows inserted by one statement over array parameters
+    #: (``INSERT ... SELECT ... FROM unnest(?::bytea[], ?::bigint[])``): the
+    #: ledger's lineage index, 100,000 keys in one round trip.
+    bulk_insert: bool
+    #: Deleted and overwritten content can be zeroed in the engine's own files
+    #: (:meth:`Conn.secure_delete`, then :meth:`Store.scrub`); without it a
+    #: deletion leaves old page images to the engine's own cleanup.
+    secure_delete: bool
+    #: Session locks shared by every process and node that opens the store
+    #: (:meth:`Store.try_lock`); without them a store belongs to one home, whose
+    #: file lock is enough.
+    advisory_lock: bool
+
+
+class Conflict(StoreError):
+    """A statement lost to another writer: a unique key or index taken, or a
+    serialization failure. Raised by :class:`Conn` on either engine, in place of
+    the driver's own exception, so a caller that expects a race can tell it from
+    a failing store. Like every store error it ends the write transaction."""
+
+
 class Conn(Protocol):
     """One transaction's view of the store."""
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; return the number of rows it changed."""
+        """Run one statement; return the number of rows it changed. A unique
+        violation or a serialization failure raises :class:`Conflict`."""
         ...
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
@@ -26,15 +62,32 @@ class Conn(Protocol):
         """Stream a large result without holding it all in memory."""
         ...
 
+    def secure_delete(self) -> None:
+        """Zero what this write deletes or overwrites in the engine's files, where
+        :attr:`Capabilities.secure_delete` says the engine can (elsewhere nothing);
+        :meth:`Store.scrub` ends it."""
+        ...
+
 
 class Store(Protocol):
     """A database engine holding Proctor's state."""
 
     @property
-    def engine(self) -> str: ...
+    def engine(self) -> Engine: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     @property
     def url(self) -> str: ...
+
+    def event_field(self, field: str) -> str:
+        """The SQL expression for one top-level text field of an event in
+        ``ledger_entries.data`` (NULL where the bytes are not JSON): the expression
+        the engine's index on events by resource (migration 7) is built on, so a
+        query that repeats it can use that index. ``field`` is a fixed name, never
+        input."""
+        ...
 
     def read(self) -> AbstractContextManager[Conn]:
         """A consistent snapshot for reading."""
@@ -48,6 +101,20 @@ class Store(Protocol):
         changes are durable (fsync'd) when it exits without an exception; an
         exception rolls everything back and propagates as a ``StoreError``.
         """
+        ...
+
+    def try_lock(self, name: str) -> AbstractContextManager[None] | None:
+        """Take the session lock ``name`` for every process and node that opens this
+        store, held until the returned context exits (or the process dies); None if
+        another holds it. Only where :attr:`Capabilities.advisory_lock`; elsewhere a
+        :class:`StoreError`."""
+        ...
+
+    def scrub(self) -> None:
+        """After a :meth:`Conn.secure_delete` write: end secure deletion and drop
+        what the engine's files still keep of the old pages (SQLite: the WAL,
+        truncated; a reader's open snapshot may keep frames until the next
+        checkpoint). Nothing where the engine cannot."""
         ...
 
     def schema_version(self) -> int: ...

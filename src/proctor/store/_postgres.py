@@ -27,14 +27,14 @@ import itertools
 import select
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 import psycopg
-from psycopg import ServerCursor
+from psycopg import ServerCursor, errors
 
 from proctor.errors import NotInitialized, StoreError
-from proctor.store._base import Row, apply_migrations
+from proctor.store._base import Capabilities, Conflict, Engine, Row, apply_migrations
 from proctor.store._pg_migrations import POSTGRES_MIGRATIONS
 from proctor.store._pgtext import redact, to_pg_sql
 
@@ -60,6 +60,19 @@ def _adapt(params: Sequence[Any]) -> tuple[Any, ...]:
 
 _cursor_names = itertools.count()
 
+# Another writer won, the store is fine: a unique key or index taken (23505), or a
+# transaction the server could not order after a concurrent one (40001, 40P01).
+_CONFLICTS = (errors.UniqueViolation, errors.SerializationFailure, errors.DeadlockDetected)
+_CAPABILITIES = Capabilities(bulk_insert=True, secure_delete=False, advisory_lock=True)
+
+
+@contextmanager
+def _conflicts() -> Iterator[None]:
+    try:
+        yield
+    except _CONFLICTS as exc:
+        raise Conflict(f"the store refused a conflicting write: {_first_line(exc)}") from exc
+
 
 class _PGConn:
     __slots__ = ("_begin", "_cursors", "_db")
@@ -76,12 +89,13 @@ class _PGConn:
 
     def _run(self, sql: str, params: Sequence[Any]) -> psycopg.Cursor[Any]:
         query, args = to_pg_sql(sql), _adapt(params)
-        if self._begin is None:
-            return self._db.execute(query, args)
-        begin, self._begin = self._begin, None
-        with self._db.pipeline():
-            self._db.execute(begin)
-            cur = self._db.execute(query, args)
+        with _conflicts():
+            if self._begin is None:
+                return self._db.execute(query, args)
+            begin, self._begin = self._begin, None
+            with self._db.pipeline():
+                self._db.execute(begin)
+                cur = self._db.execute(query, args)
         return cur
 
     def _start(self) -> None:
@@ -96,7 +110,7 @@ class _PGConn:
         batch = [_adapt(r) for r in rows]
         if batch:
             self._start()
-            with self._db.cursor() as cur:
+            with self._db.cursor() as cur, _conflicts():
                 cur.executemany(to_pg_sql(sql), batch)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
@@ -117,6 +131,10 @@ class _PGConn:
         while rows := cur.fetchmany(chunk):
             yield from rows
         cur.close()
+
+    def secure_delete(self) -> None:
+        """Nothing: PostgreSQL keeps a row's old versions until VACUUM, and its WAL
+        until the server recycles it (``Capabilities.secure_delete`` is False)."""
 
     def end(self) -> None:
         """Close this transaction's cursors before it ends (an abandoned iterator
@@ -149,12 +167,47 @@ class PostgresStore:
             raise
 
     @property
-    def engine(self) -> str:
-        return "postgresql"
+    def engine(self) -> Engine:
+        return Engine.POSTGRESQL
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return _CAPABILITIES
 
     @property
     def url(self) -> str:
         return redact(self._dsn)
+
+    def event_field(self, field: str) -> str:
+        # Migration 7's IMMUTABLE wrapper, which the index is built on.
+        return f"proctor_event_field(data, '{field}')"
+
+    def try_lock(self, name: str) -> AbstractContextManager[None] | None:
+        """A session advisory lock on a connection of its own, so no transaction
+        of this store ends it; closing that connection releases it."""
+        self._check_open()
+        try:
+            db = psycopg.connect(self._dsn, autocommit=True, application_name="proctor lock")
+        except psycopg.Error as exc:
+            raise StoreError(
+                f"cannot take the lock {name} on the store {self.url}: {_first_line(exc)}"
+            ) from None
+        try:
+            row = db.execute("SELECT pg_try_advisory_lock(%s)", (lock_key(name),)).fetchone()
+        except psycopg.Error as exc:
+            with suppress(psycopg.Error):
+                db.close()
+            raise StoreError(
+                f"cannot take the lock {name} on the store {self.url}: {_first_line(exc)}"
+            ) from None
+        if not (row and row[0]):
+            with suppress(psycopg.Error):
+                db.close()
+            return None
+        return _SessionLock(db)
+
+    def scrub(self) -> None:
+        """Nothing to do: see ``_PGConn.secure_delete``."""
 
     @property
     def dsn(self) -> str:
@@ -326,6 +379,20 @@ class PostgresStore:
                 with suppress(psycopg.Error):
                     db.close()
             self._all.clear()
+
+
+class _SessionLock(AbstractContextManager[None]):
+    """A held session lock: its connection, closed (and the lock with it) on exit."""
+
+    def __init__(self, db: psycopg.Connection[Any]) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        with suppress(Exception):
+            self._db.close()
 
 
 def _hung_up(db: psycopg.Connection[Any]) -> bool:

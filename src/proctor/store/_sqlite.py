@@ -3,17 +3,33 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from proctor.errors import NotInitialized, StoreError
-from proctor.store._base import Row, apply_migrations
+from proctor.store._base import Capabilities, Conflict, Engine, Row, apply_migrations
 from proctor.store._migrations import SQLITE_MIGRATIONS
 
 # Wait this long for another process's write lock before giving up. Long enough to
 # ride out a large batch commit, short enough that a wedged peer shows up as an error.
 _BUSY_TIMEOUT_MS = 30_000
+
+# Another writer's row, not a failing store: the extended result codes of a unique
+# index or primary key refusing a second row.
+_CONFLICT_CODES = frozenset({
+    getattr(sqlite3, "SQLITE_CONSTRAINT_UNIQUE", 2067),
+    getattr(sqlite3, "SQLITE_CONSTRAINT_PRIMARYKEY", 1555),
+})  # fmt: skip
+_CAPABILITIES = Capabilities(bulk_insert=False, secure_delete=True, advisory_lock=False)
+
+
+def _conflict(exc: sqlite3.IntegrityError) -> None:
+    """Raise a unique violation as :class:`Conflict`; any other refusal (NOT NULL,
+    CHECK, a foreign key) stays the driver's, which the write turns into a
+    StoreError."""
+    if getattr(exc, "sqlite_errorcode", None) in _CONFLICT_CODES:
+        raise Conflict(f"the store refused a conflicting write: {exc}") from exc
 
 
 class _SQLiteConn:
@@ -23,22 +39,43 @@ class _SQLiteConn:
         self._db = db
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return self._db.execute(sql, params).rowcount
+        try:
+            return self._db.execute(sql, params).rowcount
+        except sqlite3.IntegrityError as exc:
+            _conflict(exc)
+            raise
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._db.executemany(sql, rows)
+        try:
+            self._db.executemany(sql, rows)
+        except sqlite3.IntegrityError as exc:
+            _conflict(exc)
+            raise
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
-        return self._db.execute(sql, params).fetchall()
+        try:
+            return self._db.execute(sql, params).fetchall()
+        except sqlite3.IntegrityError as exc:
+            _conflict(exc)
+            raise
 
     def query_one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
-        row: Row | None = self._db.execute(sql, params).fetchone()
+        try:
+            row: Row | None = self._db.execute(sql, params).fetchone()
+        except sqlite3.IntegrityError as exc:
+            _conflict(exc)
+            raise
         return row
 
     def iterate(self, sql: str, params: Sequence[Any] = (), chunk: int = 4096) -> Iterator[Row]:
         cur = self._db.execute(sql, params)
         while rows := cur.fetchmany(chunk):
             yield from rows
+
+    def secure_delete(self) -> None:
+        # Freed and overwritten cells are zeroed, not left in free pages, until
+        # SQLiteStore.scrub turns it off again for the writer.
+        self._db.execute("PRAGMA secure_delete = ON")
 
 
 class SQLiteStore:
@@ -67,12 +104,42 @@ class SQLiteStore:
         self._migrate()
 
     @property
-    def engine(self) -> str:
-        return "sqlite"
+    def engine(self) -> Engine:
+        return Engine.SQLITE
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return _CAPABILITIES
 
     @property
     def url(self) -> str:
         return f"sqlite:///{self._path}"
+
+    def event_field(self, field: str) -> str:
+        # json_valid first: a row whose bytes are not JSON (a tampered one) must stay
+        # readable, so that verification can name it (migration 7 says the same).
+        return (
+            f"(CASE WHEN json_valid(CAST(data AS TEXT))"
+            f" THEN json_extract(CAST(data AS TEXT), '$.{field}') END)"
+        )
+
+    def try_lock(self, name: str) -> AbstractContextManager[None] | None:
+        raise StoreError(
+            f"the SQLite store {self._path} has no session locks ({name}):"
+            " it belongs to one home, whose file lock is enough"
+        )
+
+    def scrub(self) -> None:
+        self._check_open()
+        with self._write_lock:
+            db = self._writer
+            with suppress(sqlite3.Error):
+                db.execute("PRAGMA secure_delete = OFF")
+            # The WAL may still hold page images from before a secure delete. A
+            # reader's open snapshot can keep frames; a busy checkpoint is retried by
+            # SQLite at the next one.
+            with suppress(sqlite3.Error):
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
     def _connect(self, owner: threading.Thread | None) -> sqlite3.Connection:
         try:
