@@ -490,3 +490,100 @@ def test_reading_a_plan_costs_memory_in_proportion_to_it() -> None:
         tracemalloc.stop()
     assert accesses.reads == {"customers": {"", "id", "country"}}
     assert peak < 4 * len(big), peak
+
+
+# -- what is recorded is what was read ------------------------------------------------
+
+#: Under a run whose set permits mrr and invoices (so the database answers), the
+#: event must name every column each shape reads (before: customers, no column).
+RECORDED: dict[str, tuple[str, dict[str, set[str]]]] = {
+    name: (ATTACKS[name], tables)
+    for name, tables in {
+        "subquery-offset-0": {"customers": {"mrr"}},
+        "materialized-cte": {"customers": {"id", "mrr"}},
+        "union-all": {"customers": {"id", "mrr"}},
+        "to-jsonb-of-subquery": {"customers": {"id", "mrr"}},
+        "jsonb-each": {"customers": {"id", "mrr"}},
+        "array-agg-of-rows": {"customers": {"id", "mrr"}},
+        "count-oracle": {"customers": {"mrr"}},
+        "recursive-cte-sub-select": {"customers": {"id"}, "invoices": {"amount"}},
+        "recursive-cte-reads-mrr": {"customers": {"mrr"}},
+        "intersect": {"customers": {"id", "mrr"}},
+        "lateral": {"customers": {"id", "mrr"}},
+        "window-partition": {"customers": {"id", "mrr"}},
+        "distinct-on": {"customers": {"id", "mrr"}},
+        "having-oracle": {"customers": {"country", "mrr"}},
+        "case-oracle": {"customers": {"id", "mrr"}},
+        "scalar-sub-select": {"customers": {"id", "mrr"}},
+        "invoices-exists-oracle": {"customers": {"id"}, "invoices": {"customer", "amount"}},
+        "invoices-in-cte": {"customers": {"id"}, "invoices": {"id", "customer", "amount"}},
+    }.items()
+}
+
+
+@pytest.fixture
+def wide(ledger_env: LedgerEnv, dataset: Dataset, tmp_path: Path) -> Iterator[RunScope]:
+    """A run whose set is the deployment's permits alone: mrr and invoices allowed."""
+    scope = run_scope(ledger_env, dataset, tmp_path, "")
+    yield scope
+    close_pg_pools(scope)
+
+
+@pytest.mark.parametrize("query, tables", list(RECORDED.values()), ids=list(RECORDED))
+def test_the_event_names_every_column_the_statement_reads(
+    wide: RunScope, ledger_env: LedgerEnv, query: str, tables: dict[str, set[str]]
+) -> None:
+    sql(wide, query)
+    ev = last_event(ledger_env)
+    assert (ev["decision"], ev["details"]["outcome"]) == ("allow", "ok")
+    named = {t["table"]: set(t["columns"]) for t in ev["details"]["tables"]}
+    for table, columns in tables.items():
+        assert columns <= named.get(table, set()), (table, named)
+
+
+def test_a_policy_on_columns_together_sees_them_through_a_subquery(
+    ledger_env: LedgerEnv, dataset: Dataset, tmp_path: Path
+) -> None:
+    """Per-column grants cannot say "not country with plan": the call's decision
+    does, and it must see both columns however the statement hides them."""
+    together = (
+        '@id("tenant:not-together")\n'
+        'forbid (principal, action == Proctor::Action::"sql.select", resource)\n'
+        'when { context.columns.containsAll(["country", "plan"]) };'
+    )
+    scope = run_scope(ledger_env, dataset, tmp_path, together)
+    try:
+        assert sql(scope, "SELECT country FROM customers WHERE id = 1")["rows"] == [["GB"]]
+        assert sql(scope, "SELECT plan FROM customers WHERE id = 1")["rows"] == [["pro"]]
+        for query in (
+            "SELECT x FROM (SELECT country || plan AS x FROM customers OFFSET 0) s",
+            "WITH s AS MATERIALIZED (SELECT country, plan FROM customers) SELECT 1 FROM s",
+            "SELECT country FROM customers UNION ALL SELECT plan FROM customers",
+            "SELECT to_jsonb(s)::text FROM (SELECT country, plan FROM customers OFFSET 0) s",
+            "SELECT count(*) FROM (SELECT country AS a, plan AS b FROM customers OFFSET 0) s"
+            " WHERE s.a = 'GB' AND s.b = 'pro'",
+        ):
+            with pytest.raises(CallDenied) as denied:
+                sql(scope, query)
+            assert "tenant:not-together" in denied.value.message or denied.value.policies
+            ev = last_event(ledger_env)
+            assert ev["decision"] == "deny" and ev["policies"] == ["tenant:not-together"]
+            assert {"country", "plan"} <= set(ev["details"]["tables"][0]["columns"])
+    finally:
+        close_pg_pools(scope)
+
+
+def test_a_statement_the_analysis_cannot_account_for_is_refused(
+    wide: RunScope, ledger_env: LedgerEnv
+) -> None:
+    with pytest.raises(CallDenied, match="cannot be accounted for"):
+        sql(wide, "SELECT id FROM customers NATURAL JOIN invoices")
+    ev = last_event(ledger_env)
+    assert ev["decision"] == "deny" and "NATURAL JOIN" in ev["reason"]
+    with pytest.raises(CallDenied):
+        sql(
+            wide,
+            "SELECT x.b FROM XMLTABLE('/a' PASSING CAST('<a><b>1</b></a>' AS xml)"
+            " COLUMNS b text) x, customers",
+        )
+    assert last_event(ledger_env)["decision"] == "deny"

@@ -37,7 +37,9 @@ A guest statement then goes:
    PostgreSQL checks ``SET ROLE`` and ``set_config('role', ...)`` against the
    *session* user, and the login is a member of no role;
 2. ``EXPLAIN (VERBOSE, FORMAT JSON)`` of the statement, as the role: the plan
-   names every base table and the columns each scan outputs or filters on.
+   names every base table and the columns each scan outputs or filters on;
+   the parse tree's every reference (``_pg_reads.py``) is the floor added to it
+   (a statement it cannot account for is refused).
    The database refuses here already if the statement touches a column
    outside the grant (that refusal is recorded too). A plan that scans a
    catalog or a function outside the allowlist is refused;
@@ -104,6 +106,7 @@ from proctor.broker._datasets import (
 )
 from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant
+from proctor.broker._pg_reads import Unaccounted, statement_reads
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
 from proctor.store import redact, to_pg_sql
@@ -441,6 +444,7 @@ class _RolePool:
         self._idle = IdleConnections[psycopg.Connection[Any]]()
         self._keys: dict[str, list[str] | None] = {}
         self._columns: dict[str, set[str]] = {}
+        self._relations: dict[tuple[str, str], list[str] | None] = {}
         self._lock = threading.Lock()
         self._password: str | None = None
         self._closed = False
@@ -481,6 +485,30 @@ class _RolePool:
             ).fetchall()
             self._columns[table] = {str(r[0]) for r in rows}
         return self._columns[table]
+
+    def relation_columns(
+        self, conn: psycopg.Connection[Any], schema: str, name: str
+    ) -> list[str] | None:
+        """A relation's columns in order (None: there is none by that name)."""
+        key = (schema, name)
+        if key not in self._relations:
+            rows = conn.execute(
+                "SELECT a.attname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0"
+                " AND NOT a.attisdropped WHERE n.nspname = %s AND c.relname = %s"
+                " ORDER BY a.attnum",
+                key,
+            ).fetchall()
+            found = conn.execute(
+                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %s AND c.relname = %s",
+                key,
+            ).fetchone()
+            if len(self._relations) < 1024:
+                self._relations[key] = [str(r[0]) for r in rows] if found else None
+            else:
+                return [str(r[0]) for r in rows] if found else None
+        return self._relations[key]
 
     def row_key(self, conn: psycopg.Connection[Any], table: str) -> list[str] | None:
         if table not in self._keys:
@@ -720,12 +748,17 @@ class _Checker(pgvisitors.Visitor):
                 )
 
 
+def _parser_text(pg_sql: str) -> str:
+    """psycopg text (``%s`` marks, ``%%``) as PostgreSQL's parser reads it."""
+    marks = iter(range(1, 1 << 16))
+    return re.sub(r"%[s%]", lambda m: "%" if m.group() == "%%" else f"${next(marks)}", pg_sql)
+
+
 def check_statement(pg_sql: str) -> None:
     """Refuse, before anything reaches the database, what is not one plain read
     calling only allowed functions (``pg_sql``: psycopg text, ``%s`` marks).
     Raises :class:`CallDenied` (refused) or :class:`BadCall` (does not parse)."""
-    marks = iter(range(1, 1 << 16))
-    text = re.sub(r"%[s%]", lambda m: "%" if m.group() == "%%" else f"${next(marks)}", pg_sql)
+    text = _parser_text(pg_sql)
     try:
         statements = pglast.parse_sql(text)
     except pglast.parser.ParseError as exc:
@@ -817,6 +850,24 @@ class _Statement(Statement):
                 " may not read"
             )
         accesses, self.coarse = accesses_from_plan(self.plan, lambda t: self.pool.columns(conn, t))
+        # The floor: every reference the statement makes, which the plan may not
+        # show (under a Subquery Scan, a CTE Scan, an Append; in a recursive CTE).
+        try:
+            (raw,) = pglast.parse_sql(_parser_text(self.sql))
+            if not isinstance(raw.stmt, pgast.SelectStmt):
+                raise Unaccounted("not a SELECT")
+            floor = statement_reads(
+                raw.stmt, lambda schema, name: self.pool.relation_columns(conn, schema, name)
+            )
+        except (Unaccounted, ValueError, pglast.parser.ParseError) as exc:
+            raise Refused(
+                f"the statement cannot be accounted for ({exc}): it is refused rather than"
+                " recorded with fewer columns than it reads"
+            ) from None
+        for table, columns in floor.items():
+            accesses.reads.setdefault(table, set()).update(columns)
+        # Lineage by row needs one table, as the record names it.
+        self.coarse = self.coarse or len(accesses.reads) != 1
         return accesses
 
     def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
