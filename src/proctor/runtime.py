@@ -46,6 +46,7 @@ from proctor.store import Conn, Store, open_store
 
 if TYPE_CHECKING:
     from proctor.broker import Broker, RateLimit
+    from proctor.lifecycle import Supervisor
 
 log = logging.getLogger("proctor.runtime")
 
@@ -436,6 +437,16 @@ class Runtime:
         self._broker_root = broker_socket_root()
         return make_broker(self.home / "ca", self.keys.derive("proctor/broker-tokens/v1"),
                            upstream_cafile=upstream_cafile, rate_limit=rate_limit)  # fmt: skip
+
+    def supervisor(self, broker: Broker, backend: str | None = None) -> Supervisor:
+        """The supervisor of this runtime's runs, over ``broker`` (from
+        :meth:`make_broker`) and the sandbox ``backend`` (None: the best this host
+        has). The one place a ``Supervisor`` is built: ``proctor run``, ``serve``,
+        the API and the demo start runs alike (``tests/unit/test_layering.py``)."""
+        # Lazily: commands that start no run do not load the lifecycle or the sandbox.
+        from proctor.lifecycle import Supervisor
+
+        return Supervisor(self, broker, backend)
 
     def close(self) -> None:
         self.ledger.close()

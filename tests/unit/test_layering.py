@@ -20,11 +20,17 @@ The order, bottom to top (a component may import any component below it):
 Every import counts: top-level, inside functions, and under TYPE_CHECKING.
 Another component's private module (``proctor.X._y``, imported from outside
 ``proctor.X``) is refused everywhere.
+
+docs/architecture.md's components table is held to the same imports: its rows in
+this order, and each row's "built on" naming exactly the components it imports.
+Only ``runtime.py`` builds a ``Supervisor``; everyone else asks ``Runtime.supervisor``.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
@@ -154,3 +160,107 @@ def test_a_client_process_loads_no_server_code() -> None:
     )
     loaded = sorted(m for m in modules if m.split(".")[0] in server or m.startswith(server))
     assert loaded == [], f"a client process loaded server code: {loaded}"
+
+
+# -- the "built on" column of docs/architecture.md -------------------------------------
+
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def _built_on(text: str) -> list[tuple[str, set[str]]]:
+    """The components table under "Components, bottom to top": each row's component
+    and the components its "built on" cell names (``—`` none; a parenthesis is a note)."""
+    lines = text.split("## Components, bottom to top", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), lines[start:])
+    rows = [line for line in table if line.startswith("| `")]
+    out = []
+    for row in rows:
+        name = row.split("`")[1].removesuffix("/").removesuffix(".py")
+        cell = re.sub(r"\([^)]*\)", "", row.rstrip().removesuffix("|").rpartition("|")[2])
+        names = {n.strip() for n in cell.split(",")} - {"—", ""}
+        assert names <= set(ORDER), f"{name}: 'built on' names {sorted(names - set(ORDER))}"
+        out.append((name, names))
+    return out
+
+
+def _imported() -> dict[str, set[str]]:
+    """Each component's imports of the other components, from every module of it."""
+    found: dict[str, set[str]] = {c: set() for c in ORDER}
+    for _, dst, _, here in _edges():
+        there = _component(dst)
+        if here and there and there != here:
+            found[here].add(there)
+    return found
+
+
+def _column_errors(listed: list[tuple[str, set[str]]], imported: dict[str, set[str]]) -> list[str]:
+    bad = []
+    if [name for name, _ in listed] != ORDER:
+        bad.append(f"the table's rows are {[n for n, _ in listed]}, not the order {ORDER}")
+    for name, names in listed:
+        uses = imported.get(name, set())
+        bad += [f"{name} imports {c}, not in its 'built on'" for c in sorted(uses - names)]
+        bad += [f"{name}'s 'built on' names {c}, never imported" for c in sorted(names - uses)]
+    return bad
+
+
+def test_the_built_on_column_is_the_imports() -> None:
+    listed = _built_on(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert _column_errors(listed, _imported()) == [], "fix docs/architecture.md's table"
+
+
+def test_the_built_on_check_sees_what_it_must() -> None:
+    table = (
+        "## Components, bottom to top\n\nA component may import ...\n\n"
+        "| component | owns | built on |\n|---|---|---|\n"
+        "| `errors.py` | the root | — |\n| `store/` | rows | errors (sqlite3) |\n"
+        "| `ledger/` | logs, `a|b` | store |\n\nAfter the table.\n"
+    )
+    listed = _built_on(table)
+    assert listed == [("errors", set()), ("store", {"errors"}), ("ledger", {"store"})]
+    uses = {"errors": set(), "store": {"errors"}, "ledger": {"errors", "store"}}
+    bad = _column_errors(listed, uses)
+    assert "ledger imports errors, not in its 'built on'" in bad
+    assert bad[0].startswith("the table's rows are")  # three rows, not the whole order
+    bad = _column_errors(listed, {"errors": set(), "store": set(), "ledger": {"store"}})
+    assert "store's 'built on' names errors, never imported" in bad
+
+
+# -- one place builds a Supervisor ----------------------------------------------------
+
+#: The one module that builds a ``proctor.lifecycle.Supervisor`` (``Runtime.supervisor``);
+#: the API, the CLI, ``serve`` and the demo ask it, so a run starts one way everywhere.
+SUPERVISOR_BUILDER = SRC / "runtime.py"
+
+
+def _supervisor_builds(source: str) -> list[int]:
+    """Lines of ``source`` that call ``Supervisor(...)`` or ``x.Supervisor(...)``, or
+    import it under another name (which could then be called unseen)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")) == "Supervisor":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and any(
+            a.name == "Supervisor" and a.asname not in (None, "Supervisor") for a in node.names
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_runtime_builds_a_supervisor() -> None:
+    bad = [f"{path.relative_to(SRC.parent)}:{line}"
+           for path in sorted(SRC.rglob("*.py")) if path != SUPERVISOR_BUILDER
+           for line in _supervisor_builds(path.read_text(encoding="utf-8"))]  # fmt: skip
+    assert bad == [], "build it through Runtime.supervisor(broker, backend)"
+    assert _supervisor_builds(SUPERVISOR_BUILDER.read_text(encoding="utf-8")), "moved?"
+
+
+def test_the_supervisor_check_sees_what_it_must() -> None:
+    assert _supervisor_builds("sup = Supervisor(rt, broker, backend)\n") == [1]
+    assert _supervisor_builds("x = lifecycle.Supervisor(rt, b)\n") == [1]
+    assert _supervisor_builds("from proctor.lifecycle import Supervisor as S\n") == [1]
+    assert _supervisor_builds("sup = rt.supervisor(broker, backend)\n") == []
+    assert _supervisor_builds("def f(s: Supervisor) -> None: ...\n") == []

@@ -83,12 +83,10 @@ class ApiState:
         self.log_reads = LogReads(lambda: self.rt.ledger)
 
     def get_supervisor(self) -> Any:
-        from proctor.lifecycle import Supervisor
-
         with self.lock:
             if self.supervisor is None:
                 self.own_broker = self.rt.make_broker().start()
-                self.supervisor = Supervisor(self.rt, self.own_broker, self.backend)
+                self.supervisor = self.rt.supervisor(self.own_broker, self.backend)
             return self.supervisor
 
     def stop_own_runs(self) -> None:

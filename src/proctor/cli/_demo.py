@@ -30,7 +30,7 @@ from rich.table import Table
 from proctor.cli._common import console
 from proctor.errors import ProctorError, UsageError, VerificationFailed
 from proctor.ledger import Verifier, utc_now, verify_export
-from proctor.lifecycle import Supervisor, what_ran
+from proctor.lifecycle import what_ran
 from proctor.runtime import Runtime, init_home
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "churn-report"
@@ -197,7 +197,7 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
                   f"egress {api_host}; bucket reports write")  # fmt: skip
 
     with rt.make_broker() as broker:
-        sup = Supervisor(rt, broker)
+        sup = rt.supervisor(broker)
         env = {"ENRICH_URL": enrich_url}
         _step(3, "the build loop: a sandbox deployment, on the synthetic twin (no approval)")
         rt.deployments.deploy("acme", art, "churn-sandbox", environment="sandbox", mode="job",

@@ -527,8 +527,6 @@ def run(
 
     With --json the job's own output (stdout and stderr) streams to stderr, and stdout
     carries one JSON object at the end: the run record (id, status, reason, exit_code)."""
-    from proctor.lifecycle import Supervisor
-
     # With --json stdout is the JSON object's alone: the job's stdout moves to stderr.
     job_out = sys.stderr if as_json else sys.stdout
     if (client := remote(token)) is not None:
@@ -552,7 +550,7 @@ def run(
         _authorize(rt, principal, "run.start", EntityRef.deployment(tenant, name), tenant,
                    f"deployment/{name}")  # fmt: skip
         with rt.make_broker() as broker:
-            sup = Supervisor(rt, broker, backend)
+            sup = rt.supervisor(broker, backend)
             out, err = job_out.buffer, sys.stderr.buffer
 
             def to_out(data: bytes) -> None:
@@ -684,13 +682,13 @@ def serve(
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
     and the HTTP API (OpenAPI at /openapi.json)."""
-    from proctor.lifecycle import Server, Supervisor, log_json
+    from proctor.lifecycle import Server, log_json
 
     log_json()  # one JSON object per line on stderr: docs/operations.md
     with open_runtime(home) as rt, rt.make_broker() as broker:
         for tenant in public_log or ():
             rt.tenants.get(tenant)  # an unknown tenant fails now, not at the first read
-        sup = Supervisor(rt, broker, backend)
+        sup = rt.supervisor(broker, backend)
         server = Server(sup)
         api = None
         if not no_api:
