@@ -204,7 +204,7 @@ def test_unapproved_sandbox_code_reaches_no_production_data_secret_or_egress(
     assert res["overwrite"] == 5
     prod = rt.resources.bucket_dir("acme") / "reports"
     assert (prod / "churn.md").read_bytes() == REPORT
-    assert (rt.resources.bucket_dir("acme", "sandbox") / "reports" / "churn.md").read_bytes() == (
+    assert (rt.resources.sandbox_bucket_dir("acme") / "reports" / "churn.md").read_bytes() == (
         b"PWNED"
     )
     # No host is marked for sandbox use: both calls are refused by the sandbox forbid,

@@ -9,7 +9,7 @@ from typing import Any
 
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
-from proctor.governance import Home, Runs, Subprocessors, covers, record_key_hmac
+from proctor.governance import Home, Runs, Subprocessors, covers, is_production, record_key_hmac
 from proctor.ledger import keyed_hash, lineage_seqs
 
 #: What the broker records for row key ``key`` (see ``RunScope.key_hmacs``).
@@ -78,7 +78,7 @@ def sample_runs(rt: Home, tenant: str, n: int, seed: str) -> dict[str, Any]:
     """A reproducible random sample of production runs, each with its full chain."""
     if n < 1:
         raise UsageError("--n must be at least 1")
-    population = [r for r in Runs(rt).all(tenant) if r.environment == "production"]
+    population = [r for r in Runs(rt).all(tenant) if is_production(r.environment)]
     population.sort(key=lambda r: (r.started_at, r.id))
     # random.Random with a string seed is stable across runs and platforms (SHA-512
     # of the seed), so the same seed gives the auditor the same sample.
@@ -179,7 +179,7 @@ def ropa(rt: Home, tenant: str) -> dict[str, Any]:
     datasets = {d.name: d for d in rt.resources.datasets(tenant)}
     records = []
     for dep in rt.deployments.current(tenant):
-        if dep.environment != "production":
+        if not is_production(dep.environment):
             continue
         artifact = rt.artifacts.get(tenant, dep.digest)
         caps = artifact.capabilities

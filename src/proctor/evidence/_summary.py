@@ -11,7 +11,7 @@ import bisect
 from collections import Counter, defaultdict
 from typing import Any
 
-from proctor.governance import covers, split_entry
+from proctor.governance import covers, is_production, split_entry
 
 DATA_ACTIONS = frozenset({"sql.select", "sql.write", "file.read", "file.write", "secret.use"})
 EGRESS_ACTIONS = frozenset({"http.request"})
@@ -200,7 +200,7 @@ class Summary:
                 "denied": 0,
             }
             self._link("GDPR-28.3.a", seq)
-            if details.get("environment") == "production":
+            if is_production(str(details.get("environment"))):
                 self._link("SOC2-CC8.1", seq)
         elif action == "run.end" and ev.get("run") in self.runs:
             run = self.runs[str(ev["run"])]
@@ -296,7 +296,7 @@ class Summary:
             }
             for cid, title, text in CONTROLS
         ]
-        production = [r for r in runs if r["environment"] == "production"]
+        production = [r for r in runs if is_production(str(r["environment"]))]
         return {
             "events": self.events,
             "first_seq": self.first_seq,

@@ -35,7 +35,6 @@ from proctor.governance._backing import (
 )
 from proctor.governance._control import ControlPlane, role_policy, run_events_context
 from proctor.governance._deployments import (
-    ENVIRONMENTS,
     MODES,
     Deployment,
     Deployments,
@@ -43,7 +42,16 @@ from proctor.governance._deployments import (
     readiness,
 )
 from proctor.governance._egress import EgressRanges
-from proctor.governance._environments import Bindings, bindings, environment_forbid
+from proctor.governance._environments import (
+    ENVIRONMENTS,
+    Bindings,
+    Environment,
+    bindings,
+    environment_forbid,
+    environment_of,
+    is_production,
+    requires_quorum,
+)
 from proctor.governance._erasure import (
     ErasureResult,
     erase_key,
@@ -137,6 +145,7 @@ __all__ = [
     "Deployment",
     "Deployments",
     "EgressRanges",
+    "Environment",
     "ErasureResult",
     "FileChange",
     "Finding",
@@ -187,7 +196,9 @@ __all__ = [
     "effective_policies",
     "egress_entry",
     "environment_forbid",
+    "environment_of",
     "erase_key",
+    "is_production",
     "key_problem",
     "key_text",
     "list_object_files",
@@ -198,6 +209,7 @@ __all__ = [
     "readiness",
     "record_key_hmac",
     "require_backed",
+    "requires_quorum",
     "resolve_inside",
     "role_policy",
     "run_events_context",

@@ -21,14 +21,21 @@ from typing import Any, Protocol
 
 from proctor.errors import NotApproved, NotFound, NotReady, ProductionName, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
-from proctor.governance._environments import bound_datasets, check_synthetic
+from proctor.governance._environments import (
+    ENVIRONMENTS,
+    Environment,
+    bound_datasets,
+    check_synthetic,
+    egress_to_subprocessors_only,
+    requires_quorum,
+    takes_production_names,
+)
 from proctor.governance._manifest import Manifest
 from proctor.governance._resources import Resources
 from proctor.governance._subprocessors import Subprocessor, Subprocessors, covers, split_entry
 from proctor.ledger import Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
-ENVIRONMENTS = ("sandbox", "production")
 MODES = ("job", "service", "schedule")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 
@@ -107,7 +114,7 @@ def readiness(
     subprocessors: Subprocessors,
     tenant: str,
     capabilities: dict[str, Any],
-    environment: str = "production",
+    environment: str = Environment.PRODUCTION,
 ) -> list[Finding]:
     """What a run of these capabilities would be refused for because of the tenant's
     set-up rather than its code: datasets not registered, and (in production, where
@@ -138,7 +145,7 @@ def readiness(
                 f"correct datasets.{name}.tables in proctor.toml and submit the new digest,"
                 f" or register the dataset that has them (proctor dataset list -t {tenant})",
             ))  # fmt: skip
-    if environment == "production":
+    if egress_to_subprocessors_only(environment):
         register = subprocessors.list(tenant)
         for entry in capabilities.get("egress", []):
             if not _egress_covered(entry, register):
@@ -205,16 +212,15 @@ class Deployments:
     def check_name(
         self, tenant: str, name: str, environment: str, conn: Conn | None = None
     ) -> None:
-        if environment != "sandbox":
+        if takes_production_names(environment):
             return
-        query = (
-            "SELECT 1 FROM deployments WHERE tenant = ? AND name = ? AND environment = 'production'"
-        )
+        query = "SELECT 1 FROM deployments WHERE tenant = ? AND name = ? AND environment = ?"
+        params = (tenant, name, Environment.PRODUCTION.value)
         if conn is None:
             with self._store.read() as reader:
-                taken = reader.query_one(query, (tenant, name)) is not None
+                taken = reader.query_one(query, params) is not None
         else:
-            taken = conn.query_one(query, (tenant, name)) is not None
+            taken = conn.query_one(query, params) is not None
         if taken:
             raise ProductionName(
                 f"{name!r} is a production deployment of {tenant!r}; a sandbox deployment"
@@ -266,7 +272,7 @@ class Deployments:
                 )
         self.check_name(tenant, name, environment, None)
         approvals: list[str] = []
-        if environment == "production":
+        if requires_quorum(environment):
             approvals = [a.id for a in self._approvals.require_quorum(tenant, artifact)]
         else:
             self.check_synthetic(tenant, artifact)

@@ -16,22 +16,79 @@ stand-ins, whatever its manifest asks and whatever the tenant's policies permit:
   so no permit can widen it.
 
 The supervisor takes every binding of a run from :func:`bindings`, in both
-environments, so there is no second place where the rule could differ.
+environments, so there is no second place where the rule could differ. The
+environments' names are :class:`Environment`, spelled here only; every other
+module asks the rules below (:func:`requires_quorum`, :func:`is_production`,
+:func:`environment_forbid`, :func:`bound_datasets`, :func:`bucket_dir`) instead
+of comparing names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from proctor.errors import ProctorError, SyntheticOnly
+from proctor.errors import ProctorError, SyntheticOnly, UsageError
 from proctor.governance._resources import Dataset, Resources, Secret
 from proctor.governance._subprocessors import Subprocessors, egress_forbid, subprocessor_forbid
 
 SANDBOX_EGRESS_FORBID_ID = "tenant:sandbox-egress"
 _Twinned = TypeVar("_Twinned", Dataset, Secret)
+
+
+class Environment(StrEnum):
+    """Where a deployment runs: the one place the names are spelled."""
+
+    PRODUCTION = "production"
+    SANDBOX = "sandbox"
+
+
+#: The environments' names, in the order the CLI offers them.
+ENVIRONMENTS: tuple[str, ...] = (Environment.SANDBOX.value, Environment.PRODUCTION.value)
+
+
+def environment_of(name: str) -> Environment:
+    """The environment called ``name``; a name that is none is refused."""
+    try:
+        return Environment(name)
+    except ValueError:
+        raise UsageError(f"--env must be one of {', '.join(ENVIRONMENTS)}") from None
+
+
+def is_production(environment: str) -> bool:
+    """Approved code on real data: a run's signed receipt, the populations an auditor
+    samples and the records of processing count these runs only."""
+    return environment == Environment.PRODUCTION
+
+
+def requires_quorum(environment: str) -> bool:
+    """Whether a deployment in ``environment``, and every start and call of its runs,
+    is held to a quorum of independent approvals. Production is; the sandbox runs
+    code nobody approved and is held instead to stand-ins (:func:`check_synthetic`)."""
+    return environment == Environment.PRODUCTION
+
+
+def takes_production_names(environment: str) -> bool:
+    """Whether a deployment in ``environment`` may have the name of a production one:
+    only production (a sandbox deployment never takes or replaces one)."""
+    return environment == Environment.PRODUCTION
+
+
+def egress_to_subprocessors_only(environment: str) -> bool:
+    """Whether ``environment``'s egress goes only to hosts a registered subprocessor
+    covers (GDPR Art. 28(2)/(4)): production's; the sandbox has its own host list."""
+    return environment == Environment.PRODUCTION
+
+
+def bucket_dir(resources: Resources, tenant: str, environment: str) -> Path:
+    """The tenant's bucket tree for ``environment``'s runs: sandbox runs get a tree of
+    their own, so code nobody approved never reads or overwrites production objects."""
+    if environment_of(environment) is Environment.SANDBOX:
+        return resources.sandbox_bucket_dir(tenant)
+    return resources.bucket_dir(tenant)
 
 
 @dataclass(frozen=True)
@@ -48,7 +105,7 @@ class Bindings:
 def check_synthetic(resources: Resources, tenant: str, capabilities: Mapping[str, Any]) -> None:
     """Refuse a sandbox deployment whose datasets would be real data."""
     wanted = sorted(capabilities.get("datasets", {}))
-    bound = bound_datasets(resources, tenant, wanted, "sandbox")
+    bound = bound_datasets(resources, tenant, wanted, Environment.SANDBOX)
     real = [name for name in wanted if name not in bound]
     if real:
         raise SyntheticOnly(
@@ -67,14 +124,14 @@ def bindings(
     capabilities: Mapping[str, Any],
 ) -> Bindings:
     """Everything a run binds in ``environment``, for the capabilities it was given."""
-    if environment not in ("sandbox", "production"):
+    if environment not in ENVIRONMENTS:
         raise ProctorError(f"unknown environment {environment!r}")
     datasets = bound_datasets(
         resources, tenant, sorted(capabilities.get("datasets", {})), environment
     )
     secrets = _secrets(resources, tenant, list(capabilities.get("secrets", [])), environment)
-    buckets_dir = resources.bucket_dir(tenant, environment)
-    if environment == "sandbox":
+    buckets_dir = bucket_dir(resources, tenant, environment)
+    if environment == Environment.SANDBOX:
         # The sandbox tree has a directory for every registered bucket (tenants made
         # before it existed get theirs here), so sandbox writes have somewhere to go.
         for name in resources.buckets(tenant):
@@ -88,7 +145,7 @@ def environment_forbid(
 ) -> str:
     """The Cedar forbid every run in ``environment`` gets (read-only: ``policy show
     --effective`` shows exactly what a run is given)."""
-    if environment == "sandbox":
+    if environment == Environment.SANDBOX:
         return egress_forbid(SANDBOX_EGRESS_FORBID_ID, resources.sandbox_hosts(tenant))
     # No egress to a host no registered subprocessor covers (GDPR Art. 28(2)/(4)).
     return subprocessor_forbid(tenant, subprocessors.list(tenant))
@@ -130,7 +187,7 @@ def _bind(
         item = by_name.get(name)
         if item is None:
             continue
-        if environment == "sandbox":
+        if environment == Environment.SANDBOX:
             bound = item if sandbox_ok(item) else twins.get(name)
         else:
             bound = item if production_ok(item) else None

@@ -270,15 +270,14 @@ class Resources:
 
     # -- buckets ------------------------------------------------------------
 
-    def bucket_dir(self, tenant: str, environment: str = "production") -> Path:
-        """The tenant's bucket tree in ``environment``: sandbox runs get a tree of
-        their own, so code nobody approved never reads or overwrites production
-        objects."""
-        if environment == "production":
-            return self._buckets_root / tenant
-        if environment == "sandbox":
-            return self._buckets_root / SANDBOX_BUCKETS / tenant
-        raise UsageError(f"unknown environment {environment!r}")
+    def bucket_dir(self, tenant: str) -> Path:
+        """The tenant's bucket tree: its objects, which production runs bind."""
+        return self._buckets_root / tenant
+
+    def sandbox_bucket_dir(self, tenant: str) -> Path:
+        """The tenant's sandbox bucket tree, apart from its objects (which tree a
+        run binds is ``_environments.bucket_dir``'s rule)."""
+        return self._buckets_root / SANDBOX_BUCKETS / tenant
 
     def add_bucket(self, tenant: str, name: str, actor: Actor) -> Path:
         _check_name("bucket", name)
@@ -294,9 +293,7 @@ class Resources:
                 (tenant, name, utc_now()),
             )
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            (self.bucket_dir(tenant, "sandbox") / name).mkdir(
-                mode=0o700, parents=True, exist_ok=True
-            )
+            (self.sandbox_bucket_dir(tenant) / name).mkdir(mode=0o700, parents=True, exist_ok=True)
 
         self._record(tenant, actor, "bucket.create", f"bucket/{name}", {}, insert)
         return path

@@ -4,7 +4,7 @@ again against a checkpoint the tenant's witnesses cosigned since, when there is 
 from __future__ import annotations
 
 from proctor.errors import NotFound
-from proctor.governance import Home, Runs
+from proctor.governance import Home, Runs, is_production
 from proctor.witness import TenantWitnesses, witnessed_receipt
 
 RECEIPT_NAME = "receipt.tlog-proof"
@@ -25,7 +25,7 @@ def run_receipt(rt: Home, tenant: str, run_id: str) -> str:
         return witnessed_receipt(TenantWitnesses(rt.store, rt.ledger), rt.ledger, tenant, written)
     if record.status == "running":
         why, hint = "is still running", "its receipt is written when it ends"
-    elif record.environment != "production":
+    elif not is_production(record.environment):
         why, hint = (
             f"ran in the {record.environment} environment",
             "only production runs get a signed receipt",

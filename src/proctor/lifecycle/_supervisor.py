@@ -40,8 +40,10 @@ from proctor.governance import (
     RunStanding,
     bindings,
     effective_policies,
+    is_production,
     policy_object,
     require_backed,
+    requires_quorum,
 )
 from proctor.ledger import Actor, EventDraft, clip, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
@@ -196,7 +198,7 @@ class Supervisor:
         except ProctorError as exc:
             raise self._refuse(tenant, actor, name, exc.message, dep.digest) from exc
         approvals: tuple[str, ...] = ()
-        if dep.environment == "production":
+        if requires_quorum(dep.environment):
             try:
                 approvals = tuple(a.id for a in rt.approvals.require_quorum(tenant, artifact))
             except ApprovalRequired as exc:
@@ -237,7 +239,7 @@ class Supervisor:
         # Held to the store at every call, in the call's own transaction: a freeze,
         # stop or revocation by any process is seen by the next call.
         required = 0
-        if dep.environment == "production":
+        if requires_quorum(dep.environment):
             required = self.rt.approvals.quorum(tenant).required
         scope.standing = RunStanding(
             tenant, name, dep.digest, approvals, required, stopped=stop.is_set
@@ -456,7 +458,7 @@ class Supervisor:
                 frozen = self.rt.tenants.get(tenant).status == "frozen"
                 if frozen or self.rt.deployments.get(tenant, dep.name).status == "stopped":
                     stop.set()
-                elif dep.environment == "production":
+                elif requires_quorum(dep.environment):
                     self.rt.approvals.require_quorum(tenant, artifact)
             except ApprovalRequired:
                 stop.set()
@@ -524,7 +526,7 @@ class Supervisor:
                        deployment=dep.name, run=run_id, artifact=dep.digest, details=details),
             hook=update,
         )  # fmt: skip
-        if dep.environment == "production":
+        if is_production(dep.environment):
             # A signed receipt for the run's final event (C2SP tlog-proof): proof,
             # checkable offline, that this ending is in the log.
             receipt = make_receipt(self.rt.ledger, tenant, end.seq)
