@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from functools import lru_cache
 from ipaddress import ip_address
@@ -305,22 +306,23 @@ def _outcome(action: str, allowed: bool, details: dict[str, Any]) -> tuple[int, 
     if not allowed:
         return 2, "Failure", None
     if action == "run.end":
-        ended = _str(details.get("status"))
-        if ended == "succeeded":
-            return 1, "Success", None
-        if ended == "stopped":
-            return 99, "Stopped", ended  # asked to stop: neither a success nor a failure
-        if ended is not None:
-            return 2, "Failure", ended
-    elif action.startswith("sql."):
-        outcome = _str(details.get("outcome"))
-        if outcome is not None and outcome != "ok":
-            return 2, "Failure", outcome
+        return _run_ended(_str(details.get("status")))
+    failure = None
+    if action.startswith("sql."):
+        failure = _str(details.get("outcome"))
+        if failure == "ok":
+            failure = None
     elif action == "http.request.end":
-        error = _str(details.get("error"))
-        if error is not None:
-            return 2, "Failure", error
-    return 1, "Success", None
+        failure = _str(details.get("error"))
+    return (1, "Success", None) if failure is None else (2, "Failure", failure)
+
+
+def _run_ended(ended: str | None) -> tuple[int, str, str | None]:
+    if ended is None or ended == "succeeded":
+        return 1, "Success", None
+    if ended == "stopped":
+        return 99, "Stopped", ended  # asked to stop: neither a success nor a failure
+    return 2, "Failure", ended
 
 
 # The actions whose ``details.status`` is an HTTP status (run.end's is the run's).
@@ -387,27 +389,197 @@ def _api_request(
     return _encode(src)
 
 
-def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
-    """The OCSF event for one parsed ledger event, as the pack's line."""
-    action = str(ev["action"])
-    seq = int(ev["seq"])
-    # A pruned entry's marker (docs/ledger.md) has no actor, resource or decision.
-    resource = str(ev.get("resource") or f"event/{seq}")
-    raw_details = ev.get("details")
-    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
-    # Details keys that land in a standard attribute; the rest go to ``unmapped``.
-    mapped: set[str] = {"policy_version", "control_policy_version"}
-    allowed = ev.get("decision", "allow") == "allow"
-    time_ms = _epoch_ms(ev["time"])
-    run = _str(ev.get("run"))
-    deployment = _str(ev.get("deployment"))
-    artifact = _str(ev.get("artifact"))
-    who = ev.get("actor") or {"type": "runtime", "id": "proctor"}
-    actor_type, actor_id = str(who["type"]), str(who["id"])
-    workload = actor_type == "workload"
-    # Top-level fields this mapping does not know (a marker's ``pruned``) are kept.
-    unmapped: dict[str, Any] = {k: v for k, v in ev.items() if k not in _EVENT_KEYS}
+class _Draft:
+    """One line being built: what every mapper reads (the event's parts) and fills
+    (``out`` in its key order, the details keys it ``mapped``, ``observables``, and
+    ``src``, the encoded source endpoint, which an API request may name)."""
 
+    __slots__ = (
+        "action",
+        "artifact",
+        "code",
+        "deployment",
+        "details",
+        "mapped",
+        "observables",
+        "out",
+        "resource",
+        "src",
+        "workload",
+    )
+
+    def __init__(
+        self,
+        action: str,
+        resource: str,
+        details: dict[str, Any],
+        out: dict[str, Any],
+        src: str | None,
+    ) -> None:
+        self.action = action
+        self.resource = resource
+        self.details = details
+        self.out = out
+        self.src = src
+        # Details keys that land in a standard attribute; the rest go to ``unmapped``.
+        self.mapped: set[str] = {"policy_version", "control_policy_version"}
+        self.observables: list[dict[str, Any]] = []
+        self.code: int | None = None
+        self.workload = False
+        self.deployment: str | None = None
+        self.artifact: str | None = None
+
+
+# What a mapper answers: class_uid, class_name, activity_id, activity_name.
+_Class = tuple[int, str, int, str]
+
+
+def _sql_activity(d: _Draft) -> _Class:
+    details, out = d.details, d.out
+    activity, name = (4, "Query") if d.action == "sql.select" else (5, "Write")
+    out["type_id"], out["type"] = 1, "Database"
+    out["database"] = {
+        "name": str(details.get("dataset") or d.resource.removeprefix("dataset/")),
+        "type_id": 1,
+        "type": "Relational",
+    }
+    d.mapped.add("dataset")
+    tables = details.get("tables")
+    if isinstance(tables, list) and tables and isinstance(tables[0], dict):
+        table = _str(tables[0].get("table"))
+        if table:
+            out["table"] = {"name": table}
+    return 6005, "Datastore Activity", activity, name
+
+
+def _file_activity(d: _Draft) -> _Class:
+    details, out = d.details, d.out
+    activity, name = (1, "Read") if d.action == "file.read" else (5, "Write")
+    out["type_id"], out["type"] = 2, "Databucket"
+    bucket = _str(details.get("bucket"))
+    out["databucket"] = {
+        "name": bucket or d.resource,
+        "type_id": 99,
+        "type": "Proctor bucket",
+    }
+    d.mapped.add("bucket")
+    key = _str(details.get("key"))
+    if key:
+        file: dict[str, Any] = {"name": key.rsplit("/", 1)[-1], "path": key, "type_id": 1}
+        file["type"] = "Regular File"
+        _put(file, "size", _int(details.get("bytes")))
+        digest = _str(details.get("sha256"))
+        if digest:
+            file["hashes"] = [{"algorithm_id": 3, "algorithm": "SHA-256", "value": digest}]
+        out["databucket"]["file"] = file
+        d.mapped.update(("key", "bytes", "sha256"))
+    return 6005, "Datastore Activity", activity, name
+
+
+def _http_request(d: _Draft) -> _Class:
+    details, out, mapped = d.details, d.out, d.mapped
+    method = str(details.get("method") or "").upper()
+    activity, name = _HTTP_ACTIVITY.get(method, (99, "Other"))
+    host = _str(details.get("host"))
+    port = _int(details.get("port"))
+    _put(out, "dst_endpoint", _endpoint(host, port, _str(details.get("address"))) or None)
+    mapped.update(("host", "port"))
+    request: dict[str, Any] = {}
+    if activity != 99:
+        request["http_method"] = method
+        mapped.add("method")
+    if host:
+        path = _str(details.get("path"))
+        request["url"] = _url(_str(details.get("scheme")), host, port, path)
+        mapped.update(("scheme", "path"))
+    if not request:
+        # The class needs an http_request or http_response; a refused request
+        # with neither a known method nor a host still has its raw target.
+        request["url"] = {"url_string": str(details.get("target") or d.resource)}
+        mapped.add("target")
+    out["http_request"] = request
+    if d.code is not None:
+        # A request refused inside a tunnel: the status Proctor answered it with.
+        out["http_response"] = {"code": d.code}
+        mapped.add("status")
+    return 4002, "HTTP Activity", activity, name
+
+
+def _http_request_end(d: _Draft) -> _Class:
+    details, out, mapped = d.details, d.out, d.mapped
+    host = _str(details.get("host"))
+    port = _int(details.get("port"))
+    out["dst_endpoint"] = _endpoint(host, port, _str(details.get("address"))) or {
+        "name": d.resource
+    }
+    up, down = _int(details.get("bytes_up")) or 0, _int(details.get("bytes_down")) or 0
+    out["traffic"] = {"bytes_out": up, "bytes_in": down, "bytes": up + down}
+    _put(out, "duration", _int(details.get("duration_ms")))
+    # duration is whole ms: the exact figure stays in unmapped.
+    mapped.update(("host", "port", "bytes_up", "bytes_down"))
+    code = d.code
+    if code is None:
+        code = _int(details.get("answered"))
+        if code is not None:
+            mapped.add("answered")
+    if code is None:
+        # Bytes through a tunnel, or a connection that ended before any response.
+        return 4001, "Network Activity", 2, "Close"
+    # An HTTP exchange that ended with a response: HTTP Activity, its response's
+    # status (the last one's, when a tunnel carried several).
+    response: dict[str, Any] = {"code": code}
+    if "status" in details and _int(details.get("requests")) == 1 and "error" not in details:
+        response["length"] = down  # all of the one response, as relayed
+    out["http_response"] = response
+    mapped.add("status")
+    return 4002, "HTTP Activity", 99, "Close"  # the request's method is in its decision's event
+
+
+def _api_activity_line(d: _Draft) -> _Class:
+    out, resource, deployment, artifact = d.out, d.resource, d.deployment, d.artifact
+    out["api"] = {"operation": d.action, "service": {"name": "proctor"}}
+    resources = [{"uid": resource, "type": resource.split("/", 1)[0]}]
+    if not d.workload:
+        if deployment and resource != f"deployment/{deployment}":
+            resources.append({"uid": f"deployment/{deployment}", "type": "deployment"})
+        if artifact and resource != f"artifact/{artifact}":
+            resources.append({"uid": artifact, "type": "artifact"})
+    out["resources"] = resources
+    for i, r in enumerate(resources):
+        d.observables.append(
+            {
+                "name": f"resources[{i}].uid",
+                "type_id": 10,
+                "type": "Resource UID",
+                "value": r["uid"],
+            }
+        )
+    if d.code is not None:
+        # A broker request refused: the status the broker answered it with.
+        out["http_response"] = {"code": d.code}
+        d.mapped.add("status")
+    if d.action == "api.request":
+        d.src = _api_request(out, d.details, d.mapped, d.observables) or d.src
+    return 6003, "API Activity", *_api_activity(d.action)
+
+
+# The mapper of each action: by its name, then by its prefix; any other action is
+# API Activity.
+_BY_ACTION = {"http.request": _http_request, "http.request.end": _http_request_end}
+_BY_PREFIX = (("sql.", _sql_activity), ("file.", _file_activity))
+
+
+def _mapper(action: str) -> Callable[[_Draft], _Class]:
+    mapper = _BY_ACTION.get(action)
+    if mapper is not None:
+        return mapper
+    for prefix, by_prefix in _BY_PREFIX:
+        if action.startswith(prefix):
+            return by_prefix
+    return _api_activity_line
+
+
+def _metadata(ev: dict[str, Any], action: str, seq: int, origin: str, time_ms: int) -> Any:
     metadata: dict[str, Any] = {
         "version": OCSF_VERSION,
         "uid": f"{ev['tenant']}:{seq}",
@@ -419,10 +591,12 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         "original_time": str(ev["time"]),
         "logged_time": time_ms,
     }
-    _put(metadata, "correlation_uid", run)
+    _put(metadata, "correlation_uid", _str(ev.get("run")))
+    return metadata
 
-    actor, src, seen, unknown_src = _who(actor_type, actor_id, run, deployment, artifact)
-    observables: list[dict[str, Any]] = []
+
+def _decision(ev: dict[str, Any], action: str, allowed: bool, details: dict[str, Any]) -> str:
+    """The encoded decision attributes of the event (``_decided``)."""
     policies = tuple(str(p) for p in ev.get("policies") or ())
     reason = str(ev.get("reason") or "")
     basis = ""
@@ -430,7 +604,7 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         basis = "default"
     elif not allowed and "policy evaluation failed" in reason:
         basis = "failed"
-    decided = _decided(
+    return _decided(
         allowed,
         policies,
         _str(details.get("policy_version")),
@@ -438,8 +612,52 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         basis,
         allowed and action == "run.start",
     )
-    status_id, status, status_detail = _outcome(action, allowed, details)
 
+
+def _unmapped(
+    ev: dict[str, Any], d: _Draft, class_uid: int, status_detail: str | None
+) -> dict[str, Any]:
+    """What has no home in the schema: top-level fields this mapping does not know
+    (a marker's ``pruned``), another actor's deployment and artifact outside API
+    Activity, the approvals, and the details keys no attribute took."""
+    unmapped: dict[str, Any] = {k: v for k, v in ev.items() if k not in _EVENT_KEYS}
+    if not d.workload and class_uid != 6003:
+        _put(unmapped, "deployment", d.deployment)
+        _put(unmapped, "artifact", d.artifact)
+    if status_detail is not None:
+        d.mapped.add(_OUTCOME_KEY.get(d.action, "outcome"))
+    dst = d.out.get("dst_endpoint") or {}
+    if dst.get("ip") == d.details.get("address"):
+        d.mapped.add("address")  # else kept in unmapped: it is not an address
+    d.observables += _seen("dst_endpoint", dst)
+    approvals = ev.get("approvals") or []
+    if approvals:
+        unmapped["approvals"] = approvals
+    rest = {k: v for k, v in d.details.items() if k not in d.mapped}
+    if rest:
+        unmapped["details"] = rest
+    return unmapped
+
+
+def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
+    """The OCSF event for one parsed ledger event, as the pack's line: the parts
+    every class shares, then the class's own from its action's mapper."""
+    action = str(ev["action"])
+    seq = int(ev["seq"])
+    raw_details = ev.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+    allowed = ev.get("decision", "allow") == "allow"
+    time_ms = _epoch_ms(ev["time"])
+    metadata = _metadata(ev, action, seq, origin, time_ms)
+    who = ev.get("actor") or {"type": "runtime", "id": "proctor"}
+    actor_type, actor_id = str(who["type"]), str(who["id"])
+    deployment, artifact = _str(ev.get("deployment")), _str(ev.get("artifact"))
+    actor, src, seen, unknown_src = _who(
+        actor_type, actor_id, _str(ev.get("run")), deployment, artifact
+    )
+    decided = _decision(ev, action, allowed, details)
+    status_id, status, status_detail = _outcome(action, allowed, details)
+    reason = str(ev.get("reason") or "")
     out: dict[str, Any] = {
         "time": time_ms,
         "timezone_offset": 0,
@@ -448,149 +666,17 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         "status": status,
     }
     _put(out, "status_detail", status_detail)
+
+    # A pruned entry's marker (docs/ledger.md) has no actor, resource or decision.
+    d = _Draft(action, str(ev.get("resource") or f"event/{seq}"), details, out, src)
+    d.workload = actor_type == "workload"
+    d.deployment, d.artifact = deployment, artifact
     # A recorded HTTP status: the upstream's (a completion) or the one Proctor
     # answered (a refusal); a completion without the upstream's, Proctor's own answer.
-    code = _int(details.get("status")) if action in _HTTP_STATUS_IN else None
+    d.code = _int(details.get("status")) if action in _HTTP_STATUS_IN else None
+    class_uid, class_name, activity, name = _mapper(action)(d)
 
-    if action.startswith(("sql.", "file.")):
-        class_uid, class_name = 6005, "Datastore Activity"
-        if action.startswith("sql."):
-            activity, name = (4, "Query") if action == "sql.select" else (5, "Write")
-            out["type_id"], out["type"] = 1, "Database"
-            out["database"] = {
-                "name": str(details.get("dataset") or resource.removeprefix("dataset/")),
-                "type_id": 1,
-                "type": "Relational",
-            }
-            mapped.add("dataset")
-            tables = details.get("tables")
-            if isinstance(tables, list) and tables and isinstance(tables[0], dict):
-                table = _str(tables[0].get("table"))
-                if table:
-                    out["table"] = {"name": table}
-        else:
-            activity, name = (1, "Read") if action == "file.read" else (5, "Write")
-            out["type_id"], out["type"] = 2, "Databucket"
-            bucket = _str(details.get("bucket"))
-            out["databucket"] = {
-                "name": bucket or resource,
-                "type_id": 99,
-                "type": "Proctor bucket",
-            }
-            mapped.add("bucket")
-            key = _str(details.get("key"))
-            if key:
-                file: dict[str, Any] = {"name": key.rsplit("/", 1)[-1], "path": key, "type_id": 1}
-                file["type"] = "Regular File"
-                _put(file, "size", _int(details.get("bytes")))
-                digest = _str(details.get("sha256"))
-                if digest:
-                    file["hashes"] = [{"algorithm_id": 3, "algorithm": "SHA-256", "value": digest}]
-                out["databucket"]["file"] = file
-                mapped.update(("key", "bytes", "sha256"))
-    elif action == "http.request":
-        class_uid, class_name = 4002, "HTTP Activity"
-        method = str(details.get("method") or "").upper()
-        activity, name = _HTTP_ACTIVITY.get(method, (99, "Other"))
-        host = _str(details.get("host"))
-        port = _int(details.get("port"))
-        scheme = _str(details.get("scheme"))
-        path = _str(details.get("path"))
-        _put(out, "dst_endpoint", _endpoint(host, port, _str(details.get("address"))) or None)
-        mapped.update(("host", "port"))
-        request: dict[str, Any] = {}
-        if activity != 99:
-            request["http_method"] = method
-            mapped.add("method")
-        if host:
-            request["url"] = _url(scheme, host, port, path)
-            mapped.update(("scheme", "path"))
-        if not request:
-            # The class needs an http_request or http_response; a refused request
-            # with neither a known method nor a host still has its raw target.
-            request["url"] = {"url_string": str(details.get("target") or resource)}
-            mapped.add("target")
-        out["http_request"] = request
-        if code is not None:
-            # A request refused inside a tunnel: the status Proctor answered it with.
-            out["http_response"] = {"code": code}
-            mapped.add("status")
-    elif action == "http.request.end":
-        host = _str(details.get("host"))
-        port = _int(details.get("port"))
-        out["dst_endpoint"] = _endpoint(host, port, _str(details.get("address"))) or {
-            "name": resource
-        }
-        up, down = _int(details.get("bytes_up")) or 0, _int(details.get("bytes_down")) or 0
-        out["traffic"] = {"bytes_out": up, "bytes_in": down, "bytes": up + down}
-        _put(out, "duration", _int(details.get("duration_ms")))
-        # duration is whole ms: the exact figure stays in unmapped.
-        mapped.update(("host", "port", "bytes_up", "bytes_down"))
-        if code is None:
-            code = _int(details.get("answered"))
-            if code is not None:
-                mapped.add("answered")
-        if code is not None:
-            # An HTTP exchange that ended with a response: HTTP Activity, its
-            # response's status (the last one's, when a tunnel carried several).
-            class_uid, class_name = 4002, "HTTP Activity"
-            activity, name = 99, "Close"  # the request's method is in its decision's event
-            response: dict[str, Any] = {"code": code}
-            if (
-                "status" in details
-                and _int(details.get("requests")) == 1
-                and "error" not in details
-            ):
-                response["length"] = down  # all of the one response, as relayed
-            out["http_response"] = response
-            mapped.add("status")
-        else:
-            # Bytes through a tunnel, or a connection that ended before any response.
-            class_uid, class_name = 4001, "Network Activity"
-            activity, name = 2, "Close"
-    else:
-        class_uid, class_name = 6003, "API Activity"
-        activity, name = _api_activity(action)
-        out["api"] = {"operation": action, "service": {"name": "proctor"}}
-        resources = [{"uid": resource, "type": resource.split("/", 1)[0]}]
-        if not workload:
-            if deployment and resource != f"deployment/{deployment}":
-                resources.append({"uid": f"deployment/{deployment}", "type": "deployment"})
-            if artifact and resource != f"artifact/{artifact}":
-                resources.append({"uid": artifact, "type": "artifact"})
-        out["resources"] = resources
-        for i, r in enumerate(resources):
-            observables.append(
-                {
-                    "name": f"resources[{i}].uid",
-                    "type_id": 10,
-                    "type": "Resource UID",
-                    "value": r["uid"],
-                }
-            )
-        if code is not None:
-            # A broker request refused: the status the broker answered it with.
-            out["http_response"] = {"code": code}
-            mapped.add("status")
-        if action == "api.request":
-            src = _api_request(out, details, mapped, observables) or src
-    if not workload and class_uid != 6003:
-        _put(unmapped, "deployment", deployment)
-        _put(unmapped, "artifact", artifact)
-    if status_detail is not None:
-        mapped.add(_OUTCOME_KEY.get(action, "outcome"))
-
-    dst = out.get("dst_endpoint") or {}
-    if dst.get("ip") == details.get("address"):
-        mapped.add("address")  # else kept in unmapped: it is not an address
-    observables += _seen("dst_endpoint", dst)
-
-    approvals = ev.get("approvals") or []
-    if approvals:
-        unmapped["approvals"] = approvals
-    rest = {k: v for k, v in details.items() if k not in mapped}
-    if rest:
-        unmapped["details"] = rest
+    unmapped = _unmapped(ev, d, class_uid, status_detail)
     if unmapped:
         out["unmapped"] = unmapped
     metadata["profiles"] = _PROFILES
@@ -606,10 +692,12 @@ def ocsf_line(ev: dict[str, Any], origin: str) -> bytes:
         # The type's caption is the schema's, "Other" for 99 whatever the activity's name.
         type_name=f"{class_name}: {name if activity != 99 else 'Other'}",
     )
+    src = d.src
     if src is None and class_uid in (6003, 6005):
         src = unknown_src  # these classes require a source endpoint
     source = f'"src_endpoint":{src},' if src is not None else ""
     # The shared parts are spliced in encoded; members' order means nothing in JSON.
+    observables = d.observables
     seen_all = seen + "," + _encode(observables)[1:-1] if observables else seen
     return (
         f'{{{decided},{_encode(out)[1:-1]},"metadata":{_encode(metadata)[:-1]},'
