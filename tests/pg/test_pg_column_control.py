@@ -22,6 +22,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proctor.broker import CallDenied, DatasetBinding, RunScope, handle_sql
 from proctor.broker import _datasets as datasets_module
@@ -38,7 +40,13 @@ from proctor.broker._pg_sql import (
 )
 from proctor.testing import PostgresServer
 from tests.conftest import LedgerEnv
-from tests.integration.test_broker_sql import DEPLOYMENT, TENANT, last_event, make_scope
+from tests.integration.test_broker_sql import (
+    DEPLOYMENT,
+    TENANT,
+    last_event,
+    make_scope,
+    row_keys,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -587,3 +595,89 @@ def test_a_statement_the_analysis_cannot_account_for_is_refused(
             " COLUMNS b text) x, customers",
         )
     assert last_event(ledger_env)["decision"] == "deny"
+
+
+# -- lineage: the row keys recorded are the rows read ---------------------------------
+
+FORGED_KEYS = {
+    # PostgreSQL nests comments: the whole /* /* */ ... */ is one comment.
+    "nested-comment": (
+        "SELECT country /* /* */ FROM customers x WHERE */ , id + 12 FROM customers WHERE id = 4",
+        ["NL", 16],
+    ),
+    # An E'' string escapes its quote with a backslash.
+    "escape-string": (
+        "SELECT E'\\' FROM customers x WHERE \\'' AS s, id + 12 FROM customers WHERE id = 4",
+        ["' FROM customers x WHERE '", 16],
+    ),
+}
+
+
+@pytest.mark.parametrize("query, row", list(FORGED_KEYS.values()), ids=list(FORGED_KEYS))
+def test_a_forged_key_is_not_recorded_and_the_answer_keeps_its_columns(
+    scope: RunScope, ledger_env: LedgerEnv, query: str, row: list[Any]
+) -> None:
+    out = sql(scope, query)
+    # Before: the broker took id + 12 for the key, stripped it from the answer and
+    # recorded row 16 for a read of row 4.
+    assert out["rows"] == [row]
+    d = last_event(ledger_env)["details"]
+    assert d["lineage"] == "rows"
+    assert row_keys(ledger_env, d) == scope.key_hmacs(["4"])
+
+
+_FORMS = st.sampled_from(
+    [
+        "/* FROM customers x WHERE */",
+        "/* /* */ FROM customers x WHERE */",
+        "/* a /* b /* c */ FROM customers z */ */",
+        "-- FROM customers x WHERE\n",
+        "",
+    ]
+)
+# (Dollar quoting is refused before any of this: the store's text helper does not
+# take it.)
+_STRINGS = st.sampled_from(
+    [
+        "'FROM customers x WHERE'",
+        "E'\\' FROM customers x WHERE \\''",
+        "E'\\\\' ",
+        "U&'\\0046ROM customers x WHERE'",
+        "'it''s FROM customers x'",
+        "'\"' ",
+    ]
+)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
+@given(
+    before=_FORMS,
+    text=_STRINGS,
+    after=_FORMS,
+    alias=st.sampled_from(["", "c", 'AS "FROM"', "AS x"]),
+    key=st.sampled_from([1, 2, 3, 4, 42]),
+)
+def test_comments_and_strings_never_forge_a_row_key(
+    scope: RunScope,
+    ledger_env: LedgerEnv,
+    before: str,
+    text: str,
+    after: str,
+    alias: str,
+    key: int,
+) -> None:
+    query = (
+        f"SELECT {before} {text} AS s, {after} id + 12 AS k FROM customers {alias}"
+        f" WHERE id = {key} {before}"
+    )
+    out = sql(scope, query)
+    assert out["columns"] == ["s", "k"]
+    assert [r[1] for r in out["rows"]] == [key + 12]
+    d = last_event(ledger_env)["details"]
+    assert d["lineage"] == "rows", query
+    assert row_keys(ledger_env, d) == scope.key_hmacs([str(key)]), query

@@ -78,13 +78,15 @@ import secrets
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pglast
 import psycopg
 from pglast import ast as pgast
+from pglast import enums as pgenums
 from pglast import visitors as pgvisitors
+from pglast.stream import RawStream
 from psycopg import sql as pgsql
 
 from proctor.broker import _datasets as budgets
@@ -105,8 +107,8 @@ from proctor.broker._datasets import (
     run_answer_budget,
 )
 from proctor.broker._fair import run_blocking
-from proctor.broker._lineage import key_text, keyed_variant
-from proctor.broker._pg_reads import Unaccounted, statement_reads
+from proctor.broker._lineage import key_text
+from proctor.broker._pg_reads import Unaccounted, statement_reads, table_name
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
 from proctor.store import redact, to_pg_sql
@@ -266,11 +268,6 @@ _COLUMN_GRANTS = (
     " WHERE x.grantee = (SELECT oid FROM pg_roles WHERE rolname = %s)"
     " AND x.privilege_type = 'SELECT' ORDER BY 1, 2, a.attnum"
 )
-
-
-def table_name(schema: str, name: str) -> str:
-    """A table as manifests, Cedar and events name it (``public`` left out)."""
-    return name if schema == "public" else f"{schema}.{name}"
 
 
 def column_grants(conn: psycopg.Connection[Any], role: str) -> dict[tuple[str, str], list[str]]:
@@ -895,14 +892,14 @@ class _Statement(Statement):
         if not self.coarse:
             (table,) = accesses.reads
             key = self.pool.row_key(conn, table)
-            variant = keyed_variant(self.sql, table.rpartition(".")[2], key) if key else None
+            variant = keyed_statement(self.sql, table, key) if key else None
             if variant is not None and key is not None:
                 try:
                     with conn.transaction():  # a savepoint: a failed variant leaves no trace
-                        return self._fetch(conn, variant, row_limit, len(key))
+                        return self._fetch(conn, variant, row_limit, len(key), key)
                 except psycopg.errors.QueryCanceled:
                     raise TimedOut from None
-                except psycopg.Error:
+                except (psycopg.Error, _KeyMisplaced):
                     pass  # the key is not granted, or the rewrite did not fit: run as written
         try:
             return self._fetch(conn, self.sql, row_limit, 0)
@@ -910,7 +907,12 @@ class _Statement(Statement):
             raise TimedOut from None
 
     def _fetch(
-        self, conn: psycopg.Connection[Any], sql: str, row_limit: int, key_width: int
+        self,
+        conn: psycopg.Connection[Any],
+        sql: str,
+        row_limit: int,
+        key_width: int,
+        key: Sequence[str] = (),
     ) -> Outcome:
         """The answer, read through a cursor a batch at a time: never more than the
         answer's budget held, on the wire (the server stops the statement first,
@@ -924,7 +926,7 @@ class _Statement(Statement):
         out = Outcome()
         keys: list[str] = []
         try:
-            self._read_rows(conn, out, keys, row_limit, key_width)
+            self._read_rows(conn, out, keys, row_limit, key_width, key)
         except BaseException:
             # A keyed variant that failed is run again as written: what it held is
             # given back first (and the rows let go now, not when the exception is).
@@ -949,6 +951,7 @@ class _Statement(Statement):
         keys: list[str],
         row_limit: int,
         key_width: int,
+        key: Sequence[str],
     ) -> None:
         # The rows held stay under 7/8 of the budget: the rest is for the batch being
         # read and the call's event.
@@ -968,8 +971,11 @@ class _Statement(Statement):
                 raise
             if width < 0:
                 # The last column is the running byte count the server keeps.
-                width = len(cur.description or ()) - 1 - key_width
-                out.columns = [d.name for d in (cur.description or ())[:width]]
+                names = [d.name for d in cur.description or ()]
+                width = len(names) - 1 - key_width
+                if key_width and names[width : width + key_width] != list(key):
+                    raise _KeyMisplaced  # where the key should be, something else came back
+                out.columns = names[:width]
             for row in raw:
                 values = [_json_value(v) for v in row[:width]]
                 size = _held_size(values)
@@ -1002,6 +1008,89 @@ class _Statement(Statement):
         except psycopg.Error:
             conn.close()
         self.pool.give(conn)
+
+
+class _KeyMisplaced(Exception):
+    """The keyed variant's last columns are not the key it appended."""
+
+
+def keyed_statement(pg_sql: str, table: str, key: Sequence[str]) -> str | None:
+    """``pg_sql`` (psycopg text) with ``table``'s key columns appended to its select
+    list, rewritten on PostgreSQL's own parse tree and printed by its deparser; or
+    None unless each result row is one row of ``table`` (one plain relation in
+    ``FROM``, no set operation, CTE, DISTINCT, GROUP BY, HAVING, window or
+    sub-select). A tokenizer of ours once read ``/* /* */ ... */`` (PostgreSQL
+    nests comments) and ``E'\\''`` otherwise than the server, and took the
+    guest's own last column for the key."""
+    try:
+        (raw,) = pglast.parse_sql(_parser_text(pg_sql))
+    except (ValueError, pglast.parser.ParseError):
+        return None
+    stmt = raw.stmt
+    items = tuple(getattr(stmt, "fromClause", None) or ())
+    if (
+        not isinstance(stmt, pgast.SelectStmt)
+        or stmt.op != pgenums.SetOperation.SETOP_NONE
+        or stmt.withClause
+        or stmt.distinctClause
+        or stmt.groupClause
+        or stmt.havingClause
+        or stmt.windowClause
+        or stmt.valuesLists
+        or stmt.intoClause
+        or stmt.lockingClause
+        or len(items) != 1
+        or not isinstance(items[0], pgast.RangeVar)
+    ):
+        return None
+    relation = items[0]
+    alias = relation.alias
+    if alias is not None and alias.colnames:
+        return None  # renamed columns: the key's name may be another column's
+    if table_name(str(relation.schemaname or "public"), str(relation.relname)) != table:
+        return None
+    finder = _SubLinks()
+    finder(stmt)
+    if finder.found:
+        return None  # a sub-select may return other rows' values
+    qualifier = str(alias.aliasname) if alias is not None else str(relation.relname)
+    stmt.targetList = (
+        *(stmt.targetList or ()),
+        *(
+            pgast.ResTarget(
+                val=pgast.ColumnRef(fields=(pgast.String(sval=qualifier), pgast.String(sval=k)))
+            )
+            for k in key
+        ),
+    )
+    return _psycopg_text(RawStream()(stmt))
+
+
+class _SubLinks(pgvisitors.Visitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found = False
+
+    def visit(self, ancestors: Any, node: Any) -> None:
+        if isinstance(node, pgast.SubLink | pgast.RangeSubselect):
+            self.found = True
+
+
+def _psycopg_text(text: str) -> str | None:
+    """Deparsed text (``$n`` parameters) as psycopg text (``%s``, ``%%``); None if
+    its parameters are not ``$1..$n`` in order (psycopg's are by position)."""
+    parts: list[str] = []
+    at = 0
+    n = 0
+    for tok in pglast.parser.scan(text):
+        if tok.name == "PARAM":
+            n += 1
+            if text[tok.start : tok.end + 1] != f"${n}":
+                return None
+            parts += [text[at : tok.start].replace("%", "%%"), "%s"]
+            at = tok.end + 1
+    parts.append(text[at:].replace("%", "%%"))
+    return "".join(parts)
 
 
 _CURSOR = "proctor_answer"
