@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from proctor.broker import CallDenied, DatasetBinding, RunScope, handle_sql
 from proctor.broker import _datasets as datasets_module
 from proctor.broker._datasets import AnswerBudget, AnswerTooLarge
 from proctor.broker._pg_sql import (
+    POSTGRESQL,
     _pool,
     accesses_from_plan,
     close_pg_pools,
@@ -681,3 +683,104 @@ def test_comments_and_strings_never_forge_a_row_key(
     d = last_event(ledger_env)["details"]
     assert d["lineage"] == "rows", query
     assert row_keys(ledger_env, d) == scope.key_hmacs([str(key)]), query
+
+
+# -- objects of the dataset's owner -------------------------------------------------
+
+EMAILS_OF_ALL = "SELECT string_agg(email, ',') FROM public.customers"
+
+
+def superuser(dataset: Dataset) -> psycopg.Connection[Any]:
+    return psycopg.connect(dataset.dsn, autocommit=True)
+
+
+def test_a_function_named_like_a_builtin_is_not_called_for_it(
+    scope: RunScope, dataset: Dataset, ledger_env: LedgerEnv
+) -> None:
+    """``reverse(bigint)`` in public, SECURITY DEFINER: for a bigint argument
+    PostgreSQL picks it over the builtin ``reverse(text)``, and it reads what its
+    owner may. The allowlist checked the name as written."""
+    with superuser(dataset) as conn:
+        conn.execute(
+            "CREATE FUNCTION public.reverse(bigint) RETURNS text SECURITY DEFINER"
+            f" LANGUAGE sql AS $f${EMAILS_OF_ALL}$f$"
+        )
+        conn.execute(
+            "CREATE FUNCTION public.text_plus(text, text) RETURNS text SECURITY DEFINER"
+            f" LANGUAGE sql AS $f${EMAILS_OF_ALL}$f$"
+        )
+        conn.execute(
+            "CREATE OPERATOR public.+ (LEFTARG = text, RIGHTARG = text,"
+            " FUNCTION = public.text_plus)"
+        )
+    try:
+        assert sql(scope, "SELECT id FROM customers WHERE id = 1")["rows"] == [[1]]
+        # The attack is real: the database itself runs the owner's function.
+        login, password = login_of(scope)
+        with connect_as_role(dataset.dsn, login, password) as conn:
+            leaked = conn.execute("SELECT reverse(id) FROM customers WHERE id = 1").fetchone()
+            assert leaked is not None and "ada@example.com" in str(leaked[0])
+        for query in (
+            "SELECT reverse(id) FROM customers WHERE id = 1",
+            "SELECT pg_catalog.reverse(country) FROM customers WHERE reverse(id) IS NOT NULL",
+            "SELECT country + plan FROM customers WHERE id = 1",
+            "SELECT id FROM customers WHERE country OPERATOR(public.+) plan IS NOT NULL",
+        ):
+            with pytest.raises(CallDenied) as refused:
+                sql(scope, query)
+            assert "ada@example.com" not in refused.value.message
+            ev = last_event(ledger_env)
+            assert ev["decision"] == "deny", query
+            assert "PostgreSQL" in ev["reason"] and "ada@example.com" not in event_text(ev)
+    finally:
+        with superuser(dataset) as conn:
+            conn.execute("DROP OPERATOR public.+ (text, text)")
+            conn.execute("DROP FUNCTION public.text_plus(text, text)")
+            conn.execute("DROP FUNCTION public.reverse(bigint)")
+
+
+def test_the_search_path_of_a_run_is_fixed(
+    ledger_env: LedgerEnv, dataset: Dataset, tmp_path: Path
+) -> None:
+    """The database's default search_path puts a schema of the owner's first, with a
+    SECURITY DEFINER ``lower(text)`` in it: a run resolves ``lower`` to the builtin."""
+    name = dataset.dsn.rpartition("/")[2]
+    with superuser(dataset) as conn:
+        conn.execute("CREATE SCHEMA shadow")
+        conn.execute("GRANT USAGE ON SCHEMA shadow TO PUBLIC")
+        conn.execute(
+            "CREATE FUNCTION shadow.lower(text) RETURNS text SECURITY DEFINER"
+            f" LANGUAGE sql AS $f${EMAILS_OF_ALL}$f$"
+        )
+        conn.execute(f"ALTER DATABASE {name} SET search_path = shadow, public, pg_catalog")
+    scope = run_scope(ledger_env, dataset, tmp_path, TENANT_POLICY)  # a fresh login
+    try:
+        out = sql(scope, "SELECT lower(country) FROM customers WHERE id = 1")
+        assert out["rows"] == [["gb"]]
+    finally:
+        close_pg_pools(scope)
+        with superuser(dataset) as conn:
+            conn.execute(f"ALTER DATABASE {name} RESET search_path")
+            conn.execute("DROP SCHEMA shadow CASCADE")
+
+
+def test_a_view_granted_to_public_is_decided_and_warned_of(
+    scope: RunScope, dataset: Dataset, ledger_env: LedgerEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    with superuser(dataset) as conn:
+        conn.execute("CREATE VIEW public.contacts AS SELECT id, email FROM customers")
+        conn.execute("GRANT SELECT ON public.contacts TO PUBLIC")
+    try:
+        # The database lets every role read it; the run's Cedar set does not name it.
+        with pytest.raises(CallDenied) as denied:
+            sql(scope, "WITH s AS MATERIALIZED (SELECT * FROM contacts) SELECT * FROM s")
+        assert "contacts" in denied.value.message
+        ev = last_event(ledger_env)
+        assert ev["decision"] == "deny" and "ada@example.com" not in event_text(ev)
+        assert any(t["table"] == "contacts" for t in ev["details"]["tables"])
+        with caplog.at_level(logging.WARNING, logger="proctor"):
+            POSTGRESQL.locate(dataset.dsn)
+        assert "grants to PUBLIC" in caplog.text and "public.contacts" in caplog.text
+    finally:
+        with superuser(dataset) as conn:
+            conn.execute("DROP VIEW public.contacts")

@@ -821,6 +821,9 @@ class _Statement(Statement):
             # in the table's physical order; the plan is checked below all the same.
             conn.execute("SET LOCAL enable_indexscan = off")
             conn.execute("SET LOCAL enable_indexonlyscan = off")
+            # Fixed, whatever the role or database says: builtins first, then the
+            # dataset's tables; no "$user" schema a role could own.
+            conn.execute("SET LOCAL search_path = pg_catalog, public")
             # prepare=True: the extended query protocol, one statement or none.
             row = conn.execute(
                 "EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params, prepare=True
@@ -853,6 +856,9 @@ class _Statement(Statement):
             (raw,) = pglast.parse_sql(_parser_text(self.sql))
             if not isinstance(raw.stmt, pgast.SelectStmt):
                 raise Unaccounted("not a SELECT")
+            foreign = _not_builtin(conn, raw.stmt)
+            if foreign is not None:
+                raise Refused(foreign)
             floor = statement_reads(
                 raw.stmt, lambda schema, name: self.pool.relation_columns(conn, schema, name)
             )
@@ -1008,6 +1014,90 @@ class _Statement(Statement):
         except psycopg.Error:
             conn.close()
         self.pool.give(conn)
+
+
+class _Callables(pgvisitors.Visitor):
+    """The functions, operators and types a statement names (what PostgreSQL
+    resolves by name on the search path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Comparisons are looked up by name where the text names none (IN, USING).
+        self.functions: set[str] = set()
+        self.operators: set[str] = {"=", "<>", "<", ">", "<=", ">="}
+        self.types: set[str] = set()
+        self.foreign: str | None = None
+
+    def visit(self, ancestors: Any, node: Any) -> None:
+        if isinstance(node, pgast.FuncCall):
+            self.functions.add(_qualified(node.funcname)[1])
+        elif isinstance(node, pgast.A_Expr):
+            schema, name = _qualified(node.name)
+            if schema not in ("", "pg_catalog") and self.foreign is None:
+                self.foreign = f"the operator {schema}.{name}"
+            if name.isupper():  # BETWEEN and its kind: comparisons, added above
+                return
+            self.operators.add(name)
+        elif isinstance(node, pgast.TypeName):
+            schema, name = _qualified(node.names)
+            if schema not in ("", "pg_catalog") and self.foreign is None:
+                self.foreign = f"the type {schema}.{name}"
+            self.types.add(name)
+
+
+#: Which of the named functions, operators on builtin types, and types resolve
+#: (or may, by overloading) to something outside pg_catalog on the fixed path.
+_SHADOWS = """
+SELECT 'the function ' || p.proname || '()' FROM pg_proc p
+  JOIN pg_namespace n ON n.oid = p.pronamespace
+  WHERE n.nspname <> 'pg_catalog' AND n.nspname = ANY (current_schemas(false))
+  AND p.proname = ANY (%(functions)s)
+UNION ALL
+SELECT 'the operator ' || o.oprname FROM pg_operator o
+  JOIN pg_namespace n ON n.oid = o.oprnamespace
+  WHERE n.nspname <> 'pg_catalog' AND n.nspname = ANY (current_schemas(false))
+  AND o.oprname = ANY (%(operators)s)
+  AND (o.oprleft = 0 OR o.oprleft IN (SELECT oid FROM pg_type
+       WHERE typnamespace = 'pg_catalog'::regnamespace))
+  AND o.oprright IN (SELECT oid FROM pg_type WHERE typnamespace = 'pg_catalog'::regnamespace)
+UNION ALL
+SELECT 'the type ' || t.typname FROM pg_type t
+  JOIN pg_namespace n ON n.oid = t.typnamespace
+  WHERE n.nspname <> 'pg_catalog' AND n.nspname = ANY (current_schemas(false))
+  AND t.typname = ANY (%(types)s)
+  AND NOT EXISTS (SELECT 1 FROM pg_type b WHERE b.typname = t.typname
+                  AND b.typnamespace = 'pg_catalog'::regnamespace)
+LIMIT 1
+"""
+
+
+def _not_builtin(conn: psycopg.Connection[Any], stmt: pgast.SelectStmt) -> str | None:
+    """Why ``stmt`` may call something that is not PostgreSQL's own, if it may.
+
+    The allowlist is of names; PostgreSQL resolves a call by name and argument
+    types over the search path, so a ``reverse(bigint)`` of the dataset's schema
+    (SECURITY DEFINER, reading anything its owner may) wins over the builtin
+    ``reverse(text)`` for a bigint argument, whatever the path's order. A name
+    the dataset's schemas define too is refused."""
+    names = _Callables()
+    names(stmt)
+    if names.foreign is not None:
+        return f"{names.foreign} is not PostgreSQL's own: not allowed on datasets"
+    row = conn.execute(
+        _SHADOWS,
+        {
+            "functions": sorted(names.functions),
+            "operators": sorted(names.operators),
+            "types": sorted(names.types),
+        },
+    ).fetchone()
+    if row is None:
+        return None
+    return (
+        f"{row[0]} is defined in the dataset's own schema as well as by PostgreSQL, so"
+        " a call may resolve to it: not allowed on datasets (a function is checked by"
+        " what it resolves to)"
+    )
 
 
 class _KeyMisplaced(Exception):
@@ -1175,6 +1265,34 @@ _OPEN_DATABASES = (
 )
 
 
+#: What the dataset's database gives every role, a run's login included, whatever
+#: its grants say: relations (or columns) granted to PUBLIC, and SECURITY DEFINER
+#: functions PUBLIC may execute (they read with their owner's rights).
+_PUBLIC_OBJECTS = (
+    "SELECT 'relation ' || quote_ident(n.nspname) || '.' || quote_ident(c.relname)"
+    " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')"
+    " AND n.nspname NOT LIKE 'pg\\_%' AND c.relkind IN ('r', 'v', 'm', 'p', 'f')"
+    " AND (EXISTS (SELECT 1 FROM aclexplode(c.relacl) a WHERE a.grantee = 0)"
+    " OR EXISTS (SELECT 1 FROM pg_attribute t CROSS JOIN LATERAL aclexplode(t.attacl) a"
+    " WHERE t.attrelid = c.oid AND a.grantee = 0))"
+    " UNION ALL"
+    " SELECT 'SECURITY DEFINER function ' || quote_ident(n.nspname) || '.'"
+    " || quote_ident(p.proname) || '()'"
+    " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+    " WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')"
+    " AND n.nspname NOT LIKE 'pg\\_%' AND p.prosecdef"
+    " AND (p.proacl IS NULL OR EXISTS (SELECT 1 FROM aclexplode(p.proacl) a"
+    " WHERE a.grantee = 0))"
+    " ORDER BY 1 LIMIT 21"
+)
+
+
+def public_objects(conn: psycopg.Connection[Any]) -> list[str]:
+    """The dataset database's objects any role may read or run (at most 21)."""
+    return [str(r[0]) for r in conn.execute(_PUBLIC_OBJECTS).fetchall()]
+
+
 class PostgresConnector:
     """PostgreSQL datasets: the database enforces the approved columns too, through
     a role per deployment and dataset that every guest statement runs as."""
@@ -1188,6 +1306,7 @@ class PostgresConnector:
         try:
             with psycopg.connect(where, connect_timeout=10) as conn:
                 open_to_all = [str(r[0]) for r in conn.execute(_OPEN_DATABASES).fetchall()]
+                to_public = public_objects(conn)
         except psycopg.Error as exc:
             # The DSN may hold a password: never echo it.
             raise UsageError(
@@ -1200,6 +1319,17 @@ class PostgresConnector:
                 " the databases %s; a run's login role could too. Run `REVOKE CONNECT ON"
                 " DATABASE <name> FROM PUBLIC` for each (docs/postgres.md)",
                 ", ".join(open_to_all),
+            )
+        if to_public:
+            # A grant to PUBLIC is a grant to every run's login: the database would
+            # not refuse what Cedar forbids there (docs/postgres.md).
+            shown = ", ".join(to_public[:20]) + (", ..." if len(to_public) > 20 else "")
+            log.warning(
+                "proctor: the PostgreSQL dataset's database grants to PUBLIC (every role,"
+                " a run's login too): %s. A run's statements are still decided by Cedar,"
+                " but the database itself would not refuse these: REVOKE them from"
+                " PUBLIC and grant them to the roles that need them (docs/postgres.md)",
+                shown,
             )
         return where
 
