@@ -31,6 +31,7 @@ from proctor.broker import _datasets as datasets_module
 from proctor.broker._datasets import AnswerBudget, AnswerTooLarge
 from proctor.broker._pg_sql import (
     POSTGRESQL,
+    _json_value,
     _pool,
     accesses_from_plan,
     close_pg_pools,
@@ -784,3 +785,73 @@ def test_a_view_granted_to_public_is_decided_and_warned_of(
     finally:
         with superuser(dataset) as conn:
             conn.execute("DROP VIEW public.contacts")
+
+
+# -- the property: no forbidden value ever reaches the guest --------------------------
+
+_ALLOWED = ["id", "country", "plan"]
+_FORBIDDEN = ["mrr", "email"]  # mrr: the tenant's Cedar forbids it; email: no manifest names it
+
+
+@st.composite
+def _queries(draw: st.DrawFn) -> tuple[str, bool]:
+    """A statement over customers (and invoices), and whether it reads a column
+    or table this run may not read."""
+    columns = draw(st.lists(st.sampled_from(_ALLOWED + _FORBIDDEN), min_size=1, max_size=3))
+    forbidden = any(c in _FORBIDDEN for c in columns)
+    inner = "SELECT " + ", ".join(f"{c} AS c{i}" for i, c in enumerate(columns))
+    inner += " FROM customers"
+    where = draw(st.none() | st.sampled_from(_ALLOWED + _FORBIDDEN))
+    if where is not None:
+        inner += f" WHERE {where}::text <> 'zz'"
+        forbidden |= where in _FORBIDDEN
+    if draw(st.booleans()):
+        joiner = " AND" if where is not None else " WHERE"
+        inner += f"{joiner} EXISTS (SELECT 1 FROM invoices i WHERE i.customer = customers.id)"
+        forbidden = True
+    shape = draw(
+        st.sampled_from(
+            ["plain", "offset", "cte", "materialized", "union", "jsonb", "array", "oracle"]
+        )
+    )
+    outer = {
+        "plain": inner,
+        "offset": f"SELECT s.c0::text FROM ({inner} OFFSET 0) s",
+        "cte": f"WITH s AS ({inner}) SELECT * FROM s",
+        "materialized": f"WITH s AS MATERIALIZED ({inner}) SELECT * FROM s",
+        "union": f"SELECT a.c0::text FROM ({inner}) a UNION ALL SELECT country FROM customers",
+        "jsonb": f"SELECT to_jsonb(s)::text FROM ({inner} OFFSET 0) s",
+        "array": f"SELECT array_agg(s)::text FROM ({inner} OFFSET 0) s",
+        "oracle": f"SELECT count(*) FROM ({inner} OFFSET 0) s WHERE s.c0::text > '2'",
+    }[shape]
+    return outer, forbidden
+
+
+def _canonical(rows: list[list[Any]]) -> list[str]:
+    return sorted(json.dumps(r, sort_keys=True, default=str) for r in rows)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    derandomize=True,
+)
+@given(case=_queries())
+def test_no_forbidden_value_ever_reaches_the_guest(
+    scope: RunScope, dataset: Dataset, case: tuple[str, bool]
+) -> None:
+    query, forbidden = case
+    try:
+        out: dict[str, Any] | None = sql(scope, query)
+    except CallDenied:
+        out = None
+    if forbidden:
+        assert out is None, query
+        return
+    assert out is not None, query
+    assert_no_forbidden_value(json.dumps(out))
+    # The answer is PostgreSQL's own, as a role with every privilege gets it.
+    with superuser(dataset) as conn:
+        full = [[_json_value(v) for v in row] for row in conn.execute(query).fetchall()]
+    assert _canonical(out["rows"]) == _canonical(full), query
