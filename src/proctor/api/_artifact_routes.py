@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import ApprovalOut
 from proctor.api._routes import CtxDep
+from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["artifacts"])
@@ -27,7 +28,7 @@ _CHUNK = 1 << 16
 
 def _authorize(ctx: Any, tenant: str, digest: str) -> None:
     ctx.authorize(
-        "artifact.read", tenant, f"artifact/{digest[:200]}", EntityRef.artifact(tenant, "*")
+        Action.ARTIFACT_READ, tenant, f"artifact/{digest[:200]}", EntityRef.artifact(tenant, "*")
     )
 
 
@@ -106,7 +107,7 @@ def artifact_review(ctx: CtxDep, tenant: str, digest: str) -> dict[str, Any]:
 @router.get("/tenants/{tenant}/approvals", response_model=list[ApprovalOut], tags=["approvals"])
 def list_all_approvals(ctx: CtxDep, tenant: str) -> list[ApprovalOut]:
     """Every approval and rejection of the tenant's artifacts, oldest first."""
-    ctx.authorize("artifact.read", tenant, f"tenant/{tenant}", EntityRef.artifact(tenant, "*"))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"tenant/{tenant}", EntityRef.artifact(tenant, "*"))
     ctx.rt.tenants.get(tenant)
     found = [a for art in ctx.rt.artifacts.list(tenant)
              for a in ctx.rt.approvals.for_artifact(tenant, art.digest)]  # fmt: skip

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from proctor.api._errors import ApiError
 from proctor.errors import LedgerError
 from proctor.governance import Principal
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger
+from proctor.ledger import SYSTEM_LOG, Action, Actor, EventDraft, Ledger
 
 log = logging.getLogger("proctor.api")
 
@@ -160,7 +160,7 @@ class PrincipalLimits:
         seconds = self._clock() - (first if first is not None else self._clock())
         draft = EventDraft(
             self._actors[key],
-            "api.rate_limited",
+            Action.API_RATE_LIMITED,
             f"principal/{key[1]}",
             decision="deny",
             policies=(RATE_LIMIT_RULE,),
@@ -458,7 +458,7 @@ class ConnectionGate:
         b = self.bounds
         draft = EventDraft(
             self._actor,
-            "api.connections.refused",
+            Action.API_CONNECTIONS_REFUSED,
             "api/connections",
             decision="deny",
             policies=(CONNECTION_LIMIT_RULE,),

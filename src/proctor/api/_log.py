@@ -34,6 +34,7 @@ from proctor.api._routes import parse_time
 from proctor.errors import UsageError
 from proctor.ledger import (
     SYSTEM_LOG,
+    Action,
     Actor,
     EventDraft,
     EventFilter,
@@ -54,7 +55,7 @@ _FOLLOW_POLL = 0.2  # seconds between reads of a quiet log
 
 
 def _read(ctx: Ctx, tenant: str) -> None:
-    ctx.authorize("audit.read", tenant, f"log/{tenant}")
+    ctx.authorize(Action.AUDIT_READ, tenant, f"log/{tenant}")
 
 
 RunQ = Annotated[
@@ -78,7 +79,7 @@ def _authorize_events(ctx: Ctx, tenant: str, run: str | None) -> str | None:
         # Refused and recorded before any run of another tenant is looked up.
         every = EntityRef.workload(f"spiffe://{ctx.rt.config.trust_domain}/tenant/{tenant}/*")
         ctx.authorize(
-            "run.events.read", tenant, f"run/{run}", every, {"principal_is_creator": False}
+            Action.RUN_EVENTS_READ, tenant, f"run/{run}", every, {"principal_is_creator": False}
         )
     from proctor.governance import run_events_context
     from proctor.lifecycle import Runs
@@ -86,7 +87,11 @@ def _authorize_events(ctx: Ctx, tenant: str, run: str | None) -> str | None:
     record = Runs(ctx.rt).get(tenant, run)
     context = run_events_context(ctx.rt.deployments, ctx.principal, record)
     ctx.authorize(
-        "run.events.read", tenant, f"run/{record.id}", EntityRef.workload(record.workload), context
+        Action.RUN_EVENTS_READ,
+        tenant,
+        f"run/{record.id}",
+        EntityRef.workload(record.workload),
+        context,
     )
     return record.id
 
@@ -277,7 +282,9 @@ def _read_tiles(r: _Reader, tenant: str, kind: str) -> str:
         return "public"
     p = r.ctx.principal
     # A refusal is an event in the system log at once; an allowed read is counted.
-    r.ctx.authorize("audit.read", tenant, f"log/{tenant}", log=SYSTEM_LOG, record_allowed=False)
+    r.ctx.authorize(
+        Action.AUDIT_READ, tenant, f"log/{tenant}", log=SYSTEM_LOG, record_allowed=False
+    )
     r.state.log_reads.count(p.actor, p.tenant, tenant, kind)
     return "private"
 
@@ -421,7 +428,7 @@ def export(ctx: CtxDep, tenant: str) -> Response:
         ctx.principal.tenant,
         EventDraft(
             ctx.principal.actor,
-            "audit.export",
+            Action.AUDIT_EXPORT,
             f"log/{tenant}",
             reason="exported",
             details={"size": head.size, "request_id": ctx.request_id},

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from proctor.errors import LedgerError
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger
+from proctor.ledger import SYSTEM_LOG, Action, Actor, EventDraft, Ledger
 
 log = logging.getLogger("proctor.api")
 
@@ -94,7 +94,7 @@ class LogReads:
         start = datetime.fromtimestamp(period * PERIOD, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         return EventDraft(
             actor,
-            "api.log_reads",
+            Action.API_LOG_READS,
             f"log/{tenant}",
             reason=f"{c.reads} reads of log {tenant} through the tlog-tiles paths",
             details={

@@ -16,6 +16,7 @@ from proctor.api._context import Ctx, current
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.errors import UsageError
 from proctor.governance import MAX_OBJECT_BYTES, BucketObject, bucket_problem
+from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -55,7 +56,7 @@ _BYTES: dict[int | str, dict[str, Any]] = {
 )
 def list_objects(ctx: CtxDep, tenant: str, bucket: str) -> list[ObjectOut]:
     """The bucket's objects: key, size, SHA-256, modified (UTC)."""
-    _authorize_bucket(ctx, "bucket.read", tenant, bucket, f"bucket/{bucket}")
+    _authorize_bucket(ctx, Action.BUCKET_READ, tenant, bucket, f"bucket/{bucket}")
     return [_object(o) for o in ctx.rt.resources.objects(tenant, bucket, ctx.principal.actor)]
 
 
@@ -67,7 +68,7 @@ def list_objects(ctx: CtxDep, tenant: str, bucket: str) -> list[ObjectOut]:
 )
 def get_object(ctx: CtxDep, tenant: str, bucket: str, key: str) -> Response:
     """One object's exact bytes; the read is recorded with their SHA-256 and size."""
-    _authorize_bucket(ctx, "bucket.read", tenant, bucket, f"bucket/{bucket}/{key}")
+    _authorize_bucket(ctx, Action.BUCKET_READ, tenant, bucket, f"bucket/{bucket}/{key}")
     data = ctx.rt.resources.get_object(tenant, bucket, key, ctx.principal.actor)
     return Response(
         data,
@@ -91,7 +92,7 @@ async def put_object(ctx: CtxDep, request: Request, tenant: str, bucket: str, ke
     """Write an object (the body, as is); recorded with its SHA-256 and size before it
     becomes visible. Admins only, by the role policy."""
     await run_in_threadpool(
-        _authorize_bucket, ctx, "bucket.write", tenant, bucket, f"bucket/{bucket}/{key}"
+        _authorize_bucket, ctx, Action.BUCKET_WRITE, tenant, bucket, f"bucket/{bucket}/{key}"
     )
     chunks: list[bytes] = []
     size = 0
@@ -125,6 +126,6 @@ def get_receipt(ctx: CtxDep, tenant: str, run_id: str) -> Response:
     from proctor.lifecycle import run_receipt
 
     ref = EntityRef.workload(f"spiffe://{ctx.rt.config.trust_domain}/tenant/{tenant}/*")
-    ctx.authorize("run.read", tenant, f"run/{run_id}", ref)
+    ctx.authorize(Action.RUN_READ, tenant, f"run/{run_id}", ref)
     text = run_receipt(ctx.rt, tenant, run_id)
     return Response(text, media_type="text/plain; charset=utf-8")

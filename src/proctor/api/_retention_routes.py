@@ -18,6 +18,7 @@ from proctor.api._context import Ctx, current
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import Strict
 from proctor.governance import Retention, erase_key, record_key_hmac
+from proctor.ledger import Action
 
 router = APIRouter(responses=ERROR_RESPONSES, tags=["retention"])
 CtxDep = Annotated[Ctx, Depends(current)]
@@ -44,7 +45,7 @@ def _retention(ctx: Ctx) -> Retention:
 def show_retention(ctx: CtxDep, tenant: str) -> dict[str, Any]:
     """The rule in force (or none: kept forever), the active holds, and the record of
     rule changes, holds, prunes and erasures."""
-    ctx.authorize("retention.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.RETENTION_READ, tenant, f"tenant/{tenant}")
     r = _retention(ctx)
     rule = r.rule(tenant)
     return {
@@ -58,7 +59,7 @@ def show_retention(ctx: CtxDep, tenant: str) -> dict[str, Any]:
 @router.put("/tenants/{tenant}/retention")
 def set_retention(ctx: CtxDep, tenant: str, body: RetentionIn) -> dict[str, Any]:
     """Set the period; under 183 days only with ``below_legal_minimum`` (recorded)."""
-    ctx.authorize("retention.manage", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.RETENTION_MANAGE, tenant, f"tenant/{tenant}")
     rule = _retention(ctx).set(
         tenant, body.days, ctx.principal.actor, below_legal_minimum=body.below_legal_minimum
     )
@@ -68,7 +69,7 @@ def set_retention(ctx: CtxDep, tenant: str, body: RetentionIn) -> dict[str, Any]
 @router.post("/tenants/{tenant}/retention/prune")
 def prune(ctx: CtxDep, tenant: str) -> dict[str, Any]:
     """Prune now what is past the period and under no hold."""
-    ctx.authorize("retention.manage", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.RETENTION_MANAGE, tenant, f"tenant/{tenant}")
     return _retention(ctx).prune(tenant, ctx.principal.actor).as_json()
 
 
@@ -76,14 +77,14 @@ def prune(ctx: CtxDep, tenant: str) -> dict[str, Any]:
 def list_holds(
     ctx: CtxDep, tenant: str, all_: Annotated[bool, Query(alias="all")] = False
 ) -> list[dict[str, Any]]:
-    ctx.authorize("retention.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.RETENTION_READ, tenant, f"tenant/{tenant}")
     return [h.as_json() for h in _retention(ctx).holds(tenant, all_=all_)]
 
 
 @router.post("/tenants/{tenant}/holds")
 def add_hold(ctx: CtxDep, tenant: str, body: HoldIn) -> dict[str, Any]:
     """Suspend pruning of the tenant's log, or of one deployment's or run's events."""
-    ctx.authorize("retention.manage", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.RETENTION_MANAGE, tenant, f"tenant/{tenant}")
     hold = _retention(ctx).add_hold(tenant, body.scope, body.target, body.reason,
                                     ctx.principal.actor)  # fmt: skip
     return hold.as_json()
@@ -91,7 +92,7 @@ def add_hold(ctx: CtxDep, tenant: str, body: HoldIn) -> dict[str, Any]:
 
 @router.delete("/tenants/{tenant}/holds/{hold_id}")
 def remove_hold(ctx: CtxDep, tenant: str, hold_id: str) -> dict[str, Any]:
-    ctx.authorize("retention.manage", tenant, f"hold/{hold_id}"[:200])
+    ctx.authorize(Action.RETENTION_MANAGE, tenant, f"hold/{hold_id}"[:200])
     return _retention(ctx).remove_hold(tenant, hold_id, ctx.principal.actor).as_json()
 
 
@@ -105,7 +106,7 @@ class ErasureIn(Strict):
 def erase(ctx: CtxDep, tenant: str, body: ErasureIn) -> dict[str, Any]:
     """Erase one record key from the lineage record (``proctor erase``). The key is
     used to compute its keyed hash and is recorded nowhere."""
-    ctx.authorize("erasure.request", tenant, f"dataset/{body.dataset}")
+    ctx.authorize(Action.ERASURE_REQUEST, tenant, f"dataset/{body.dataset}")
     ctx.rt.tenants.get(tenant)
     hashed = record_key_hmac(ctx.rt.keys.lineage_key(tenant), body.key)
     result = erase_key(ctx.rt.store, ctx.rt.ledger, tenant, body.dataset, hashed,

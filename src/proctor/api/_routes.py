@@ -53,6 +53,7 @@ from proctor.api._models import (
 from proctor.api._tar import extract_artifact
 from proctor.errors import ProctorError, UsageError
 from proctor.governance import Principal, readiness
+from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -90,7 +91,7 @@ def _artifact_ref(tenant: str, digest: str = "*") -> EntityRef:
 def whoami(ctx: CtxDep) -> PrincipalOut:
     """The principal the credential names (a token's, or one mapped from a JWT)."""
     p = ctx.principal
-    ctx.authorize("tenant.read", p.tenant, f"principal/{p.id}")
+    ctx.authorize(Action.TENANT_READ, p.tenant, f"principal/{p.id}")
     return _principal(p)
 
 
@@ -98,27 +99,27 @@ def whoami(ctx: CtxDep) -> PrincipalOut:
 def list_tenants(ctx: CtxDep) -> list[TenantOut]:
     """The tenants the caller can see: its own. Tenants are created by the operator."""
     t = ctx.principal.tenant
-    ctx.authorize("tenant.read", t, f"tenant/{t}")
+    ctx.authorize(Action.TENANT_READ, t, f"tenant/{t}")
     return [_tenant(ctx, t)]
 
 
 @router.get("/tenants/{tenant}", response_model=TenantOut, tags=["tenants"])
 def get_tenant(ctx: CtxDep, tenant: str) -> TenantOut:
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     return _tenant(ctx, tenant)
 
 
 @router.post("/tenants/{tenant}/freeze", response_model=TenantOut, tags=["tenants"])
 def freeze(ctx: CtxDep, tenant: str, body: FreezeIn) -> TenantOut:
     """Stop every run of the tenant and refuse every call until unfreeze."""
-    ctx.authorize("tenant.freeze", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_FREEZE, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.set_frozen(tenant, True, ctx.principal.actor, body.reason)
     return _tenant(ctx, tenant)
 
 
 @router.post("/tenants/{tenant}/unfreeze", response_model=TenantOut, tags=["tenants"])
 def unfreeze(ctx: CtxDep, tenant: str, body: FreezeIn) -> TenantOut:
-    ctx.authorize("tenant.unfreeze", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_UNFREEZE, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.set_frozen(tenant, False, ctx.principal.actor, body.reason)
     return _tenant(ctx, tenant)
 
@@ -128,7 +129,7 @@ def unfreeze(ctx: CtxDep, tenant: str, body: FreezeIn) -> TenantOut:
 
 @router.get("/tenants/{tenant}/principals", response_model=list[PrincipalOut], tags=["principals"])
 def list_principals(ctx: CtxDep, tenant: str) -> list[PrincipalOut]:
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     return [_principal(p) for p in ctx.rt.principals.list(tenant)]
 
 
@@ -143,7 +144,7 @@ def create_principal(ctx: CtxDep, tenant: str, body: PrincipalCreate) -> Princip
     ref = (EntityRef.service_account if body.kind == "service" else EntityRef.user)(
         tenant, body.name
     )
-    ctx.authorize("principal.create", tenant, f"principal/{tenant}/{body.name}", ref)
+    ctx.authorize(Action.PRINCIPAL_CREATE, tenant, f"principal/{tenant}/{body.name}", ref)
     p, token = ctx.rt.principals.create(
         tenant, body.name, body.kind, list(body.roles), ctx.principal.actor
     )
@@ -152,7 +153,7 @@ def create_principal(ctx: CtxDep, tenant: str, body: PrincipalCreate) -> Princip
 
 @router.get("/tenants/{tenant}/principals/{name}", response_model=PrincipalOut, tags=["principals"])
 def get_principal(ctx: CtxDep, tenant: str, name: str) -> PrincipalOut:
-    ctx.authorize("tenant.read", tenant, f"principal/{tenant}/{name}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"principal/{tenant}/{name}")
     return _principal(ctx.rt.principals.get(tenant, name))
 
 
@@ -172,14 +173,14 @@ def _principal_ref(ctx: Ctx, tenant: str, name: str) -> EntityRef:
 def rotate_token(ctx: CtxDep, tenant: str, name: str) -> TokenOut:
     """Issue a new token for the principal; the old one stops working."""
     ref = _principal_ref(ctx, tenant, name)
-    ctx.authorize("token.issue", tenant, f"principal/{tenant}/{name}", ref)
+    ctx.authorize(Action.TOKEN_ISSUE, tenant, f"principal/{tenant}/{name}", ref)
     return TokenOut(token=ctx.rt.principals.rotate(tenant, name, ctx.principal.actor))
 
 
 def _set_disabled(ctx: Ctx, tenant: str, name: str, disabled: bool) -> PrincipalOut:
     # The schema has no principal.disable: managing principals is principal.create's.
     ref = _principal_ref(ctx, tenant, name)
-    ctx.authorize("principal.create", tenant, f"principal/{tenant}/{name}", ref)
+    ctx.authorize(Action.PRINCIPAL_CREATE, tenant, f"principal/{tenant}/{name}", ref)
     ctx.rt.principals.set_disabled(tenant, name, disabled, ctx.principal.actor)
     return _principal(ctx.rt.principals.get(tenant, name))
 
@@ -210,21 +211,21 @@ def _policy(pv: Any) -> PolicyOut:
 
 @router.get("/tenants/{tenant}/policy", response_model=PolicyOut, tags=["policies"])
 def get_policy(ctx: CtxDep, tenant: str) -> PolicyOut:
-    ctx.authorize("policy.read", tenant, f"policy/{tenant}")
+    ctx.authorize(Action.POLICY_READ, tenant, f"policy/{tenant}")
     return _policy(ctx.rt.policies.current(tenant))
 
 
 @router.put("/tenants/{tenant}/policy", response_model=PolicyOut, tags=["policies"])
 def set_policy(ctx: CtxDep, tenant: str, body: PolicyIn) -> PolicyOut:
     """Validate and set the tenant's Cedar policy set (deny by default)."""
-    ctx.authorize("policy.set", tenant, f"policy/{tenant}")
+    ctx.authorize(Action.POLICY_SET, tenant, f"policy/{tenant}")
     ctx.rt.tenants.get(tenant)
     return _policy(ctx.rt.policies.set(tenant, body.text, ctx.principal.actor))
 
 
 @router.get("/tenants/{tenant}/policy/history", response_model=list[PolicyOut], tags=["policies"])
 def policy_history(ctx: CtxDep, tenant: str) -> list[PolicyOut]:
-    ctx.authorize("policy.read", tenant, f"policy/{tenant}")
+    ctx.authorize(Action.POLICY_READ, tenant, f"policy/{tenant}")
     return [_policy(pv) for pv in ctx.rt.policies.history(tenant)]
 
 
@@ -238,7 +239,7 @@ def effective_policy(
     """The whole set a run of the deployment is decided under (``policy show --effective``)."""
     from proctor.lifecycle import effective_policy as effective
 
-    ctx.authorize("policy.read", tenant, f"policy/{tenant}")
+    ctx.authorize(Action.POLICY_READ, tenant, f"policy/{tenant}")
     result: dict[str, Any] = effective(ctx.rt, tenant, deployment, version)
     return result
 
@@ -248,14 +249,14 @@ def test_policy(ctx: CtxDep, tenant: str, body: dict[str, Any]) -> DecisionOut:
     """Decide one request (``proctor policy test``'s JSON) against the current policy."""
     from proctor.policy import evaluate_request
 
-    ctx.authorize("policy.read", tenant, f"policy/{tenant}")
+    ctx.authorize(Action.POLICY_READ, tenant, f"policy/{tenant}")
     decision = evaluate_request(ctx.rt.policies.compiled(tenant), body)
     return DecisionOut(**decision.to_json())
 
 
 @router.get("/tenants/{tenant}/quorum", response_model=QuorumOut, tags=["policies"])
 def get_quorum(ctx: CtxDep, tenant: str) -> QuorumOut:
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     rule = ctx.rt.approvals.quorum(tenant)
     return QuorumOut(required=rule.required, roles=list(rule.roles))
@@ -264,7 +265,7 @@ def get_quorum(ctx: CtxDep, tenant: str) -> QuorumOut:
 @router.put("/tenants/{tenant}/quorum", response_model=QuorumOut, tags=["policies"])
 def set_quorum(ctx: CtxDep, tenant: str, body: QuorumIn) -> QuorumOut:
     """How many approvals production needs, and from which roles."""
-    ctx.authorize("policy.set", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.POLICY_SET, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     rule = ctx.rt.approvals.set_quorum(tenant, body.required, list(body.roles),
                                        ctx.principal.actor)  # fmt: skip
@@ -274,7 +275,7 @@ def set_quorum(ctx: CtxDep, tenant: str, body: QuorumIn) -> QuorumOut:
 @router.get("/tenants/{tenant}/datasets", response_model=list[DatasetOut], tags=["resources"])
 def list_datasets(ctx: CtxDep, tenant: str) -> list[DatasetOut]:
     """Datasets by name; where they are stays with the runtime."""
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     return [
         DatasetOut(name=d.name, kind=d.kind, synthetic=d.synthetic, twin_of=d.twin_of)
@@ -285,7 +286,7 @@ def list_datasets(ctx: CtxDep, tenant: str) -> list[DatasetOut]:
 @router.get("/tenants/{tenant}/secrets", response_model=list[SecretOut], tags=["resources"])
 def list_secrets(ctx: CtxDep, tenant: str) -> list[SecretOut]:
     """Secrets by name and the hosts they go to; never their values."""
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     return [
         SecretOut(name=s.name, hosts=list(s.hosts), header=s.header, twin_of=s.twin_of)
@@ -300,7 +301,7 @@ def set_secret(ctx: CtxDep, tenant: str, name: str, body: SecretIn) -> SecretOut
         ref = EntityRef.secret(tenant, name)
     except ProctorError as exc:
         raise UsageError(f"invalid secret name {name!r}") from exc
-    ctx.authorize("secret.register", tenant, f"secret/{tenant}/{name}", ref)
+    ctx.authorize(Action.SECRET_REGISTER, tenant, f"secret/{tenant}/{name}", ref)
     ctx.rt.tenants.get(tenant)
     s = ctx.rt.resources.set_secret(tenant, name, body.value, body.hosts, ctx.principal.actor,
                                     header=body.header, template=body.template,
@@ -310,7 +311,7 @@ def set_secret(ctx: CtxDep, tenant: str, name: str, body: SecretIn) -> SecretOut
 
 @router.get("/tenants/{tenant}/buckets", response_model=list[str], tags=["resources"])
 def list_buckets(ctx: CtxDep, tenant: str) -> list[str]:
-    ctx.authorize("tenant.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.TENANT_READ, tenant, f"tenant/{tenant}")
     ctx.rt.tenants.get(tenant)
     return ctx.rt.resources.buckets(tenant)
 
@@ -339,7 +340,7 @@ async def submit_artifact(ctx: CtxDep, tenant: str, request: Request) -> Submitt
     ``warnings`` are what a production deploy would refuse today, with their fixes."""
     state = ctx.state
     await run_in_threadpool(
-        ctx.authorize, "artifact.submit", tenant, f"tenant/{tenant}", _artifact_ref(tenant)
+        ctx.authorize, Action.ARTIFACT_SUBMIT, tenant, f"tenant/{tenant}", _artifact_ref(tenant)
     )
     await run_in_threadpool(ctx.rt.tenants.get, tenant)
     limit = state.limits.artifact_upload
@@ -392,7 +393,7 @@ def _unpack_and_submit(ctx: Ctx, tenant: str, upload: Any) -> Any:
 
 @router.get("/tenants/{tenant}/artifacts", response_model=list[ArtifactOut], tags=["artifacts"])
 def list_artifacts(ctx: CtxDep, tenant: str) -> list[ArtifactOut]:
-    ctx.authorize("artifact.read", tenant, f"tenant/{tenant}", _artifact_ref(tenant))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"tenant/{tenant}", _artifact_ref(tenant))
     ctx.rt.tenants.get(tenant)
     return [ArtifactOut(**a.to_json()) for a in ctx.rt.artifacts.list(tenant)]
 
@@ -402,7 +403,7 @@ def list_artifacts(ctx: CtxDep, tenant: str) -> list[ArtifactOut]:
 )
 def get_artifact(ctx: CtxDep, tenant: str, digest: str) -> ArtifactDetail:
     """An artifact's manifest, capabilities and files (``digest`` may be a unique prefix)."""
-    ctx.authorize("artifact.read", tenant, f"artifact/{digest}", _artifact_ref(tenant))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"artifact/{digest}", _artifact_ref(tenant))
     a = ctx.rt.artifacts.get(tenant, digest)
     files = [f.to_json() for f in ctx.rt.artifacts.files(tenant, a.digest)]
     return ArtifactDetail(**a.to_json(), files=files)  # type: ignore[arg-type]
@@ -411,7 +412,7 @@ def get_artifact(ctx: CtxDep, tenant: str, digest: str) -> ArtifactDetail:
 @router.get("/tenants/{tenant}/artifacts/{old}/diff/{new}", tags=["artifacts"])
 def diff_artifacts(ctx: CtxDep, tenant: str, old: str, new: str) -> dict[str, Any]:
     """What changed between two artifacts: capabilities first, then the code."""
-    ctx.authorize("artifact.read", tenant, f"artifact/{new}", _artifact_ref(tenant))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"artifact/{new}", _artifact_ref(tenant))
     result: dict[str, Any] = ctx.rt.artifacts.diff(tenant, old, new).to_json()
     return result
 
@@ -426,7 +427,7 @@ def _approval(a: Any) -> ApprovalOut:
     tags=["approvals"],
 )
 def list_approvals(ctx: CtxDep, tenant: str, digest: str) -> list[ApprovalOut]:
-    ctx.authorize("artifact.read", tenant, f"artifact/{digest}", _artifact_ref(tenant))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"artifact/{digest}", _artifact_ref(tenant))
     full = ctx.rt.artifacts.get(tenant, digest).digest
     return [_approval(a) for a in ctx.rt.approvals.for_artifact(tenant, full)]
 
@@ -440,7 +441,7 @@ def list_approvals(ctx: CtxDep, tenant: str, digest: str) -> list[ApprovalOut]:
 def approve(ctx: CtxDep, tenant: str, digest: str, body: ApprovalIn) -> ApprovalOut:
     """Approve the artifact's digest, capabilities and purpose until it expires.
     Separation of duties: its author cannot."""
-    return _decide(ctx, tenant, digest, "approval.grant", body.comment, body.expires_seconds)
+    return _decide(ctx, tenant, digest, Action.APPROVAL_GRANT, body.comment, body.expires_seconds)
 
 
 @router.post(
@@ -451,7 +452,7 @@ def approve(ctx: CtxDep, tenant: str, digest: str, body: ApprovalIn) -> Approval
 )
 def reject(ctx: CtxDep, tenant: str, digest: str, body: RejectionIn) -> ApprovalOut:
     """Reject the artifact: production runs of it are blocked until this is revoked."""
-    return _decide(ctx, tenant, digest, "approval.reject", body.comment, None)
+    return _decide(ctx, tenant, digest, Action.APPROVAL_REJECT, body.comment, None)
 
 
 def _decide(
@@ -467,7 +468,7 @@ def _decide(
     ref = _artifact_ref(tenant, digest if len(digest) <= 200 else "*")
     ctx.authorize(action, tenant, f"artifact/{digest}", ref, {"principal_is_author": author})
     full = ctx.rt.artifacts.get(tenant, digest).digest
-    if action == "approval.grant":
+    if action == Action.APPROVAL_GRANT:
         assert expires is not None
         a = ctx.rt.approvals.grant(tenant, full, p, expires=timedelta(seconds=expires),
                                    comment=comment)  # fmt: skip
@@ -480,7 +481,7 @@ def _decide(
     "/tenants/{tenant}/approvals/{approval_id}", response_model=ApprovalOut, tags=["approvals"]
 )
 def get_approval(ctx: CtxDep, tenant: str, approval_id: str) -> ApprovalOut:
-    ctx.authorize("artifact.read", tenant, f"approval/{approval_id}", _artifact_ref(tenant))
+    ctx.authorize(Action.ARTIFACT_READ, tenant, f"approval/{approval_id}", _artifact_ref(tenant))
     return _approval(ctx.rt.approvals.get(tenant, approval_id))
 
 
@@ -491,7 +492,7 @@ def get_approval(ctx: CtxDep, tenant: str, approval_id: str) -> ApprovalOut:
 )
 def revoke(ctx: CtxDep, tenant: str, approval_id: str) -> ApprovalOut:
     """Revoke an approval: the next run is refused, a running service is stopped."""
-    ctx.authorize("approval.revoke", tenant, f"approval/{approval_id}", _artifact_ref(tenant))
+    ctx.authorize(Action.APPROVAL_REVOKE, tenant, f"approval/{approval_id}", _artifact_ref(tenant))
     a = ctx.rt.approvals.revoke(tenant, approval_id, ctx.principal.actor, ctx.principal)
     return _approval(a)
 
@@ -507,7 +508,7 @@ def _deployment(d: Any) -> DeploymentOut:
     "/tenants/{tenant}/deployments", response_model=list[DeploymentOut], tags=["deployments"]
 )
 def list_deployments(ctx: CtxDep, tenant: str) -> list[DeploymentOut]:
-    ctx.authorize("deployment.read", tenant, f"tenant/{tenant}",
+    ctx.authorize(Action.DEPLOYMENT_READ, tenant, f"tenant/{tenant}",
                   EntityRef.deployment(tenant, "*") if tenant else None)  # fmt: skip
     ctx.rt.tenants.get(tenant)
     return [_deployment(d) for d in ctx.rt.deployments.current(tenant)]
@@ -521,7 +522,7 @@ def list_deployments(ctx: CtxDep, tenant: str) -> list[DeploymentOut]:
 )
 def create_deployment(ctx: CtxDep, tenant: str, body: DeploymentIn) -> DeploymentOut:
     """Deploy an artifact (production needs a quorum of approvals)."""
-    ctx.authorize("deployment.create", tenant, f"deployment/{body.name}",
+    ctx.authorize(Action.DEPLOYMENT_CREATE, tenant, f"deployment/{body.name}",
                   EntityRef.deployment(tenant, body.name))  # fmt: skip
     artifact = ctx.rt.artifacts.get(tenant, body.digest)
     dep = ctx.rt.deployments.deploy(
@@ -546,7 +547,9 @@ def _deployment_ref(tenant: str, name: str) -> EntityRef:
 )
 def deployment_versions(ctx: CtxDep, tenant: str, name: str) -> list[DeploymentOut]:
     """Every version of one deployment, oldest first (the last is current)."""
-    ctx.authorize("deployment.read", tenant, f"deployment/{name}", _deployment_ref(tenant, name))
+    ctx.authorize(
+        Action.DEPLOYMENT_READ, tenant, f"deployment/{name}", _deployment_ref(tenant, name)
+    )
     return [_deployment(d) for d in ctx.rt.deployments.versions(tenant, name)]
 
 
@@ -557,7 +560,7 @@ def deployment_versions(ctx: CtxDep, tenant: str, name: str) -> list[DeploymentO
 )
 def rollback(ctx: CtxDep, tenant: str, name: str) -> DeploymentOut:
     """Deploy the previous artifact of this deployment again (as a new version)."""
-    ctx.authorize("deployment.rollback", tenant, f"deployment/{name}",
+    ctx.authorize(Action.DEPLOYMENT_ROLLBACK, tenant, f"deployment/{name}",
                   _deployment_ref(tenant, name))  # fmt: skip
     versions = ctx.rt.deployments.versions(tenant, name)
     current_version = versions[-1]
@@ -581,7 +584,7 @@ def rollback(ctx: CtxDep, tenant: str, name: str) -> DeploymentOut:
     tags=["deployments"],
 )
 def stop_deployment(ctx: CtxDep, tenant: str, name: str, body: StopIn) -> DeploymentOut:
-    ctx.authorize("deployment.create", tenant, f"deployment/{name}",
+    ctx.authorize(Action.DEPLOYMENT_CREATE, tenant, f"deployment/{name}",
                   _deployment_ref(tenant, name))  # fmt: skip
     ctx.rt.deployments.set_status(tenant, name, "stopped", ctx.principal.actor, body.reason)
     return _deployment(ctx.rt.deployments.get(tenant, name))
@@ -607,7 +610,7 @@ async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
     """Run a job deployment now and stream it as JSON lines: ``{"stream": "stdout"|"stderr",
     "data": text}`` while it runs, then ``{"run": {...}}`` (or ``{"error": {...}}``)."""
     await run_in_threadpool(
-        ctx.authorize, "run.start", tenant, f"deployment/{name}", _deployment_ref(tenant, name)
+        ctx.authorize, Action.RUN_START, tenant, f"deployment/{name}", _deployment_ref(tenant, name)
     )
     sup = await run_in_threadpool(ctx.state.get_supervisor)
     actor = ctx.principal.actor
@@ -665,7 +668,7 @@ def list_runs(
 ) -> list[RunOut]:
     from proctor.lifecycle import Runs
 
-    ctx.authorize("run.read", tenant, f"tenant/{tenant}", _runs_ref(ctx, tenant))
+    ctx.authorize(Action.RUN_READ, tenant, f"tenant/{tenant}", _runs_ref(ctx, tenant))
     ctx.rt.tenants.get(tenant)
     return [_run(r) for r in Runs(ctx.rt).all(tenant, deployment)]
 
@@ -674,7 +677,7 @@ def list_runs(
 def get_run(ctx: CtxDep, tenant: str, run_id: str) -> RunOut:
     from proctor.lifecycle import Runs
 
-    ctx.authorize("run.read", tenant, f"run/{run_id}", _runs_ref(ctx, tenant))
+    ctx.authorize(Action.RUN_READ, tenant, f"run/{run_id}", _runs_ref(ctx, tenant))
     return _run(Runs(ctx.rt).get(tenant, run_id))
 
 
@@ -704,7 +707,7 @@ async def run_logs(
     from proctor.lifecycle import Runs
 
     await run_in_threadpool(
-        ctx.authorize, "run.read", tenant, f"run/{run_id}", _runs_ref(ctx, tenant)
+        ctx.authorize, Action.RUN_READ, tenant, f"run/{run_id}", _runs_ref(ctx, tenant)
     )
     runs = Runs(ctx.rt)
     record = await run_in_threadpool(runs.get, tenant, run_id)
@@ -774,7 +777,7 @@ def history(
     """What ran here at time T: deployments in force, runs, digests, policies, approvers."""
     from proctor.lifecycle import what_ran
 
-    ctx.authorize("audit.read", tenant, f"tenant/{tenant}")
+    ctx.authorize(Action.AUDIT_READ, tenant, f"tenant/{tenant}")
     when = parse_time(at, "at")
     report: dict[str, Any] = what_ran(ctx.rt, tenant, when, window_seconds)
     return report

@@ -33,6 +33,7 @@ from proctor.cli._common import (
 )
 from proctor.errors import NotFound, UsageError
 from proctor.governance import Artifact, Artifacts, Manifest
+from proctor.ledger import Action
 from proctor.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def artifact_submit(
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         author, _ = acting(rt, token)
-        arts = _artifacts(rt, token, tenant, "artifact.submit")
+        arts = _artifacts(rt, token, tenant, Action.ARTIFACT_SUBMIT)
         artifact = arts.submit(tenant, directory, author)
         _warn_not_ready(rt, tenant, artifact.capabilities)
     if as_json:
@@ -229,7 +230,7 @@ def artifact_show(
     else:
         with open_runtime(home) as rt:
             t = _local_tenant(rt, token, tenant, digest)
-            arts = _artifacts(rt, token, t, "artifact.read")
+            arts = _artifacts(rt, token, t, Action.ARTIFACT_READ)
             artifact = arts.get(t, digest)
             entries = arts.files(t, artifact.digest)
         doc = {**artifact.to_json(), "files": [f.to_json() for f in entries]}
@@ -271,7 +272,8 @@ def artifact_list(
         with open_runtime(home) as rt:
             rt.tenants.get(tenant)
             rows = [
-                a.to_json() for a in _artifacts(rt, token, tenant, "artifact.read").list(tenant)
+                a.to_json()
+                for a in _artifacts(rt, token, tenant, Action.ARTIFACT_READ).list(tenant)
             ]
     if as_json:
         emit_json(rows)
@@ -352,7 +354,7 @@ def artifact_diff(
     else:
         with open_runtime(home) as rt:
             t = _local_tenant(rt, token, tenant, old)
-            doc = _artifacts(rt, token, t, "artifact.read").diff(t, old, new).to_json()
+            doc = _artifacts(rt, token, t, Action.ARTIFACT_READ).diff(t, old, new).to_json()
     if as_json:
         emit_json(doc)
         return
@@ -378,7 +380,7 @@ def artifact_cat(
     else:
         with open_runtime(home) as rt:
             t = _local_tenant(rt, token, tenant, digest)
-            data = _artifacts(rt, token, t, "artifact.read").read_file(t, digest, path)
+            data = _artifacts(rt, token, t, Action.ARTIFACT_READ).read_file(t, digest, path)
     if sys.stdout.isatty():
         # On a terminal the bytes would act, not show: an escape sequence in the code can
         # hide lines from the person reading it. Spelled out there; exact when piped.
@@ -446,7 +448,7 @@ def _write_artifact_tar(
         return client.download_artifact(_remote_tenant(client, tenant), digest, out)
     with open_runtime(home) as rt:
         t = _local_tenant(rt, token, tenant, digest)
-        return _artifacts(rt, token, t, "artifact.read").write_tar(t, digest, out).digest
+        return _artifacts(rt, token, t, Action.ARTIFACT_READ).write_tar(t, digest, out).digest
 
 
 @artifact_app.command("review")
@@ -473,7 +475,7 @@ def review(tenant: str | None, digest: str, token: str | None, home: Path | None
         return doc
     with open_runtime(home) as rt:
         t = _local_tenant(rt, token, tenant, digest)
-        doc = _artifacts(rt, token, t, "artifact.read").review(t, digest)
+        doc = _artifacts(rt, token, t, Action.ARTIFACT_READ).review(t, digest)
         doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(t, doc["digest"])]
     return doc
 

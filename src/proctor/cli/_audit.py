@@ -38,6 +38,7 @@ from proctor.errors import UsageError, VerificationFailed
 from proctor.governance import unbacked_erasures, unbacked_rows
 from proctor.ledger import (
     SYSTEM_LOG,
+    Action,
     Actor,
     EventDraft,
     EventFilter,
@@ -80,7 +81,7 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
         log = rt.log_name(tenant)
         if token is not None and log == SYSTEM_LOG:
             raise UsageError("the system log is the operator's; principals read their tenant's")
-        authorize_read(rt, token, log, "audit.read")
+        authorize_read(rt, token, log, Action.AUDIT_READ)
         return None
     if rt.log_name(tenant) == SYSTEM_LOG:
         raise UsageError("runs belong to tenants; the system log has none")
@@ -92,7 +93,7 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
         # Refused and recorded before any run of another tenant is looked up.
         rt.control.authorize(
             principal,
-            "run.events.read",
+            Action.RUN_EVENTS_READ,
             EntityRef.workload(f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/*"),
             tenant,
             event_resource=f"run/{run}",
@@ -102,7 +103,7 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
     if principal is not None:
         rt.control.authorize(
             principal,
-            "run.events.read",
+            Action.RUN_EVENTS_READ,
             EntityRef.workload(record.workload),
             tenant,
             event_resource=f"run/{record.id}",
@@ -115,7 +116,7 @@ def _event_row(table: Table, ev: dict[str, Any]) -> None:
     if "pruned" in ev:  # a pruned entry's marker (docs/ledger.md): no actor, no decision
         p = ev["pruned"] if isinstance(ev["pruned"], dict) else {}
         why = escape(f"pruned at {p.get('at')} under {p.get('rule')}")
-        table.add_row(str(ev["seq"]), str(ev.get("time")), "—", "ledger.pruned", "—",
+        table.add_row(str(ev["seq"]), str(ev.get("time")), "—", Action.LEDGER_PRUNED, "—",
                       "[dim]pruned[/]", why)  # fmt: skip
         return
     decision = ev["decision"]
@@ -537,7 +538,7 @@ def export(
             log if log != SYSTEM_LOG else SYSTEM_LOG,
             EventDraft(
                 actor,
-                "audit.export",
+                Action.AUDIT_EXPORT,
                 f"log/{log}",
                 reason="exported",
                 details={"size": head.size, "path": str(out.resolve())},

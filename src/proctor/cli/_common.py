@@ -15,7 +15,7 @@ from rich.table import Table
 
 from proctor.errors import UsageError
 from proctor.governance import Principal
-from proctor.ledger import Actor
+from proctor.ledger import Action, Actor
 from proctor.runtime import Runtime, default_home
 
 if TYPE_CHECKING:
@@ -145,11 +145,11 @@ def authorize_read(rt: Runtime, token: str | None, tenant: str, action: str) -> 
 
     # Each action applies to one entity type (the schema says which); "*" stands for
     # "all of them in this tenant", which the tenant parent makes decidable.
-    resources = {
-        "artifact.read": EntityRef.artifact(tenant, "*"),
-        "artifact.submit": EntityRef.artifact(tenant, "*"),
-        "deployment.read": EntityRef.deployment(tenant, "*"),
-        "run.read": EntityRef.workload(f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/*"),
+    resources: dict[str, EntityRef] = {
+        Action.ARTIFACT_READ: EntityRef.artifact(tenant, "*"),
+        Action.ARTIFACT_SUBMIT: EntityRef.artifact(tenant, "*"),
+        Action.DEPLOYMENT_READ: EntityRef.deployment(tenant, "*"),
+        Action.RUN_READ: EntityRef.workload(f"spiffe://{rt.config.trust_domain}/tenant/{tenant}/*"),
     }
     rt.control.authorize(
         principal,

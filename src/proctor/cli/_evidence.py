@@ -30,6 +30,7 @@ from proctor.cli._common import (
 from proctor.cli._witness import WitnessOpt, WitnessQuorumOpt
 from proctor.errors import UsageError
 from proctor.governance import Subprocessors
+from proctor.ledger import Action
 
 # Each command imports proctor.evidence itself: loading it here would cost every other
 # command of the CLI about 40 ms.
@@ -114,7 +115,7 @@ def export(
         return
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
-        authorize_read(rt, token, tenant, "evidence.export")
+        authorize_read(rt, token, tenant, Action.EVIDENCE_EXPORT)
         info = export_pack(rt, tenant, start, end, out)
     if as_json:
         _emit({"pack": str(out), "tenant": tenant, "events": info.events,
@@ -213,7 +214,7 @@ def dpa_annex_cmd(
     from proctor.evidence import dpa_annex
 
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = dpa_annex(rt, tenant)
     _write(doc, out, as_json)
 
@@ -230,7 +231,7 @@ def ropa_cmd(
     from proctor.evidence import ropa
 
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = ropa(rt, tenant)
     _write(doc, out, as_json)
 
@@ -249,7 +250,7 @@ def sample(
     from proctor.evidence import sample_runs
 
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = sample_runs(rt, tenant, n, seed)
     _write(doc, out, as_json)
 
@@ -268,7 +269,7 @@ def lineage_cmd(
     from proctor.evidence import lineage
 
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = lineage(rt, tenant, dataset, key)
     if as_json:
         _emit(doc)
@@ -344,7 +345,7 @@ def receipt_get(
         from proctor.lifecycle import Runs, run_receipt
 
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "run.read")
+            authorize_read(rt, token, tenant, Action.RUN_READ)
             text = run_receipt(rt, tenant, run_id)
             full = Runs(rt).get(tenant, run_id).id
     to_stdout = output is None or str(output) == "-"
@@ -385,7 +386,7 @@ def sp_add(
 
             rt.control.authorize(
                 principal,
-                "subprocessor.manage",
+                Action.SUBPROCESSOR_MANAGE,
                 EntityRef.tenant(tenant),
                 tenant,
                 event_resource=f"subprocessor/{name}",
@@ -411,7 +412,7 @@ def sp_list(
 ) -> None:
     """List the tenant's subprocessors."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         rows = Subprocessors(rt.store, rt.ledger).list(tenant)
     if as_json:
         _emit([s.as_json() for s in rows])
@@ -439,7 +440,7 @@ def sp_remove(
 
             rt.control.authorize(
                 principal,
-                "subprocessor.manage",
+                Action.SUBPROCESSOR_MANAGE,
                 EntityRef.tenant(tenant),
                 tenant,
                 event_resource=f"subprocessor/{name}",
@@ -483,7 +484,7 @@ def _export_parquet(
         )
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
-        authorize_read(rt, token, tenant, "evidence.export")
+        authorize_read(rt, token, tenant, Action.EVIDENCE_EXPORT)
         files = export_parquet(rt, tenant, start, end, out, region=region, account=account,
                                source=source)  # fmt: skip
     if as_json:

@@ -26,7 +26,7 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import UsageError
-from proctor.ledger import Actor
+from proctor.ledger import Action, Actor
 from proctor.policy import evaluate_request
 from proctor.runtime import Runtime
 
@@ -112,7 +112,7 @@ def policy_show(
             doc = client.policy(tenant)
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "policy.read")
+            authorize_read(rt, token, tenant, Action.POLICY_READ)
             if effective:
                 from proctor.lifecycle import effective_policy
 
@@ -241,7 +241,7 @@ def dataset_list(
 ) -> None:
     """A tenant's datasets: name, kind, and whether each is synthetic (never where they are)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "tenant.read")
+        authorize_read(rt, token, tenant, Action.TENANT_READ)
         rows = rt.resources.datasets(tenant)
     if as_json:
         emit_json([_dataset_json(ds) for ds in rows])
@@ -312,7 +312,7 @@ def secret_list(
 ) -> None:
     """A tenant's secrets: where each is sent and in which header (never the value)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "tenant.read")
+        authorize_read(rt, token, tenant, Action.TENANT_READ)
         rows = rt.resources.secrets(tenant)
     if as_json:
         emit_json([_secret_json(s) for s in rows])
@@ -346,7 +346,7 @@ def bucket_list(
 ) -> None:
     """A tenant's buckets."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "tenant.read")
+        authorize_read(rt, token, tenant, Action.TENANT_READ)
         names = list(rt.resources.buckets(tenant))
     if as_json:
         emit_json([{"tenant": tenant, "name": name} for name in names])
@@ -400,7 +400,7 @@ def bucket_objects(
     else:
         with open_runtime(home) as rt:
             rt.tenants.get(tenant)
-            actor = _bucket_actor(tenant, bucket, "bucket.read", f"bucket/{bucket}", token, rt)
+            actor = _bucket_actor(tenant, bucket, Action.BUCKET_READ, f"bucket/{bucket}", token, rt)
             rows = [o.__dict__ for o in rt.resources.objects(tenant, bucket, actor)]
     if as_json:
         emit_json(rows)
@@ -439,7 +439,7 @@ def bucket_get(
         with open_runtime(home) as rt:
             rt.tenants.get(tenant)
             actor = _bucket_actor(
-                tenant, bucket, "bucket.read", f"bucket/{bucket}/{key}", token, rt
+                tenant, bucket, Action.BUCKET_READ, f"bucket/{bucket}/{key}", token, rt
             )
             data = rt.resources.get_object(tenant, bucket, key, actor)
     if output == "-":
@@ -483,7 +483,7 @@ def bucket_put(
         with open_runtime(home) as rt:
             rt.tenants.get(tenant)
             actor = _bucket_actor(
-                tenant, bucket, "bucket.write", f"bucket/{bucket}/{key}", token, rt
+                tenant, bucket, Action.BUCKET_WRITE, f"bucket/{bucket}/{key}", token, rt
             )
             doc = rt.resources.put_object(tenant, bucket, key, data, actor).__dict__
     if as_json:

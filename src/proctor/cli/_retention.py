@@ -26,6 +26,7 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import UsageError
+from proctor.ledger import Action
 from proctor.runtime import Runtime
 
 retention_app = typer.Typer(
@@ -45,7 +46,7 @@ def _manage(rt: Runtime, token: str | None, tenant: str, resource: str) -> None:
         return  # the local operator owns the runtime; its actions are recorded all the same
     from proctor.policy import EntityRef
 
-    rt.control.authorize(principal, "retention.manage", EntityRef.tenant(tenant), tenant,
+    rt.control.authorize(principal, Action.RETENTION_MANAGE, EntityRef.tenant(tenant), tenant,
                          event_resource=resource)  # fmt: skip
 
 
@@ -117,7 +118,7 @@ def show_cmd(
         doc = dict(client.retention(tenant))
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "retention.read")
+            authorize_read(rt, token, tenant, Action.RETENTION_READ)
             r = _retention(rt)
             rule = r.rule(tenant)
             doc = {
@@ -137,11 +138,13 @@ def show_cmd(
     for e in doc["history"]:
         d = e.get("details", {})
         what = {
-            "retention.set": lambda d: f"{d.get('days')} days",
-            "retention.prune": lambda d: f"{d.get('count')} pruned before {d.get('cutoff')}",
-            "hold.add": lambda d: f"{d.get('hold')} on {d.get('scope')} {d.get('target')}",
-            "hold.remove": lambda d: f"{d.get('hold')} removed",
-            "erasure.request": lambda d: f"request {d.get('request_ref')}: {d.get('removed')} keys",
+            Action.RETENTION_SET: lambda d: f"{d.get('days')} days",
+            Action.RETENTION_PRUNE: lambda d: f"{d.get('count')} pruned before {d.get('cutoff')}",
+            Action.HOLD_ADD: lambda d: f"{d.get('hold')} on {d.get('scope')} {d.get('target')}",
+            Action.HOLD_REMOVE: lambda d: f"{d.get('hold')} removed",
+            Action.ERASURE_REQUEST: lambda d: (
+                f"request {d.get('request_ref')}: {d.get('removed')} keys"
+            ),
         }.get(e["action"], lambda d: "")(d)
         table.add_row(str(e["seq"]), str(e["time"]), e["action"], str(e["actor"]), escape(what))
     if doc["history"]:
@@ -249,7 +252,7 @@ def hold_list(
         docs = list(client.holds(tenant, include_removed=include_removed))
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "retention.read")
+            authorize_read(rt, token, tenant, Action.RETENTION_READ)
             docs = [h.as_json() for h in _retention(rt).holds(tenant, all_=include_removed)]
     if as_json:
         emit_json(docs)
@@ -312,7 +315,7 @@ def erase_cmd(
             if principal is not None:
                 from proctor.policy import EntityRef
 
-                rt.control.authorize(principal, "erasure.request", EntityRef.tenant(tenant),
+                rt.control.authorize(principal, Action.ERASURE_REQUEST, EntityRef.tenant(tenant),
                                      tenant, event_resource=f"dataset/{dataset}")  # fmt: skip
             from proctor.governance import erase_key, record_key_hmac
 

@@ -28,6 +28,7 @@ from proctor.cli._common import (
     open_runtime,
     print_table,
 )
+from proctor.ledger import Action
 from proctor.runtime import Runtime
 
 witness_app = typer.Typer(
@@ -89,7 +90,11 @@ def _manage(rt: Runtime, token: str | None, tenant: str, name: str) -> None:
     from proctor.policy import EntityRef
 
     rt.control.authorize(
-        principal, "policy.set", EntityRef.tenant(tenant), tenant, event_resource=f"witness/{name}"
+        principal,
+        Action.POLICY_SET,
+        EntityRef.tenant(tenant),
+        tenant,
+        event_resource=f"witness/{name}",
     )
 
 
@@ -299,7 +304,7 @@ def _status(tenant: str, token: str | None, home: Path | None) -> dict[str, Any]
     from proctor.witness import TenantWitnesses
 
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         return TenantWitnesses(rt.store, rt.ledger).status(tenant)
 
 
@@ -335,7 +340,7 @@ def policy_cmd(
     with open_runtime(home) as rt:
         witnesses = TenantWitnesses(rt.store, rt.ledger)
         if quorum is None and max_age is None:
-            authorize_read(rt, token, tenant, "audit.read")
+            authorize_read(rt, token, tenant, Action.AUDIT_READ)
             policy = witnesses.policy(tenant)
         else:
             _manage(rt, token, tenant, "policy")

@@ -55,6 +55,7 @@ from proctor.evidence._tree import range_proof
 from proctor.evidence._witnessed import witness_files
 from proctor.governance import Home, Retention, Runs, Subprocessors
 from proctor.ledger import (
+    Action,
     canonical_json,
     is_pruned_marker,
     leaf_hash,
@@ -443,7 +444,9 @@ def _put_erasures(writer: _Writer, rt: Home, tenant: str, end_size: int) -> None
     seqs = [
         int(e["seq"])
         for e in Retention(rt.store, rt.ledger).history(tenant)
-        if e["action"] == "erasure.request" and e["decision"] == "allow" and e["seq"] < head.size
+        if e["action"] == Action.ERASURE_REQUEST
+        and e["decision"] == "allow"
+        and e["seq"] < head.size
     ]
     if not seqs:
         return

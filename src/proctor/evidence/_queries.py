@@ -10,7 +10,7 @@ from typing import Any
 from proctor.errors import UsageError
 from proctor.evidence._summary import host_port
 from proctor.governance import Home, Runs, Subprocessors, covers, is_production, record_key_hmac
-from proctor.ledger import keyed_hash, lineage_seqs
+from proctor.ledger import Action, keyed_hash, lineage_seqs
 
 #: What the broker records for row key ``key`` (see ``RunScope.key_hmacs``).
 key_hmac = keyed_hash
@@ -48,7 +48,7 @@ def lineage(rt: Home, tenant: str, dataset: str, key: str) -> dict[str, Any]:
             item.setdefault("deployment", ev.get("deployment"))
             item.setdefault("artifact", ev.get("artifact"))
             item.setdefault("approvals", ev.get("approvals"))
-        elif ev["action"] == "sql.write" or d.get("lineage") == "table":
+        elif ev["action"] == Action.SQL_WRITE or d.get("lineage") == "table":
             item = maybe.setdefault(run, {"run": run, "events": [], "first": ev["time"]})
             item["events"].append(ev["seq"])
             item["last"] = ev["time"]

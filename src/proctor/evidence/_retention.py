@@ -19,6 +19,7 @@ from typing import Any
 
 from proctor.errors import VerificationFailed
 from proctor.governance import LEGAL_MINIMUM_DAYS, Home, Retention
+from proctor.ledger import Action
 
 #: A check's name -> the function that performs it, as ``module:qualified.name``.
 CHECKS: dict[str, str] = {
@@ -137,10 +138,14 @@ def retention_record(rt: Home, tenant: str) -> dict[str, Any]:
         "holds": [h.as_json() for h in r.holds(tenant, all_=True)],
         "history": history,
         "pruned": sum(
-            int(e["details"].get("count") or 0) for e in history if e["action"] == "retention.prune"
+            int(e["details"].get("count") or 0)
+            for e in history
+            if e["action"] == Action.RETENTION_PRUNE
         ),
         "erasures": [
-            e["details"].get("request_ref") for e in history if e["action"] == "erasure.request"
+            e["details"].get("request_ref")
+            for e in history
+            if e["action"] == Action.ERASURE_REQUEST
         ],
     }
 

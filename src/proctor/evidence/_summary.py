@@ -12,9 +12,12 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from proctor.governance import covers, is_production, split_entry
+from proctor.ledger import Action
 
-DATA_ACTIONS = frozenset({"sql.select", "sql.write", "file.read", "file.write", "secret.use"})
-EGRESS_ACTIONS = frozenset({"http.request"})
+DATA_ACTIONS = frozenset(
+    {Action.SQL_SELECT, Action.SQL_WRITE, Action.FILE_READ, Action.FILE_WRITE, Action.SECRET_USE}
+)
+EGRESS_ACTIONS = frozenset({Action.HTTP_REQUEST})
 _LINKS = 20  # event links kept per item: enough to sample, small enough to read
 
 CONTROLS: list[tuple[str, str, str]] = [
@@ -155,30 +158,30 @@ class Summary:
                 self.denied_hosts[key] += 1
             self._link("SOC2-CC6.6", seq)
             self._link("GDPR-28.2-4", seq)
-        elif action in ("sql.select", "sql.write") and decision == "allow":
+        elif action in (Action.SQL_SELECT, Action.SQL_WRITE) and decision == "allow":
             dataset = str(details.get("dataset", "?"))
             for t in details.get("tables") or []:
                 for c in t.get("columns") or []:
                     self.data[dataset][f"{t.get('table')}.{c}"] += 1
             self._link("GDPR-30.2", seq)
-        elif action in ("file.read", "file.write") and decision == "allow":
+        elif action in (Action.FILE_READ, Action.FILE_WRITE) and decision == "allow":
             self.data[f"bucket:{details.get('bucket', '?')}"][action] += 1
         elif action in (
-            "artifact.submit",
-            "approval.grant",
-            "approval.reject",
-            "approval.revoke",
-            "deployment.create",
-            "deployment.rollback",
+            Action.ARTIFACT_SUBMIT,
+            Action.APPROVAL_GRANT,
+            Action.APPROVAL_REJECT,
+            Action.APPROVAL_REVOKE,
+            Action.DEPLOYMENT_CREATE,
+            Action.DEPLOYMENT_ROLLBACK,
         ):
             self._link("SOC2-CC8.1", seq)
             if action.startswith("deployment."):
                 self._link("GDPR-28.3.a", seq)
         elif action.startswith("subprocessor."):
             self._link("GDPR-28.2-4", seq)
-        elif action == "policy.set":
+        elif action == Action.POLICY_SET:
             self._link("GDPR-32", seq)
-        if action == "run.start" and ev.get("run") and decision == "allow":
+        if action == Action.RUN_START and ev.get("run") and decision == "allow":
             self.runs[str(ev["run"])] = {
                 "run": ev["run"],
                 "deployment": ev.get("deployment"),
@@ -202,7 +205,7 @@ class Summary:
             self._link("GDPR-28.3.a", seq)
             if is_production(str(details.get("environment"))):
                 self._link("SOC2-CC8.1", seq)
-        elif action == "run.end" and ev.get("run") in self.runs:
+        elif action == Action.RUN_END and ev.get("run") in self.runs:
             run = self.runs[str(ev["run"])]
             run.update(status=details.get("status"), ended_at=ev["time"], end_seq=seq)
         elif data_plane and ev.get("run") in self.runs:
@@ -226,7 +229,7 @@ class Summary:
         deploys: dict[str, list[tuple[int, str]]] = defaultdict(list)
         for ev in [*context, *period_events]:
             details = ev.get("details") or {}
-            if ev["action"] == "approval.grant" and ev["decision"] == "allow":
+            if ev["action"] == Action.APPROVAL_GRANT and ev["decision"] == "allow":
                 approvals[str(details.get("approval"))] = {
                     "id": details.get("approval"),
                     "principal": ev["actor"]["id"],
@@ -234,9 +237,9 @@ class Summary:
                     "seq": ev["seq"],
                     "expires_at": details.get("expires_at"),
                 }
-            elif ev["action"] == "artifact.submit" and ev["decision"] == "allow":
+            elif ev["action"] == Action.ARTIFACT_SUBMIT and ev["decision"] == "allow":
                 authors[str(ev.get("artifact"))] = str(ev["actor"]["id"])
-            elif ev["action"] in ("deployment.create", "deployment.rollback"):
+            elif ev["action"] in (Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK):
                 deploys[str(ev.get("deployment"))].append((int(ev["seq"]), str(ev["actor"]["id"])))
                 instructions[str(ev.get("deployment"))] = {
                     "instruction": details.get("instruction"),

@@ -29,7 +29,7 @@ from proctor.governance._backing import Record
 from proctor.governance._control import ControlPlane
 from proctor.governance._prefixes import find_by_prefix
 from proctor.governance._principals import ROLES, Principal
-from proctor.ledger import Actor, EventDraft, Ledger, canonical_json, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, canonical_json, utc_now
 from proctor.policy import EntityRef
 from proctor.store import Conn, Store
 
@@ -122,7 +122,7 @@ def ledger_approvals(record: Record, tenant: str, digest: str) -> list[Approval]
                 purpose=str(d.get("purpose")),
                 principal=str(ev["actor"]["id"]),
                 roles=tuple(str(r) for r in d.get("roles") or []),
-                decision="approve" if ev["action"] == "approval.grant" else "reject",
+                decision="approve" if ev["action"] == Action.APPROVAL_GRANT else "reject",
                 comment=str(d.get("comment") or ""),
                 created_at=str(ev["time"]),
                 expires_at=None if d.get("expires_at") is None else str(d["expires_at"]),
@@ -152,7 +152,7 @@ def not_independent(record: Record, tenant: str, approver: str, author: str) -> 
 
 def recorded_roles(record: Record, tenant: str, principal: str) -> tuple[str, ...]:
     """The roles the record gave ``principal`` when it was created (none if unrecorded)."""
-    found = record.allowed(tenant, f"principal/{principal}", "principal.create")
+    found = record.allowed(tenant, f"principal/{principal}", Action.PRINCIPAL_CREATE)
     if not found:
         return ()
     return tuple(str(r) for r in (found[0].get("details") or {}).get("roles") or [])
@@ -172,7 +172,7 @@ class Approvals:
         expires: timedelta | None, comment: str,
     ) -> Approval:  # fmt: skip
         artifact = self._artifacts(tenant, digest)
-        action = "approval.grant" if decision == "approve" else "approval.reject"
+        action = Action.APPROVAL_GRANT if decision == "approve" else Action.APPROVAL_REJECT
         record = self._record()
         submitted = record.submission(tenant, artifact.digest)
         # The author is whoever the record says submitted it, not the row.
@@ -286,7 +286,7 @@ class Approvals:
         if principal is not None:
             self._control.authorize(
                 principal,
-                "approval.revoke",
+                Action.APPROVAL_REVOKE,
                 EntityRef.artifact(tenant, approval.digest),
                 tenant,
                 event_resource=f"approval/{approval_id}",
@@ -302,7 +302,7 @@ class Approvals:
         self._ledger.append(
             tenant,
             EventDraft(
-                actor, "approval.revoke", f"approval/{approval_id}", reason="revoked",
+                actor, Action.APPROVAL_REVOKE, f"approval/{approval_id}", reason="revoked",
                 artifact=approval.digest, approvals=(approval_id,),
             ),
             hook=update,
@@ -354,7 +354,7 @@ class Approvals:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "quorum.set", f"tenant/{tenant}", reason="quorum rule set",
+            EventDraft(actor, Action.QUORUM_SET, f"tenant/{tenant}", reason="quorum rule set",
                        details={"required": rule.required, "roles": list(rule.roles)}),
             hook=upsert,
         )  # fmt: skip

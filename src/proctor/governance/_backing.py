@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.ledger import (
+    Action,
     Checkpoint,
     Ledger,
     Verifier,
@@ -50,10 +51,11 @@ if TYPE_CHECKING:
 # Exactly the actions of migration 7's partial index, in the same order: SQLite
 # uses a partial index only when the query repeats its condition.
 INDEXED_ACTIONS = (
-    "artifact.submit", "approval.grant", "approval.reject", "approval.revoke",
-    "deployment.create", "deployment.rollback", "deployment.stopped", "principal.create",
-    "principal.disable", "principal.enable", "token.issue", "quorum.set",
-    "tenant.freeze", "tenant.unfreeze",
+    Action.ARTIFACT_SUBMIT, Action.APPROVAL_GRANT, Action.APPROVAL_REJECT,
+    Action.APPROVAL_REVOKE, Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK,
+    Action.DEPLOYMENT_STOPPED, Action.PRINCIPAL_CREATE, Action.PRINCIPAL_DISABLE,
+    Action.PRINCIPAL_ENABLE, Action.TOKEN_ISSUE, Action.QUORUM_SET,
+    Action.TENANT_FREEZE, Action.TENANT_UNFREEZE,
 )  # fmt: skip
 _IN = "(" + ", ".join(f"'{a}'" for a in INDEXED_ACTIONS) + ")"
 
@@ -168,20 +170,22 @@ class Record:
     # -- what the record says -----------------------------------------------------
 
     def submission(self, tenant: str, digest: str) -> Event | None:
-        found = self.allowed(tenant, f"artifact/{digest}", "artifact.submit")
+        found = self.allowed(tenant, f"artifact/{digest}", Action.ARTIFACT_SUBMIT)
         return found[0] if found else None
 
     def decisions(self, tenant: str, digest: str) -> list[Event]:
         """The artifact's ``approval.grant`` and ``approval.reject`` events."""
-        return self.allowed(tenant, f"artifact/{digest}", "approval.grant", "approval.reject")
+        return self.allowed(
+            tenant, f"artifact/{digest}", Action.APPROVAL_GRANT, Action.APPROVAL_REJECT
+        )
 
     def revocation(self, tenant: str, approval_id: str) -> Event | None:
-        found = self.allowed(tenant, f"approval/{approval_id}", "approval.revoke")
+        found = self.allowed(tenant, f"approval/{approval_id}", Action.APPROVAL_REVOKE)
         return found[0] if found else None
 
     def quorum(self, tenant: str) -> tuple[int, tuple[str, ...]] | None:
         """The last recorded quorum rule, or None if the tenant never set one."""
-        found = self.allowed(tenant, f"tenant/{tenant}", "quorum.set")
+        found = self.allowed(tenant, f"tenant/{tenant}", Action.QUORUM_SET)
         if not found:
             return None
         d = found[-1].get("details") or {}
@@ -190,7 +194,7 @@ class Record:
     def deployment_versions(self, tenant: str, name: str) -> list[Event]:
         """Version N of a deployment is its Nth create or rollback event."""
         return self.allowed(
-            tenant, f"deployment/{name}", "deployment.create", "deployment.rollback"
+            tenant, f"deployment/{name}", Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK
         )
 
     def holders(self, tenant: str, principal: str, also: Iterable[str] = ()) -> set[str]:
@@ -208,7 +212,9 @@ class Record:
             p = todo.pop()
             found = {
                 str(e["actor"]["id"])
-                for e in self.allowed(tenant, f"principal/{p}", "principal.create", "token.issue")
+                for e in self.allowed(
+                    tenant, f"principal/{p}", Action.PRINCIPAL_CREATE, Action.TOKEN_ISSUE
+                )
                 if e["actor"]["type"] in ("user", "service")
             }
             if p == principal:
@@ -260,7 +266,7 @@ def submission_problems(artifact: Mapping[str, Any], ev: Mapping[str, Any] | Non
 def decision_problems(approval: Mapping[str, Any], ev: Mapping[str, Any] | None) -> list[str]:
     """How an approvals row (``Approval.as_json()``) differs from its grant/reject event."""
     decision = approval.get("decision")
-    action = "approval.grant" if decision == "approve" else "approval.reject"
+    action = Action.APPROVAL_GRANT if decision == "approve" else Action.APPROVAL_REJECT
     if ev is None:
         return [f"no {action} event records it"]
     d = ev.get("details") or {}
@@ -345,7 +351,7 @@ def deployment_row_problems(record: Record, dep: Deployment) -> list[str]:
     if ev is not None and dep.status == "active":
         later = [
             e
-            for e in record.allowed(dep.tenant, f"deployment/{dep.name}", "deployment.stopped")
+            for e in record.allowed(dep.tenant, f"deployment/{dep.name}", Action.DEPLOYMENT_STOPPED)
             if int(e["seq"]) > int(ev["seq"])
         ]
         if later:
@@ -405,7 +411,9 @@ def unbacked_rows(
                 )
         for aid, rec in recorded.items():
             if aid not in rows:
-                what = "approval.grant" if rec.decision == "approve" else "approval.reject"
+                what = (
+                    Action.APPROVAL_GRANT if rec.decision == "approve" else Action.APPROVAL_REJECT
+                )
                 problems.append(
                     RowProblem("approval", aid, f"its {what} event has no row: the store lost it")
                 )
@@ -426,7 +434,7 @@ def unbacked_rows(
     for name, roles in principals:
         counts["principals"] += 1
         pid = f"{tenant}/{name}"
-        created = record.allowed(tenant, f"principal/{pid}", "principal.create")
+        created = record.allowed(tenant, f"principal/{pid}", Action.PRINCIPAL_CREATE)
         if not created:
             problems.append(RowProblem("principal", pid, "no principal.create event records it"))
         elif sorted(str(roles).split(",")) != sorted(

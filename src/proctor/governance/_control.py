@@ -17,7 +17,7 @@ from proctor.errors import ControlDenied, NotFound
 from proctor.governance._policies import policy_object
 from proctor.governance._principals import ROLES, Principal
 from proctor.governance._runs import RunRecord
-from proctor.ledger import EventDraft, Ledger
+from proctor.ledger import Action, EventDraft, Ledger
 from proctor.policy import (
     CompiledPolicies,
     Decision,
@@ -35,36 +35,36 @@ if TYPE_CHECKING:
 
 _ROLE_ACTIONS = {
     "developer": (
-        "artifact.submit",
-        "artifact.read",
-        "bucket.read",
-        "deployment.create",
-        "deployment.read",
-        "deployment.rollback",
-        "run.start",
-        "run.read",
-        "run.stop",
-        "tenant.read",
+        Action.ARTIFACT_SUBMIT,
+        Action.ARTIFACT_READ,
+        Action.BUCKET_READ,
+        Action.DEPLOYMENT_CREATE,
+        Action.DEPLOYMENT_READ,
+        Action.DEPLOYMENT_ROLLBACK,
+        Action.RUN_START,
+        Action.RUN_READ,
+        Action.RUN_STOP,
+        Action.TENANT_READ,
     ),
     "approver": (
-        "approval.grant",
-        "approval.reject",
-        "approval.revoke",
-        "artifact.read",
-        "deployment.read",
-        "run.read",
-        "tenant.read",
+        Action.APPROVAL_GRANT,
+        Action.APPROVAL_REJECT,
+        Action.APPROVAL_REVOKE,
+        Action.ARTIFACT_READ,
+        Action.DEPLOYMENT_READ,
+        Action.RUN_READ,
+        Action.TENANT_READ,
     ),
     "auditor": (
-        "audit.read",
-        "run.events.read",
-        "evidence.export",
-        "artifact.read",
-        "deployment.read",
-        "run.read",
-        "policy.read",
-        "retention.read",
-        "tenant.read",
+        Action.AUDIT_READ,
+        Action.RUN_EVENTS_READ,
+        Action.EVIDENCE_EXPORT,
+        Action.ARTIFACT_READ,
+        Action.DEPLOYMENT_READ,
+        Action.RUN_READ,
+        Action.POLICY_READ,
+        Action.RETENTION_READ,
+        Action.TENANT_READ,
     ),
 }
 

@@ -33,7 +33,7 @@ from proctor.governance._environments import (
 from proctor.governance._manifest import Manifest
 from proctor.governance._resources import Resources
 from proctor.governance._subprocessors import Subprocessor, Subprocessors, covers, split_entry
-from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
 MODES = ("job", "service", "schedule")
@@ -314,7 +314,7 @@ class Deployments:
             tenant,
             EventDraft(
                 actor,
-                "deployment.rollback" if rollback_of is not None else "deployment.create",
+                Action.DEPLOYMENT_ROLLBACK if rollback_of is not None else Action.DEPLOYMENT_CREATE,
                 f"deployment/{name}",
                 reason="deployed" if rollback_of is None else f"rolled back to {rollback_of}",
                 deployment=name,

@@ -8,7 +8,7 @@ import ipaddress
 import json
 
 from proctor.errors import UsageError
-from proctor.ledger import Actor, EventDraft, Ledger
+from proctor.ledger import Action, Actor, EventDraft, Ledger
 from proctor.store import Conn, Store
 
 
@@ -40,7 +40,7 @@ class EgressRanges:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "egress.range.allow", f"range/{network}", reason="allowed",
+            EventDraft(actor, Action.EGRESS_RANGE_ALLOW, f"range/{network}", reason="allowed",
                        details={"ranges": list(ranges)}),
             hook=upsert,
         )  # fmt: skip

@@ -31,6 +31,7 @@ from typing import Any
 
 from proctor.errors import NotFound, UsageError
 from proctor.ledger import (
+    Action,
     Actor,
     ErasureCheck,
     ErasureRecord,
@@ -163,7 +164,7 @@ def erase_key(
         tenant,
         EventDraft(
             actor,
-            "erasure.request",
+            Action.ERASURE_REQUEST,
             f"dataset/{dataset}",
             reason=f"erasure request {request_ref}: one record key erased from lineage",
             details={
@@ -250,7 +251,7 @@ def check_lineage_record(store: Store, tenant: str) -> LineageCheck:
                 readers.setdefault(ref["digest"], []).append((int(seq), str(d.get("dataset")), ref))
             elif b'"erasure.request"' in data:
                 ev = json.loads(data)
-                if ev.get("action") == "erasure.request" and ev.get("decision") == "allow":
+                if ev.get("action") == Action.ERASURE_REQUEST and ev.get("decision") == "allow":
                     events.append(ev)
         lists = _objects_in(conn, tenant, _list_digests(events))
         records: list[ErasureRecord] = []

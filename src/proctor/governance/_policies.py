@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proctor.errors import NotFound
-from proctor.ledger import Actor, EventDraft, Ledger, LedgerObject, bound_details, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, LedgerObject, bound_details, utc_now
 from proctor.policy import (
     CompiledPolicies,
     capability_policies,
@@ -66,7 +66,7 @@ class Policies:
             tenant,
             EventDraft(
                 actor,
-                "policy.set",
+                Action.POLICY_SET,
                 f"policy/{tenant}",
                 reason="policy set",
                 # The version pins the text; the ids are for people, cut past 64.

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from proctor.errors import AlreadyExists, AuthenticationFailed, NotFound, UsageError
-from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
 ROLES = ("developer", "approver", "auditor", "admin")
@@ -88,7 +88,7 @@ class Principals:
             tenant,
             EventDraft(
                 actor,
-                "principal.create",
+                Action.PRINCIPAL_CREATE,
                 f"principal/{principal.id}",
                 reason="created",
                 details={"kind": kind, "roles": list(principal.roles)},
@@ -109,7 +109,7 @@ class Principals:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "token.issue", f"principal/{tenant}/{name}", reason="rotated"),
+            EventDraft(actor, Action.TOKEN_ISSUE, f"principal/{tenant}/{name}", reason="rotated"),
             hook=update,
         )
         return token
@@ -127,7 +127,7 @@ class Principals:
             tenant,
             EventDraft(
                 actor,
-                "principal.disable" if disabled else "principal.enable",
+                Action.PRINCIPAL_DISABLE if disabled else Action.PRINCIPAL_ENABLE,
                 f"principal/{tenant}/{name}",
                 reason="disabled" if disabled else "enabled",
             ),

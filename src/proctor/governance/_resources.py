@@ -31,7 +31,7 @@ from proctor.governance._objects import (
     read_object_file,
     stage_object,
 )
-from proctor.ledger import Actor, EventDraft, Ledger, TxHook, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, TxHook, utc_now
 from proctor.store import Conn, Store
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -150,7 +150,7 @@ class Resources:
         self._record(
             tenant,
             actor,
-            "dataset.register",
+            Action.DATASET_REGISTER,
             f"dataset/{name}",
             {"kind": kind, "synthetic": synthetic, "twin_of": twin_of},
             insert,
@@ -239,7 +239,7 @@ class Resources:
         self._record(
             tenant,
             actor,
-            "secret.register",
+            Action.SECRET_REGISTER,
             f"secret/{name}",
             {"hosts": list(norm), "header": header, "twin_of": twin_of},
             upsert,
@@ -295,7 +295,7 @@ class Resources:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             (self.sandbox_bucket_dir(tenant) / name).mkdir(mode=0o700, parents=True, exist_ok=True)
 
-        self._record(tenant, actor, "bucket.create", f"bucket/{name}", {}, insert)
+        self._record(tenant, actor, Action.BUCKET_CREATE, f"bucket/{name}", {}, insert)
         return path
 
     def buckets(self, tenant: str) -> list[str]:
@@ -346,7 +346,7 @@ class Resources:
         self._ledger.append(
             tenant,
             EventDraft(
-                actor, "bucket.list", f"bucket/{bucket}", reason="listed",
+                actor, Action.BUCKET_LIST, f"bucket/{bucket}", reason="listed",
                 details={"bucket": bucket, "objects": len(found)},
             ),
         )  # fmt: skip
@@ -376,7 +376,7 @@ class Resources:
         self._ledger.append(
             tenant,
             EventDraft(
-                actor, "bucket.read", f"bucket/{bucket}/{key}", reason="read",
+                actor, Action.BUCKET_READ, f"bucket/{bucket}/{key}", reason="read",
                 details={"bucket": bucket, "key": key, "bytes": len(data),
                          "sha256": hashlib.sha256(data).hexdigest()},
             ),
@@ -408,7 +408,7 @@ class Resources:
             self._ledger.append(
                 tenant,
                 EventDraft(
-                    actor, "bucket.write", f"bucket/{bucket}/{key}", reason="written",
+                    actor, Action.BUCKET_WRITE, f"bucket/{bucket}/{key}", reason="written",
                     details={"bucket": bucket, "key": key, "bytes": len(data),
                              "sha256": digest},
                 ),
@@ -439,7 +439,7 @@ class Resources:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "egress.sandbox.allow", f"host/{entry}",
+            EventDraft(actor, Action.EGRESS_SANDBOX_ALLOW, f"host/{entry}",
                        reason="marked for sandbox use", details={"host": entry}),
             hook=insert,
         )  # fmt: skip

@@ -33,6 +33,7 @@ from proctor.governance._prefixes import find_by_prefix, resolve_prefix
 from proctor.ledger import (
     MAX_PRUNE_RANGES,
     MAX_PRUNED_PER_EVENT,
+    Action,
     Actor,
     EventDraft,
     Ledger,
@@ -55,22 +56,22 @@ MAX_REASON = 512
 #: the record of retention itself.
 KEPT_ACTIONS = frozenset(
     {
-        "tenant.create",
-        "tenant.freeze",
-        "tenant.unfreeze",
-        "artifact.submit",
-        "approval.grant",
-        "approval.reject",
-        "approval.revoke",
-        "deployment.create",
-        "deployment.rollback",
-        "deployment.stopped",
-        "principal.create",
-        "principal.disable",
-        "principal.enable",
-        "token.issue",
-        "quorum.set",
-        "policy.set",
+        Action.TENANT_CREATE,
+        Action.TENANT_FREEZE,
+        Action.TENANT_UNFREEZE,
+        Action.ARTIFACT_SUBMIT,
+        Action.APPROVAL_GRANT,
+        Action.APPROVAL_REJECT,
+        Action.APPROVAL_REVOKE,
+        Action.DEPLOYMENT_CREATE,
+        Action.DEPLOYMENT_ROLLBACK,
+        Action.DEPLOYMENT_STOPPED,
+        Action.PRINCIPAL_CREATE,
+        Action.PRINCIPAL_DISABLE,
+        Action.PRINCIPAL_ENABLE,
+        Action.TOKEN_ISSUE,
+        Action.QUORUM_SET,
+        Action.POLICY_SET,
     }
 )
 KEPT_PREFIXES = ("retention.", "hold.", "erasure.", "ledger.", "subprocessor.", "witness.")
@@ -299,7 +300,7 @@ class Retention:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "retention.set", f"tenant/{tenant}",
+            EventDraft(actor, Action.RETENTION_SET, f"tenant/{tenant}",
                        reason=f"retention set to {days} days", details=details),
             hook=write,
         )  # fmt: skip
@@ -346,7 +347,7 @@ class Retention:
         self._ledger.append(
             tenant,
             EventDraft(
-                actor, "hold.add", f"hold/{hold_id}",
+                actor, Action.HOLD_ADD, f"hold/{hold_id}",
                 reason=f"legal hold on {scope} {target}",
                 deployment=target if scope == "deployment" else None,
                 run=target if scope == "run" else None,
@@ -381,7 +382,7 @@ class Retention:
         self._ledger.append(
             tenant,
             EventDraft(
-                actor, "hold.remove", f"hold/{hold_id}",
+                actor, Action.HOLD_REMOVE, f"hold/{hold_id}",
                 reason=f"legal hold on {held.scope} {held.target} removed",
                 details={"hold": hold_id, "scope": held.scope, "target": held.target},
             ),

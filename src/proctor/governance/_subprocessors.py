@@ -20,7 +20,7 @@ from typing import Any
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
 from proctor.governance._manifest import egress_entry
-from proctor.ledger import Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
 FORBID_ID = "tenant:subprocessors"
@@ -159,7 +159,7 @@ class Subprocessors:
             tenant,
             EventDraft(
                 actor,
-                "subprocessor.add",
+                Action.SUBPROCESSOR_ADD,
                 f"subprocessor/{name}",
                 reason="registered",
                 details={"purpose": purpose, "location": location, "hosts": list(norm)},
@@ -191,7 +191,7 @@ class Subprocessors:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "subprocessor.remove", f"subprocessor/{name}", reason="removed"),
+            EventDraft(actor, Action.SUBPROCESSOR_REMOVE, f"subprocessor/{name}", reason="removed"),
             hook=delete,
         )
 

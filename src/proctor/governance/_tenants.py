@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from proctor.errors import AlreadyExists, NotFound, UsageError
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, utc_now
+from proctor.ledger import SYSTEM_LOG, Action, Actor, EventDraft, Ledger, utc_now
 from proctor.store import Conn, Store
 
 _NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
@@ -89,7 +89,7 @@ class Tenants:
         def system_event(first_leaf: bytes) -> EventDraft:
             return EventDraft(
                 actor,
-                "tenant.create",
+                Action.TENANT_CREATE,
                 f"tenant/{name}",
                 reason="created",
                 details={"origin": self._ledger.origin(name), "first_leaf": first_leaf.hex()},
@@ -99,7 +99,7 @@ class Tenants:
         # commit together: a refused creation leaves no tenant behind.
         self._ledger.create_log(
             name,
-            EventDraft(actor, "tenant.create", f"tenant/{name}", reason="created"),
+            EventDraft(actor, Action.TENANT_CREATE, f"tenant/{name}", reason="created"),
             hook=insert,
             then=(SYSTEM_LOG, system_event),
         )
@@ -115,7 +115,7 @@ class Tenants:
         def update(conn: Conn) -> None:
             conn.execute("UPDATE tenants SET status = ? WHERE name = ?", (status, name))
 
-        action = "tenant.freeze" if frozen else "tenant.unfreeze"
+        action = Action.TENANT_FREEZE if frozen else Action.TENANT_UNFREEZE
         draft = EventDraft(actor, action, f"tenant/{name}", reason=reason or status)
         self._ledger.append(name, draft, hook=update, then=(SYSTEM_LOG, lambda _: draft))
         return self.get(name)
@@ -159,7 +159,7 @@ class Tenants:
             name,
             EventDraft(
                 actor,
-                "tenant.quota",
+                Action.TENANT_QUOTA,
                 f"tenant/{name}",
                 reason=f"ledger quota set to {events_per_day} events a day",
                 details={"events_per_day": events_per_day, "previous": previous.events_per_day},

@@ -6,6 +6,7 @@ inclusion and consistency proofs, group-committed durable appends, and offline
 verification from an export and the verifier key alone.
 """
 
+from proctor.ledger._actions import Action
 from proctor.ledger._canonical import canonical_json, parse_canonical
 from proctor.ledger._erasures import (
     ERASURE_LIST_FORMAT,
@@ -98,6 +99,7 @@ __all__ = [
     "PRUNED_ACTION",
     "PRUNE_ACTION",
     "SYSTEM_LOG",
+    "Action",
     "Actor",
     "Appended",
     "Checkpoint",

@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proctor.errors import UsageError
+from proctor.ledger._actions import Action
 from proctor.ledger._canonical import canonical_json
 from proctor.ledger._event import Actor, EventDraft
 from proctor.ledger._merkle import leaf_hash
 
 #: The action of a marker (never of an appended event) and of the event that prunes.
-PRUNED_ACTION = "ledger.pruned"
-PRUNE_ACTION = "retention.prune"
+PRUNED_ACTION = Action.LEDGER_PRUNED
+PRUNE_ACTION = Action.RETENTION_PRUNE
 _MARKER_KEYS = frozenset({"action", "pruned", "seq", "tenant", "time", "v"})
 _PRUNED_KEYS = frozenset({"at", "by", "leaf_hash", "rule"})
 #: At most this many seq ranges in one prune event (it must stay under the event bound).

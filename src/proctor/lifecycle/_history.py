@@ -8,7 +8,7 @@ from typing import Any
 
 from proctor.errors import NotFound
 from proctor.governance import Home, Runs, effective_policies, environment_forbid
-from proctor.ledger import EventFilter, query_events
+from proctor.ledger import Action, EventFilter, query_events
 
 _RECORDED_RUNS = 50
 
@@ -65,20 +65,20 @@ def what_ran(rt: Home, tenant: str, at: str, window: float = 3600.0) -> dict[str
             ev = json.loads(raw)
             if ev.get("run") != r.id:
                 continue
-            if ev["action"] == "run.start":
+            if ev["action"] == Action.RUN_START:
                 effective = ev["details"].get("policy_version")
                 continue
             if ev["decision"] == "deny":
                 denied += 1
                 continue
-            if ev["action"] in ("sql.select", "sql.write"):
+            if ev["action"] in (Action.SQL_SELECT, Action.SQL_WRITE):
                 dataset = ev["details"].get("dataset", "?")
                 for t in ev["details"].get("tables", []):
                     cols = ",".join(t.get("columns", []))
                     data.add(f"{dataset}.{t.get('table')}({cols})")
-            elif ev["action"] == "http.request":
+            elif ev["action"] == Action.HTTP_REQUEST:
                 hosts.add(ev["resource"])
-            elif ev["action"] in ("file.read", "file.write"):
+            elif ev["action"] in (Action.FILE_READ, Action.FILE_WRITE):
                 data.add(ev["resource"])
         runs.append(
             {
@@ -133,7 +133,7 @@ def effective_policy(
     # The latest runs' (a service's runs are many; what changed shows in the last ones).
     mine = [r for r in Runs(rt).all(tenant, deployment=dep.name) if r.version == dep.version]
     for r in mine[-_RECORDED_RUNS:]:
-        flt = EventFilter(run=r.id, action="run.start", since=r.started_at)
+        flt = EventFilter(run=r.id, action=Action.RUN_START, since=r.started_at)
         for raw in query_events(rt.ledger, tenant, flt, limit=1, newest=False):
             value = json.loads(raw)["details"].get("policy_version")
             if isinstance(value, str):

@@ -45,7 +45,7 @@ from proctor.governance import (
     require_backed,
     requires_quorum,
 )
-from proctor.ledger import Actor, EventDraft, clip, make_receipt, utc_now
+from proctor.ledger import Action, Actor, EventDraft, clip, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.lifecycle._jsonlog import log_event
 from proctor.sandbox import (
@@ -170,7 +170,7 @@ class Supervisor:
                 error: type[RunRefused] = RunRefused) -> RunRefused:  # fmt: skip
         self.rt.ledger.append(
             tenant,
-            EventDraft(actor, "run.start", f"deployment/{deployment}", decision="deny",
+            EventDraft(actor, Action.RUN_START, f"deployment/{deployment}", decision="deny",
                        reason=reason, deployment=deployment, artifact=artifact),
         )  # fmt: skip
         return error(f"run of {deployment} refused: {reason}")
@@ -259,13 +259,13 @@ class Supervisor:
                 "tenant": tenant, "deployment": name, "run": run_id, "digest": dep.digest,
                 "environment": dep.environment, "attempt": attempt, "actor": actor.id,
             }  # fmt: skip
-            log_event(_log, "run.start", **run_log)
+            log_event(_log, Action.RUN_START, **run_log)
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )
             record = self._finish(tenant, run_id, actor, dep, result, failure, output, stop,
                                   scope)  # fmt: skip
-            log_event(_log, "run.end", **run_log, outcome=record.status,
+            log_event(_log, Action.RUN_END, **run_log, outcome=record.status,
                       reason=record.reason, exit_code=record.exit_code)  # fmt: skip
             return record
         finally:
@@ -364,7 +364,7 @@ class Supervisor:
         self.rt.ledger.append(
             tenant,
             EventDraft(
-                actor, "run.start", f"run/{run_id}", reason="started", deployment=dep.name,
+                actor, Action.RUN_START, f"run/{run_id}", reason="started", deployment=dep.name,
                 run=run_id, artifact=dep.digest, approvals=approvals,
                 details={
                     "workload": scope.workload, "environment": dep.environment,
@@ -522,8 +522,9 @@ class Supervisor:
         end = self.rt.ledger.append(
             tenant,
             # A start failure's text comes from the sandbox: cut to the event's budget.
-            EventDraft(actor, "run.end", f"run/{run_id}", reason=clip(event_reason or reason, 2048),
-                       deployment=dep.name, run=run_id, artifact=dep.digest, details=details),
+            EventDraft(actor, Action.RUN_END, f"run/{run_id}",
+                       reason=clip(event_reason or reason, 2048), deployment=dep.name,
+                       run=run_id, artifact=dep.digest, details=details),
             hook=update,
         )  # fmt: skip
         if is_production(dep.environment):

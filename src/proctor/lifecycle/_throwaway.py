@@ -14,7 +14,7 @@ from typing import Any
 
 from proctor.errors import AlreadyExists
 from proctor.governance import Home
-from proctor.ledger import EventDraft
+from proctor.ledger import Action, EventDraft
 from proctor.lifecycle._supervisor import Interrupt
 from proctor.sandbox import Reason, SandboxDriver, SandboxResult, SandboxSpec, Sink
 
@@ -74,7 +74,7 @@ class Throwaway:
             SANDBOX_TENANT,
             EventDraft(
                 rt.operator,
-                "sandbox.run",
+                Action.SANDBOX_RUN,
                 "sandbox/ephemeral",
                 reason="started",
                 details={"phase": "start", **common},
@@ -91,7 +91,7 @@ class Throwaway:
             SANDBOX_TENANT,
             EventDraft(
                 self._rt.operator,
-                "sandbox.run",
+                Action.SANDBOX_RUN,
                 f"sandbox/{result.run_id}",
                 reason=f"interrupted: {stop.reason}" if interrupted else result.reason.value,
                 run=result.run_id,

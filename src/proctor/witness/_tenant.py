@@ -30,6 +30,7 @@ import httpx
 
 from proctor.errors import AlreadyExists, NotFound, ProctorError, UsageError
 from proctor.ledger import (
+    Action,
     Actor,
     CosignatureVerifier,
     EventDraft,
@@ -165,7 +166,7 @@ class TenantWitnesses:
             tenant,
             EventDraft(
                 actor,
-                "witness.use",
+                Action.WITNESS_USE,
                 f"witness/{name}",
                 reason="witness added",
                 details={"vkey": verifier.vkey(), "url": url},
@@ -186,7 +187,7 @@ class TenantWitnesses:
 
         self._ledger.append(
             tenant,
-            EventDraft(actor, "witness.remove", f"witness/{name}", reason="witness removed"),
+            EventDraft(actor, Action.WITNESS_REMOVE, f"witness/{name}", reason="witness removed"),
             hook=delete,
         )
 
@@ -239,7 +240,7 @@ class TenantWitnesses:
             tenant,
             EventDraft(
                 actor,
-                "witness.policy",
+                Action.WITNESS_POLICY,
                 f"tenant/{tenant}",
                 reason="witness policy set",
                 details=new.as_json(),
