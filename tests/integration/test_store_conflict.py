@@ -168,3 +168,27 @@ def test_a_start_that_loses_the_race_at_the_index_is_refused_on_postgresql(pg_ds
         assert isinstance(refused.__context__, Conflict)
     finally:
         store.close()
+
+
+def test_a_resources_governance_events_are_read_by_its_index_on_either_engine(
+    store: Store,
+) -> None:
+    """The query Record builds from the store's expressions uses migration 7's index
+    on both engines, tenant included, instead of walking a log."""
+    from proctor.governance._backing import _by_resource
+    from proctor.store import to_pg_sql
+
+    sql = _by_resource(store)
+    if store.engine is Engine.SQLITE:
+        with store.read() as conn:
+            plan = " ".join(str(r[-1]) for r in conn.query("EXPLAIN QUERY PLAN " + sql, ("a", "t")))
+        assert "USING INDEX ledger_entries_ref" in plan, plan
+        return
+    import psycopg
+
+    with psycopg.connect(_dsn(store), autocommit=True) as db:
+        db.execute("SET enable_seqscan = off")  # an empty table: only the index may answer
+        rows = db.execute("EXPLAIN " + to_pg_sql(sql), ("a", "t")).fetchall()
+    plan = " ".join(str(r[0]) for r in rows)
+    assert "ledger_entries_ref" in plan, plan
+    assert "log = 't'" in plan.split("Index Cond:")[1], plan

@@ -62,11 +62,11 @@ _IN = "(" + ", ".join(f"'{a}'" for a in INDEXED_ACTIONS) + ")"
 
 def _by_resource(store: Store) -> str:
     """The query of one resource's governance events, in the expressions the store's
-    index is built on. ``log || ''`` keeps SQLite off the primary key (log, seq),
-    which it would otherwise prefer for the ORDER BY and walk the whole log."""
+    index is built on; the log is compared unindexed, or SQLite would walk the whole
+    log by its primary key (log, seq), which also serves the ORDER BY."""
     return (
         "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
-        f" WHERE {store.event_field('resource')} = ? AND log || '' = ?"
+        f" WHERE {store.event_field('resource')} = ? AND {store.unindexed('log')} = ?"
         f" AND {store.event_field('action')} IN {_IN} ORDER BY seq"
     )
 

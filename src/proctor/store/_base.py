@@ -89,6 +89,13 @@ class Store(Protocol):
         input."""
         ...
 
+    def unindexed(self, column: str) -> str:
+        """``column`` as an expression whose own indexes the planner leaves alone, for a
+        query meant to use an expression index (:meth:`event_field`): SQLite would
+        otherwise take the primary key for an ``ORDER BY`` it also serves
+        (``+column``); PostgreSQL weighs both itself (the column)."""
+        ...
+
     def read(self) -> AbstractContextManager[Conn]:
         """A consistent snapshot for reading."""
         ...

@@ -182,6 +182,9 @@ class PostgresStore:
         # Migration 7's IMMUTABLE wrapper, which the index is built on.
         return f"proctor_event_field(data, '{field}')"
 
+    def unindexed(self, column: str) -> str:
+        return column
+
     def try_lock(self, name: str) -> AbstractContextManager[None] | None:
         """A session advisory lock on a connection of its own, so no transaction
         of this store ends it; closing that connection releases it."""

@@ -123,6 +123,9 @@ class SQLiteStore:
             f" THEN json_extract(CAST(data AS TEXT), '$.{field}') END)"
         )
 
+    def unindexed(self, column: str) -> str:
+        return f"+{column}"
+
     def try_lock(self, name: str) -> AbstractContextManager[None] | None:
         raise StoreError(
             f"the SQLite store {self._path} has no session locks ({name}):"
