@@ -282,6 +282,18 @@ def test_sandbox_deploy_needs_no_approval_but_only_synthetic_data(gov: Gov, tmp_
         )
 
 
+def test_an_environment_that_is_neither_is_refused_and_records_nothing(gov: Gov) -> None:
+    art = _artifact(gov, "acme", "acme/dev", n=1)
+    before = len(gov.events("acme"))
+    for wrong in ("staging", "Production", "production "):
+        with pytest.raises(UsageError, match="--env must be one of sandbox, production"):
+            gov.deployments.deploy(
+                "acme", art, "churn", environment=wrong, mode="job", instruction="x", actor=OP
+            )
+    assert len(gov.events("acme")) == before
+    assert gov.deployments.current("acme") == []
+
+
 def test_versions_and_history(gov: Gov) -> None:
     a1 = _artifact(gov, "acme", "acme/dev", n=1, mode="service")
     a2 = _artifact(gov, "acme", "acme/dev", n=2, mode="service")

@@ -22,11 +22,11 @@ from typing import Any, Protocol
 from proctor.errors import NotApproved, NotFound, NotReady, ProductionName, UsageError
 from proctor.governance._approvals import Approvals, ArtifactInfo
 from proctor.governance._environments import (
-    ENVIRONMENTS,
     Environment,
     bound_datasets,
     check_synthetic,
     egress_to_subprocessors_only,
+    environment_of,
     requires_quorum,
     takes_production_names,
 )
@@ -244,8 +244,7 @@ class Deployments:
     ) -> Deployment:
         if not _NAME_RE.match(name):
             raise UsageError(f"invalid deployment name {name!r} (lowercase, digits, '-')")
-        if environment not in ENVIRONMENTS:
-            raise UsageError(f"--env must be one of {', '.join(ENVIRONMENTS)}")
+        environment = environment_of(environment).value
         if mode is not None and mode not in MODES:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}")
         if every_seconds is not None and every_seconds < 1:

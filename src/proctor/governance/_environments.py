@@ -95,7 +95,7 @@ def bucket_dir(resources: Resources, tenant: str, environment: str) -> Path:
 class Bindings:
     """What one run of a deployment is given, by the names its manifest uses."""
 
-    environment: str
+    environment: Environment
     datasets: Mapping[str, Dataset]
     secrets: Mapping[str, Secret]
     buckets_dir: Path
@@ -124,8 +124,10 @@ def bindings(
     capabilities: Mapping[str, Any],
 ) -> Bindings:
     """Everything a run binds in ``environment``, for the capabilities it was given."""
-    if environment not in ENVIRONMENTS:
-        raise ProctorError(f"unknown environment {environment!r}")
+    try:
+        env = Environment(environment)
+    except ValueError:
+        raise ProctorError(f"unknown environment {environment!r}") from None
     datasets = bound_datasets(
         resources, tenant, sorted(capabilities.get("datasets", {})), environment
     )
@@ -137,7 +139,7 @@ def bindings(
         for name in resources.buckets(tenant):
             (buckets_dir / name).mkdir(mode=0o700, parents=True, exist_ok=True)
     forbid = environment_forbid(resources, subprocessors, tenant, environment)
-    return Bindings(environment, datasets, secrets, buckets_dir, forbid)
+    return Bindings(env, datasets, secrets, buckets_dir, forbid)
 
 
 def environment_forbid(
