@@ -453,6 +453,41 @@ def test_the_runs_answers_in_flight_share_one_budget(
     assert run_budget.take(256 << 10)
 
 
+FOLDED = {
+    "repeat": "SELECT id, repeat('x', 64000000) FROM customers WHERE id = 1",
+    "lpad": "SELECT id FROM customers WHERE country = lpad('', 64000000)",
+    "format-width": "SELECT id, format('%64000000s', 'x') FROM customers WHERE id = 1",
+    "char-typmod": "SELECT id, 'x'::char(10485760) FROM customers WHERE id = 1",
+    "nested-doubling": "SELECT id, "
+    + "encode(" * 8
+    + "'x'::bytea"
+    + ", 'hex')::bytea" * 8
+    + " FROM customers WHERE id = 1",
+}
+
+
+@pytest.mark.parametrize("query", list(FOLDED.values()), ids=list(FOLDED))
+def test_a_large_constant_is_refused_before_the_plan_prints_it(
+    scope: RunScope, ledger_env: LedgerEnv, query: str
+) -> None:
+    """PostgreSQL folds a constant expression while planning, and EXPLAIN VERBOSE
+    prints the value: before, the broker read a 64 MB constant whole (and its
+    reading cost 9 GB)."""
+    assert sql(scope, "SELECT id FROM customers WHERE id = 1")["rows"] == [[1]]
+    measured = _reset_hwm()
+    before = _vm_hwm() if measured else None
+    with pytest.raises(CallDenied, match=r"planning|over 1000"):
+        sql(scope, query)
+    after = _vm_hwm() if measured else None
+    assert last_event(ledger_env)["decision"] == "deny"
+    if before is not None and after is not None:
+        assert after - before < 32 << 20, (before, after)
+    # Small constants, and any size made from a column, are still fine.
+    assert sql(scope, "SELECT repeat('-', 3), lower(upper(plan)) FROM customers WHERE id = 1")[
+        "rows"
+    ] == [["---", "pro"]]
+
+
 BOUNDED_SHAPES = {
     "order-kept": ("SELECT id FROM customers ORDER BY id DESC", [[42], [4], [3], [2], [1]]),
     "columns-named-like-the-wrapper": (

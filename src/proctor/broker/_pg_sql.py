@@ -745,6 +745,102 @@ class _Checker(pgvisitors.Visitor):
                 )
 
 
+class _Folds(Exception):
+    """A constant expression PostgreSQL would fold, while planning, into a value
+    large enough to matter (``EXPLAIN`` prints it, the broker reads it whole)."""
+
+
+#: Functions whose result can be far larger than their arguments.
+_EXPANDING = frozenset(
+    {"repeat", "lpad", "rpad", "format", "replace", "regexp_replace", "overlay", "array_fill"}
+)
+#: Aggregates and window functions: computed when the statement runs, never folded.
+_NOT_FOLDED = frozenset(
+    {
+        "count", "sum", "avg", "min", "max", "string_agg", "array_agg", "bool_and",
+        "bool_or", "every", "bit_and", "bit_or", "stddev", "stddev_pop", "stddev_samp",
+        "variance", "var_pop", "var_samp", "corr", "covar_pop", "covar_samp",
+        "regr_slope", "regr_intercept", "regr_r2", "regr_count", "regr_avgx", "regr_avgy",
+        "percentile_cont", "percentile_disc", "mode", "json_agg", "jsonb_agg",
+        "json_object_agg", "jsonb_object_agg", "row_number", "rank", "dense_rank",
+        "percent_rank", "cume_dist", "ntile", "lag", "lead", "first_value", "last_value",
+        "nth_value",
+    }
+)  # fmt: skip
+#: How deep constant calls may nest (each can double its argument: encode(..., 'hex')).
+_MAX_FOLD_DEPTH = 4
+#: The largest literal count, width or length an expanding call on constants may take.
+_MAX_FOLD_LITERAL = 1000
+_NOT_CONSTANT = (pgast.ColumnRef, pgast.SubLink, pgast.SelectStmt, pgast.RangeVar)
+
+
+def _folded(node: Any) -> tuple[bool, int]:
+    """(whether ``node`` is constant, its depth of calls); raises :class:`_Folds`
+    for a constant expression that could fold into a large value. Parameters are
+    constants here: the server folds a prepared statement's bound values too."""
+    if node is None or isinstance(node, str | int | float | bool):
+        return True, 0
+    if isinstance(node, list | tuple):
+        constant, depth = True, 0
+        for child in node:
+            c, d = _folded(child)
+            constant, depth = constant and c, max(depth, d)
+        return constant, depth
+    if not isinstance(node, pgast.Node):
+        return True, 0
+    constant, depth = True, 0
+    for slot in getattr(type(node), "__slots__", ()):
+        if slot != "location":
+            c, d = _folded(getattr(node, slot, None))
+            constant, depth = constant and c, max(depth, d)
+    if isinstance(node, _NOT_CONSTANT):
+        return False, 0
+    if isinstance(node, pgast.FuncCall):
+        name = _qualified(node.funcname)[1]
+        if name in _NOT_FOLDED or node.over is not None or node.agg_star:
+            return False, 0
+        if constant:
+            depth += 1
+            if name in _EXPANDING and not _small_literals(node.args):
+                raise _Folds(
+                    f"{name}() of constants over {_MAX_FOLD_LITERAL} (a count, a width or"
+                    " a string) or of other calls: PostgreSQL computes it while planning,"
+                    " whole. Pass the value as a column or use a smaller one"
+                )
+    elif (
+        isinstance(node, pgast.TypeCast)
+        and node.typeName is not None
+        and constant
+        and node.typeName.typmods
+    ):
+        depth += 1
+        name = _qualified(node.typeName.names)[1]
+        if name in ("bpchar", "char", "character") and not _small_literals(node.typeName.typmods):
+            raise _Folds(f"a cast of a constant to {name}(n) over {_MAX_FOLD_LITERAL}")
+    if constant and depth > _MAX_FOLD_DEPTH:
+        raise _Folds(
+            f"calls on constants nested more than {_MAX_FOLD_DEPTH} deep: PostgreSQL"
+            " computes them while planning, whole"
+        )
+    return constant, depth
+
+
+def _small_literals(args: Any) -> bool:
+    """Whether every argument is a literal (or a literal cast) and small."""
+    for arg in args or ():
+        value = arg.arg if isinstance(arg, pgast.TypeCast) else arg
+        if not isinstance(value, pgast.A_Const):
+            return False
+        literal = value.val
+        if isinstance(literal, pgast.Integer) and abs(int(literal.ival or 0)) > _MAX_FOLD_LITERAL:
+            return False
+        if isinstance(literal, pgast.Float | pgast.String):
+            text = str(getattr(literal, "fval", None) or getattr(literal, "sval", ""))
+            if len(text) > 100 or re.search(r"\d{4,}", text):
+                return False
+    return True
+
+
 def _parser_text(pg_sql: str) -> str:
     """psycopg text (``%s`` marks, ``%%``) as PostgreSQL's parser reads it."""
     marks = iter(range(1, 1 << 16))
@@ -768,6 +864,12 @@ def check_statement(pg_sql: str) -> None:
     checker(statements[0])
     if checker.refusal is not None:
         raise CallDenied(f"sql: refused: {checker.refusal}")
+    try:
+        _folded(statements[0].stmt)
+    except _Folds as exc:
+        raise CallDenied(f"sql: refused: {exc}") from None
+    except RecursionError:
+        raise CallDenied("sql: refused: the statement nests too deeply") from None
 
 
 def _plan_refusal(plan: Mapping[str, Any]) -> str | None:
