@@ -46,8 +46,12 @@ A guest statement then goes:
 3. Cedar decides per table (``sql.select``, the set of columns), exactly as
    for SQLite datasets (for what only a call has: the set of columns together,
    and the record); one deny denies the statement, recorded first;
-4. the statement runs (``row_limit + 1`` fetched) and the transaction is
-   rolled back (nothing to keep: it was read-only);
+4. the statement runs through a cursor, a batch at a time, wrapped so that
+   the server stops before sending the row that passes the answer's byte
+   budget (:func:`bounded_statement`; ``row_limit + 1`` rows at most, the
+   broker's rows held to the budget and the run's answers in flight to
+   another), and the transaction is rolled back (nothing to keep: it was
+   read-only);
 5. the result event (tables, columns, row count, keyed hashes of the returned
    rows' primary keys: the same lineage object as SQLite) is recorded
    before anything is answered.
