@@ -41,7 +41,7 @@ from proctor.governance import (
     Subprocessors,
     Tenants,
 )
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, Ledger, Signer, utc_now
+from proctor.ledger import SYSTEM_LOG, Action, Actor, EventDraft, Ledger, Signer, utc_now
 from proctor.store import Conn, Store, open_store
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def init_home(
             SYSTEM_LOG,
             EventDraft(
                 config.operator_actor,
-                "runtime.init",
+                Action.RUNTIME_INIT,
                 f"runtime/{trust_domain}",
                 reason="initialised",
                 details={"verifier_key": signer.verifier.vkey(), "store": opened.engine},
@@ -360,7 +360,7 @@ class Runtime:
             try:
                 self.ledger.append(
                     tenant,
-                    EventDraft(actor, "run.end", f"run/{run_id}",
+                    EventDraft(actor, Action.RUN_END, f"run/{run_id}",
                                reason=f"interrupted: {OWNER_DIED}", deployment=name, run=run_id,
                                artifact=digest, details={"status": "interrupted"}),
                     hook=update,

@@ -44,16 +44,9 @@ LEFT: dict[str, int] = {
     "broker/_proxy.py": 2,
     "broker/_scope.py": 4,
     "broker/_server.py": 4,
-    # OCSF's per-action mappers (issue 32 item 5 rebuilds ocsf_line as a table).
-    "evidence/_ocsf.py": 13,
     # The offline verifier and the policy re-decision: event format 2 in progress.
     "evidence/_verify.py": 21,
     "evidence/_policies.py": 14,
-    # Being split, or moved onto runtime.py.
-    "governance/_artifacts.py": 1,
-    "cli/_governance.py": 20,
-    "api/_context.py": 1,
-    "runtime.py": 2,
 }
 
 

@@ -39,10 +39,6 @@ LEFT: dict[str, int] = {
     # The dataset kind, beside the connector Protocol: goes when the broker
     # pipeline lands (a call kind registered once, issue 32 item 1).
     "broker/_connectors.py": 1,
-    # The runs an artifact has had in the sandbox: goes with the split of
-    # governance/_artifacts.py and with the CLI's move onto runtime.py.
-    "governance/_artifacts.py": 1,
-    "cli/_governance.py": 1,
     # The offline verifier's production runs and the environments it knows: go
     # with the event format 2 work in progress in evidence/_verify.py.
     "evidence/_verify.py": 3,

@@ -28,7 +28,7 @@ from proctor.api._limits import PrincipalLimits
 from proctor.api._log_reads import LogReads
 from proctor.errors import PolicyError
 from proctor.governance import Principal
-from proctor.ledger import EventDraft
+from proctor.ledger import Action, EventDraft
 from proctor.policy import Decision, EntityRef, IpAddr
 from proctor.runtime import Runtime
 
@@ -189,7 +189,7 @@ class Ctx:
             log if log is not None else p.tenant,
             EventDraft(
                 p.actor,
-                "api.request",
+                Action.API_REQUEST,
                 event_resource[:_PATH_MAX],
                 decision="allow" if decision.allowed else "deny",
                 policies=decision.policies,

@@ -29,7 +29,8 @@ from proctor.cli._common import (
 )
 from proctor.cli._units import parse_duration
 from proctor.errors import UsageError
-from proctor.governance import ROLES, Principal
+from proctor.governance import ROLES, Environment, Principal
+from proctor.ledger import Action
 from proctor.policy import EntityRef
 from proctor.runtime import Runtime
 
@@ -67,7 +68,7 @@ def principal_create(
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         actor, who = acting(rt, token)
-        _authorize(rt, who, "principal.create", EntityRef.user(tenant, name), tenant,
+        _authorize(rt, who, Action.PRINCIPAL_CREATE, EntityRef.user(tenant, name), tenant,
                    f"principal/{tenant}/{name}")  # fmt: skip
         p, secret = rt.principals.create(tenant, name, "service" if service else "user", role,
                                          actor)  # fmt: skip
@@ -95,7 +96,7 @@ def principal_list(
 ) -> None:
     """List a tenant's principals and their roles (never their tokens)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "tenant.read")
+        authorize_read(rt, token, tenant, Action.TENANT_READ)
         rows = rt.principals.list(tenant)
     if as_json:
         emit_json([_principal_json(p) for p in rows])
@@ -247,7 +248,7 @@ def approval_show(
         a = client.approval(tenant, approval_id)
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "artifact.read")
+            authorize_read(rt, token, tenant, Action.ARTIFACT_READ)
             a = rt.approvals.get(tenant, approval_id).as_json()
     if as_json:
         emit_json(a)
@@ -278,7 +279,7 @@ def approval_list(
         full = rows[0]["digest"] if rows and digest else None
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "artifact.read")
+            authorize_read(rt, token, tenant, Action.ARTIFACT_READ)
             rt.tenants.get(tenant)
             full = rt.artifacts.get(tenant, digest).digest if digest else None
             digests = [full] if full else [a.digest for a in rt.artifacts.list(tenant)]
@@ -302,7 +303,8 @@ def _print_build_loop(home: Path | None, tenant: str, digest: str) -> None:
     from proctor.lifecycle import Runs
 
     with open_runtime(home) as rt:
-        runs = [r for r in Runs(rt).of_artifact(tenant, digest) if r.environment == "sandbox"]
+        runs = Runs(rt).of_artifact(tenant, digest)
+        runs = [r for r in runs if r.environment == Environment.SANDBOX]
     if not runs:
         console.print("no sandbox run of this digest yet")
         return
@@ -326,7 +328,7 @@ def quorum_set(
     """Set how many independent approvals production needs, and from which roles."""
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
-        _authorize(rt, principal, "policy.set", EntityRef.tenant(tenant), tenant,
+        _authorize(rt, principal, Action.POLICY_SET, EntityRef.tenant(tenant), tenant,
                    f"tenant/{tenant}")  # fmt: skip
         rule = rt.approvals.set_quorum(tenant, required, role or [], actor)
     if as_json:
@@ -346,7 +348,7 @@ def quorum_show(
         doc = dict(client.quorum(tenant))
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "tenant.read")
+            authorize_read(rt, token, tenant, Action.TENANT_READ)
             rt.tenants.get(tenant)
             rule = rt.approvals.quorum(tenant)
         doc = {"required": rule.required, "roles": list(rule.roles)}
@@ -409,7 +411,7 @@ def deploy(
             _authorize(
                 rt,
                 principal,
-                "deployment.rollback",
+                Action.DEPLOYMENT_ROLLBACK,
                 EntityRef.deployment(tenant, rollback),
                 tenant,
                 f"deployment/{rollback}",
@@ -425,7 +427,7 @@ def deploy(
             if digest is None or name is None:
                 raise UsageError("give DIGEST and --name (or --rollback NAME)")
             artifact = rt.artifacts.get(tenant, digest)
-            _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name),
+            _authorize(rt, principal, Action.DEPLOYMENT_CREATE, EntityRef.deployment(tenant, name),
                        tenant, f"deployment/{name}")  # fmt: skip
             dep = rt.deployments.deploy(
                 tenant, artifact, name, environment=env, mode=mode,
@@ -455,7 +457,7 @@ def deployment_list(
         emit_json(client.deployments(tenant))
         return
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "deployment.read")
+        authorize_read(rt, token, tenant, Action.DEPLOYMENT_READ)
         rows = rt.deployments.current(tenant)
     if as_json:
         emit_json([d.as_json() for d in rows])
@@ -479,7 +481,7 @@ def deployment_versions(
 ) -> None:
     """Every version of a deployment, oldest first (what --rollback goes back to)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "deployment.read")
+        authorize_read(rt, token, tenant, Action.DEPLOYMENT_READ)
         rows = rt.deployments.versions(tenant, name)
     if as_json:
         emit_json([d.as_json() for d in rows])
@@ -503,8 +505,8 @@ def deployment_stop(
     """Stop a deployment: its runs are stopped and no new one starts."""
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
-        _authorize(rt, principal, "deployment.create", EntityRef.deployment(tenant, name), tenant,
-                   f"deployment/{name}")  # fmt: skip
+        _authorize(rt, principal, Action.DEPLOYMENT_CREATE, EntityRef.deployment(tenant, name),
+                   tenant, f"deployment/{name}")  # fmt: skip
         rt.undeploy(tenant, name, actor, "stopped by request")
     if as_json:
         emit_json({"tenant": tenant, "name": name, "status": "stopped"})
@@ -547,7 +549,7 @@ def run(
     # keeps the run from starting.
     with stop_on_signals() as stop, open_runtime(home) as rt:
         actor, principal = acting(rt, token)
-        _authorize(rt, principal, "run.start", EntityRef.deployment(tenant, name), tenant,
+        _authorize(rt, principal, Action.RUN_START, EntityRef.deployment(tenant, name), tenant,
                    f"deployment/{name}")  # fmt: skip
         with rt.make_broker() as broker:
             sup = rt.supervisor(broker, backend)
@@ -588,7 +590,7 @@ def runs_list(
         emit_json(client.runs(tenant, deployment))
         return
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "run.read")
+        authorize_read(rt, token, tenant, Action.RUN_READ)
         rows = Runs(rt).all(tenant, deployment)
     if as_json:
         emit_json([r.as_json() for r in rows])
@@ -632,7 +634,7 @@ def runs_show(
                 out[stream] = b"".join(chunks).decode(errors="replace")
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, "run.read")
+            authorize_read(rt, token, tenant, Action.RUN_READ)
             record = Runs(rt).get(tenant, run_id)
             authorize_events(rt, token, tenant, record.id)
             since = _shortly_before(record.started_at)
@@ -725,7 +727,7 @@ def freeze(name: str, unfreeze: bool, token: str | None, home: Path | None,
            as_json: bool = False) -> None:  # fmt: skip
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
-        action = "tenant.unfreeze" if unfreeze else "tenant.freeze"
+        action = Action.TENANT_UNFREEZE if unfreeze else Action.TENANT_FREEZE
         _authorize(rt, principal, action, EntityRef.tenant(name), name, f"tenant/{name}")
         t = rt.tenants.set_frozen(name, not unfreeze, actor)
     if as_json:
@@ -780,7 +782,7 @@ def egress_sandbox_hosts(
 ) -> None:
     """The hosts sandbox runs may reach (none: sandbox runs have no egress)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "tenant.read")
+        authorize_read(rt, token, tenant, Action.TENANT_READ)
         hosts = list(rt.resources.sandbox_hosts(tenant))
     if as_json:
         emit_json([{"tenant": tenant, "host": entry} for entry in hosts])
@@ -811,7 +813,7 @@ def history(
             _print_history(report, wide)
         return
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, "audit.read")
+        authorize_read(rt, token, tenant, Action.AUDIT_READ)
         report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
     if as_json:
         emit_json(report)
@@ -879,12 +881,12 @@ def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
         """Show or set the tenant's ledger quota (control-plane actions are never refused)."""
         with open_runtime(home) as rt:
             if events_per_day is None:
-                authorize_read(rt, token, name, "tenant.read")
+                authorize_read(rt, token, name, Action.TENANT_READ)
                 q = rt.tenants.ledger_quota(name)
             else:
                 actor, principal = acting(rt, token)
                 # Admins only, as the tenant's retention is: both bound what its log keeps.
-                _authorize(rt, principal, "retention.manage", EntityRef.tenant(name), name,
+                _authorize(rt, principal, Action.RETENTION_MANAGE, EntityRef.tenant(name), name,
                            f"tenant/{name}")  # fmt: skip
                 q = rt.tenants.set_ledger_quota(name, events_per_day, actor)
             today = rt.tenants.ledger_day(name)

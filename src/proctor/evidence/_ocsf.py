@@ -39,6 +39,7 @@ from ipaddress import ip_address
 from typing import Any
 
 from proctor import __version__
+from proctor.ledger import Action
 
 OCSF_VERSION = "1.8.0"
 _HTTP_ACTIVITY = {
@@ -305,14 +306,14 @@ def _outcome(action: str, allowed: bool, details: dict[str, Any]) -> tuple[int, 
     for an allowed one the event may record apart from the decision."""
     if not allowed:
         return 2, "Failure", None
-    if action == "run.end":
+    if action == Action.RUN_END:
         return _run_ended(_str(details.get("status")))
     failure = None
     if action.startswith("sql."):
         failure = _str(details.get("outcome"))
         if failure == "ok":
             failure = None
-    elif action == "http.request.end":
+    elif action == Action.HTTP_REQUEST_END:
         failure = _str(details.get("error"))
     return (1, "Success", None) if failure is None else (2, "Failure", failure)
 
@@ -326,9 +327,9 @@ def _run_ended(ended: str | None) -> tuple[int, str, str | None]:
 
 
 # The actions whose ``details.status`` is an HTTP status (run.end's is the run's).
-_HTTP_STATUS_IN = frozenset({"http.request", "http.request.end", "broker.request"})
+_HTTP_STATUS_IN = frozenset({Action.HTTP_REQUEST, Action.HTTP_REQUEST_END, Action.BROKER_REQUEST})
 # The details key each action's outcome is read from (_outcome).
-_OUTCOME_KEY = {"run.end": "status", "http.request.end": "error"}
+_OUTCOME_KEY: dict[str, str] = {Action.RUN_END: "status", Action.HTTP_REQUEST_END: "error"}
 
 
 def to_ocsf(ev: dict[str, Any], origin: str) -> dict[str, Any]:
@@ -436,7 +437,7 @@ _Class = tuple[int, str, int, str]
 
 def _sql_activity(d: _Draft) -> _Class:
     details, out = d.details, d.out
-    activity, name = (4, "Query") if d.action == "sql.select" else (5, "Write")
+    activity, name = (4, "Query") if d.action == Action.SQL_SELECT else (5, "Write")
     out["type_id"], out["type"] = 1, "Database"
     out["database"] = {
         "name": str(details.get("dataset") or d.resource.removeprefix("dataset/")),
@@ -454,7 +455,7 @@ def _sql_activity(d: _Draft) -> _Class:
 
 def _file_activity(d: _Draft) -> _Class:
     details, out = d.details, d.out
-    activity, name = (1, "Read") if d.action == "file.read" else (5, "Write")
+    activity, name = (1, "Read") if d.action == Action.FILE_READ else (5, "Write")
     out["type_id"], out["type"] = 2, "Databucket"
     bucket = _str(details.get("bucket"))
     out["databucket"] = {
@@ -558,14 +559,17 @@ def _api_activity_line(d: _Draft) -> _Class:
         # A broker request refused: the status the broker answered it with.
         out["http_response"] = {"code": d.code}
         d.mapped.add("status")
-    if d.action == "api.request":
+    if d.action == Action.API_REQUEST:
         d.src = _api_request(out, d.details, d.mapped, d.observables) or d.src
     return 6003, "API Activity", *_api_activity(d.action)
 
 
 # The mapper of each action: by its name, then by its prefix; any other action is
 # API Activity.
-_BY_ACTION = {"http.request": _http_request, "http.request.end": _http_request_end}
+_BY_ACTION: dict[str, Callable[[_Draft], tuple[int, str, int, str]]] = {
+    Action.HTTP_REQUEST: _http_request,
+    Action.HTTP_REQUEST_END: _http_request_end,
+}
 _BY_PREFIX = (("sql.", _sql_activity), ("file.", _file_activity))
 
 
@@ -610,7 +614,7 @@ def _decision(ev: dict[str, Any], action: str, allowed: bool, details: dict[str,
         _str(details.get("policy_version")),
         _str(details.get("control_policy_version")),
         basis,
-        allowed and action == "run.start",
+        allowed and action == Action.RUN_START,
     )
 
 

@@ -58,13 +58,14 @@ from proctor.governance._artifact_walk import (
     Walk,
     write_all,
 )
+from proctor.governance._environments import Environment
 from proctor.governance._manifest import (
     MANIFEST_FILE,
     Manifest,
     check_entrypoint,
     parse_manifest,
 )
-from proctor.ledger import Actor, EventDraft, Ledger, canonical_json, utc_now
+from proctor.ledger import Action, Actor, EventDraft, Ledger, canonical_json, utc_now
 from proctor.store import Conn, Store
 
 # The walk (_artifact_walk.py) and the diff (_artifact_diff.py) have their own
@@ -240,7 +241,7 @@ class Artifacts:
 
         draft = EventDraft(
             author,
-            "artifact.submit",
+            Action.ARTIFACT_SUBMIT,
             f"artifact/{digest}",
             reason="submitted",
             artifact=digest,
@@ -441,7 +442,7 @@ class Artifacts:
         artifact = self.get(tenant, digest)
         files = self.stored_files(artifact.digest)
         runs = [r for r in Runs(self._store).of_artifact(tenant, artifact.digest)
-                if r.environment == "sandbox"]  # fmt: skip
+                if r.environment == Environment.SANDBOX]  # fmt: skip
         calls = self._run_calls(tenant, [r.id for r in runs], runs[0].started_at if runs else "")
         shown = []
         for r in runs:
