@@ -589,12 +589,14 @@ def test_secret_is_injected_and_never_seen_by_the_guest_or_the_ledger(env: Env) 
     assert SECRET_VALUE.encode() not in received
     for event in env.raw_events():
         assert SECRET_VALUE.encode() not in event
+    # One decision and one event for the request, the secret inside it; then the
+    # completion record.
     actions = [(e["action"], e["decision"]) for e in env.events()]
-    assert actions == [
-        ("http.request", "allow"),
-        ("secret.use", "allow"),
-        ("http.request.end", "allow"),
-    ]
+    assert actions == [("http.request", "allow"), ("http.request.end", "allow")]
+    request = env.events()[0]
+    assert request["details"]["inject"] == [{"secret": "crm_token", "header": "Authorization"}]
+    assert any(p.endswith(":secret:crm_token") for p in request["policies"])
+    assert any(":egress:" in p for p in request["policies"])
     end = env.events()[-1]
     assert end["details"]["requests"] == 2
     assert end["details"]["secrets"] == ["crm_token"]
@@ -687,10 +689,13 @@ def test_secret_use_is_decided_by_policy(env: Env) -> None:
     env.scope([f"api.test:{env.api.port}"], secrets=[], bindings=[_binding("api.test")])
     status, _, body = env.raw(f"CONNECT api.test:{env.api.port} HTTP/1.1\r\n\r\n".encode())
     assert status == 403
-    assert "secret.use" in json.loads(body)["message"]
+    assert "secret.use of secret/crm_token" in json.loads(body)["message"]
     assert env.api.connections == 0
-    uses = _by_action(env.events(), "secret.use")
-    assert [e["decision"] for e in uses] == ["deny"]
+    # The request's one event is the deny, naming the secret; nothing was admitted.
+    events = env.events()
+    assert [(e["action"], e["decision"]) for e in events] == [("http.request", "deny")]
+    assert events[0]["details"]["inject"] == [{"secret": "crm_token", "header": "Authorization"}]
+    assert "secret.use of secret/crm_token" in events[0]["reason"]
 
 
 def test_upstream_certificate_is_verified(env: Env) -> None:

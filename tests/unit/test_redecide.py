@@ -58,6 +58,14 @@ def test_every_kind_of_call_decides_again_as_recorded_and_a_flip_is_named() -> N
               method="GET"),
         event("secret.use", "allow", ["deploy:churn:secret:crm_token"], secret="crm_token",
               host="api.example.com", port=443),
+        # Event format 2: the injected secret is part of the request's one decision.
+        event("http.request", "allow", ["deploy:churn:egress:api.example.com:443",
+                                        "deploy:churn:secret:crm_token"], **http,
+              address="93.184.215.14",
+              inject=[{"secret": "crm_token", "header": "Authorization"}]),
+        event("http.request", "deny", [], **http, address="93.184.215.14",
+              inject=[{"secret": "crm_token", "header": "Authorization"},
+                      {"secret": "other", "header": "X-Key"}]),
         event("file.read", "allow", ["deploy:churn:file:reports"], bucket="reports", key="a.csv",
               bytes=5000),
         event("file.write", "allow", ["deploy:churn:file:reports"], bucket="reports", key="a",
@@ -82,3 +90,20 @@ def test_every_kind_of_call_decides_again_as_recorded_and_a_flip_is_named() -> N
             flipped["details"] = {**ev["details"], "tables": tables}
         why = again(flipped)
         assert why is not None and "but the log records" in why, ev
+
+
+def test_an_injected_secret_is_decided_again_with_its_request() -> None:
+    """A format-2 ``http.request`` that says a secret the policy does not permit was
+    allowed (or leaves out the permit that allowed it) is named."""
+    http = {"host": "api.example.com", "port": 443, "method": "GET", "scheme": "https",
+            "address": "93.184.215.14"}  # fmt: skip
+    egress = "deploy:churn:egress:api.example.com:443"
+    forged = event("http.request", "allow", [egress], **http,
+                   inject=[{"secret": "other", "header": "Authorization"}])  # fmt: skip
+    why = again(forged)
+    assert why is not None and "gives deny by no policy" in why
+    short = event("http.request", "allow", [egress], **http,
+                  inject=[{"secret": "crm_token", "header": "Authorization"}])  # fmt: skip
+    why = again(short)
+    assert why is not None and "deploy:churn:secret:crm_token" in why
+    assert again({**short, "policies": [egress, "deploy:churn:secret:crm_token"]}) is None

@@ -5,7 +5,9 @@ Order, and why:
 
 1. Cedar decides ``http.request`` on the host *name* the guest asked for,
    before any DNS lookup, so a denied name never reaches a resolver (names
-   are a way to smuggle data out through DNS).
+   are a way to smuggle data out through DNS). Where the broker injects a
+   secret, ``secret.use`` of each secret is asked with it: one decision for
+   the request (:mod:`._decide`), one event naming the secrets and headers.
 2. The name is resolved once; every address is unmapped and checked against
    the special-purpose registries (:mod:`._egress`), and Cedar decides again
    with the address in the context, so a forbid on an address range applies.
@@ -27,10 +29,11 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proctor.broker._decide import Question, decide
 from proctor.broker._egress import (
     SPECIAL_ADDRESS_RULE,
     EgressDenied,
@@ -41,7 +44,7 @@ from proctor.broker._egress import (
     unmap,
 )
 from proctor.broker._fair import run_blocking
-from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope
+from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope, SecretBinding
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
 
 log = logging.getLogger("proctor.broker.egress")
@@ -128,8 +131,12 @@ async def admit(
     method: str,
     scheme: str | None,
     path: str | None,
+    bindings: Sequence[SecretBinding] = (),
 ) -> Admitted:
-    """Decide, resolve once, check, decide with the address, record. Raises on refusal."""
+    """Decide, resolve once, check, decide with the address, record. Raises on refusal.
+
+    ``bindings`` are the secrets the request will carry: each one's ``secret.use``
+    is part of the request's one decision and named in its one event."""
     resource = resource_of(host, port)
     context: dict[str, CedarValue] = {"method": method, "port": port}
     if scheme is not None:
@@ -151,9 +158,13 @@ async def admit(
         bad = BadCall(f"invalid host {host.name!r}")
         await record_bad(scope, method, host.name, bad)
         raise bad from exc
-    decision = scope.decide("http.request", ref, context, entities)
+    if bindings:
+        details["inject"] = [{"secret": b.name, "header": b.header} for b in bindings]
+    secrets = _secret_questions(scope, host, bindings)
+    verdict = decide(scope, [Question("http.request", ref, context, entities), *secrets])
+    decision = verdict.decision
     if not decision.allowed:
-        reason = decision.reason
+        reason = verdict.reason
         await scope.record("http.request", resource, decision, reason=reason, details=details)
         raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
 
@@ -168,7 +179,7 @@ async def admit(
                 "http.request",
                 resource,
                 decision,
-                reason=decision.reason + "; not resolved",
+                reason=verdict.reason + "; not resolved",
                 details=details,
             )
             raise
@@ -198,14 +209,29 @@ async def admit(
     if host.address is None:
         # Again with the address known, so forbids on address ranges apply.
         context["address"] = IpAddr(str(address))
-        decision = scope.decide("http.request", ref, context, entities)
-    reason = decision.reason
+        verdict = decide(scope, [Question("http.request", ref, context, entities), *secrets])
+        decision = verdict.decision
+    reason = verdict.reason
     appended = await scope.record(
         "http.request", resource, decision, reason=reason, details=details
     )
     if not decision.allowed:
         raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
     return Admitted(host, port, address, decision, appended.seq, resource)
+
+
+def _secret_questions(
+    scope: RunScope, host: Host, bindings: Sequence[SecretBinding]
+) -> list[Question]:
+    out = []
+    for binding in bindings:
+        ref = EntityRef.secret(scope.tenant, binding.name)
+        out.append(
+            Question("secret.use", ref, {"host": host.name},
+                     (Entity.in_tenant(ref, scope.tenant),),
+                     f"with secret.use of secret/{binding.name}")
+        )  # fmt: skip
+    return out
 
 
 # -- events -------------------------------------------------------------------

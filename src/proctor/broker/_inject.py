@@ -50,7 +50,6 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
-from proctor.policy import Entity, EntityRef
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
 SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
@@ -92,17 +91,8 @@ class Injector:
         outcome: Outcome,
     ) -> None:
         host = admitted.host
+        # The secrets' use was decided and recorded with the request (``admit``).
         try:
-            for binding in bindings:
-                ref = EntityRef.secret(scope.tenant, binding.name)
-                await scope.decide_and_record(
-                    "secret.use",
-                    ref,
-                    f"secret/{binding.name}",
-                    {"host": host.name},
-                    details={"secret": binding.name, "host": host.name, "port": admitted.port},
-                    entities=(Entity.in_tenant(ref, scope.tenant),),
-                )
             try:
                 server_ctx = self._server_context(scope.tenant, host.name)
             except CAError as exc:

@@ -129,7 +129,9 @@ class EgressProxy:
                 await record_bad(scope, "CONNECT", target, exc)
                 raise
             bindings = bindings_for(scope, host, port)
-            admitted = await admit(scope, self.resolver, host, port, "CONNECT", None, None)
+            admitted = await admit(
+                scope, self.resolver, host, port, "CONNECT", None, None, bindings
+            )
         except BrokerError as exc:
             await _send_error(writer, exc)
             return

@@ -36,6 +36,7 @@ from proctor.ledger import CUT_MARKER, read_objects
 from proctor.policy import (
     CedarValue,
     CompiledPolicies,
+    Decision,
     Entity,
     EntityRef,
     EntitySet,
@@ -272,6 +273,26 @@ def check_policies(
     return scan.check(zf, runs, environments, run_environments)
 
 
+_Ask = tuple[str, EntityRef, dict[str, CedarValue], list[Entity]]
+
+
+def _secret_asks(tenant: str, d: Mapping[str, Any]) -> list[_Ask]:
+    """The ``secret.use`` questions an ``http.request`` event's injected secrets asked."""
+    out: list[_Ask] = []
+    for item in d.get("inject") or []:
+        ref = EntityRef.secret(tenant, str(item["secret"]))
+        out.append(("secret.use", ref, {"host": d["host"]}, [Entity.in_tenant(ref, tenant)]))
+    return out
+
+
+def _combined(parts: list[Decision]) -> tuple[str, list[str]]:
+    """One call's decision from its questions' (the broker's ``_decide.combine``):
+    allowed by every permit when all allow, else denied by the denying parts' policies."""
+    if all(p.allowed for p in parts):
+        return "allow", sorted({p for d in parts for p in d.policies})
+    return "deny", sorted({p for d in parts if not d.allowed for p in d.policies})
+
+
 def redecide(
     compiled: CompiledPolicies, ev: Mapping[str, Any], environment: str, row_limit: int
 ) -> str | None:
@@ -299,7 +320,7 @@ def redecide(
     ]
     principal = EntityRef.workload(workload)
     action = str(ev["action"])
-    questions: list[tuple[str, EntityRef, dict[str, CedarValue], list[Entity], str, list[str]]] = []
+    questions: list[tuple[list[_Ask], str, list[str]]] = []
     context: dict[str, CedarValue]
     recorded = (str(ev["decision"]), sorted(ev.get("policies") or []))
     try:
@@ -317,7 +338,7 @@ def redecide(
                     continue
                 context = {"dataset": dataset, "columns": list(t.get("columns") or []),
                            "row_limit": row_limit}  # fmt: skip
-                questions.append((str(t["action"]), table.uid, context, [table], *said))
+                questions.append(([(str(t["action"]), table.uid, context, [table])], *said))
         elif action == "http.request":
             path = d.get("path")
             if isinstance(path, str) and len(path) >= _PATH_CUT:
@@ -329,7 +350,10 @@ def redecide(
             if "address" in d:
                 context["address"] = IpAddr(str(d["address"]))
             host = Entity.host(str(d["host"]))
-            questions.append((action, host.uid, context, [host], *recorded))
+            # Event format 2 (docs/egress.md): the secrets a request carried were
+            # asked with it, one decision for the call.
+            asks = [(action, host.uid, context, [host]), *_secret_asks(tenant, d)]
+            questions.append((asks, *recorded))
         elif action in ("file.read", "file.write"):
             ref = EntityRef.bucket(tenant, str(d["bucket"]))
             context = {"key": d["key"]}
@@ -337,19 +361,21 @@ def redecide(
                 if "bytes" not in d:
                     return UNDECIDABLE
                 context["bytes"] = int(d["bytes"])
-            questions.append((action, ref, context, [Entity.in_tenant(ref, tenant)], *recorded))
+            questions.append(([(action, ref, context, [Entity.in_tenant(ref, tenant)])], *recorded))
         elif action == "secret.use":
             ref = EntityRef.secret(tenant, str(d["secret"]))
             context = {"host": d["host"]}
-            questions.append((action, ref, context, [Entity.in_tenant(ref, tenant)], *recorded))
+            questions.append(([(action, ref, context, [Entity.in_tenant(ref, tenant)])], *recorded))
     except (KeyError, TypeError, ValueError, PolicyError) as exc:
         return f"its recorded request cannot be read ({exc!r})"
-    for act, resource, context, extra, decision, policies in questions:
-        got = decide(
-            compiled, Request(principal, act, resource, context), EntitySet([*base, *extra])
-        )
-        if (got.decision, sorted(got.policies)) != (decision, policies):
+    for asks, decision, policies in questions:
+        parts = [
+            decide(compiled, Request(principal, act, resource, ctx), EntitySet([*base, *extra]))
+            for act, resource, ctx, extra in asks
+        ]
+        got, by = _combined(parts)
+        if (got, by) != (decision, policies):
             was = f"{decision} by {', '.join(policies) or 'no policy'}"
-            now = f"{got.decision} by {', '.join(got.policies) or 'no policy'}"
+            now = f"{got} by {', '.join(by) or 'no policy'}"
             return f"gives {now}, but the log records {was}"
     return None

@@ -153,6 +153,11 @@ def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
         return None
     if action == "http.request":
         host, port = host_port(ev)
+        # Event format 2: the secrets injected into the request are in its event.
+        for item in d.get("inject") or []:
+            name = str(item.get("secret") if isinstance(item, dict) else item)
+            if name not in (caps.get("secrets") or []):
+                return f"secret {name!r} is not approved"
         for entry in caps.get("egress") or []:
             try:
                 if covers(egress_entry(str(entry), "egress"), host, port):
