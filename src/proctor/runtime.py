@@ -243,6 +243,12 @@ def _locate_dataset(where: Path | str) -> tuple[str, str]:
     return locate_dataset(where)
 
 
+def _exposed_in_dataset(kind: str, location: str) -> list[str]:
+    from proctor.broker import exposed_in_dataset  # loaded at registration, as above
+
+    return exposed_in_dataset(kind, location)
+
+
 def _missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> list[str]:
     from proctor.broker import missing_in_dataset  # loaded at deploy, as above
 
@@ -262,7 +268,8 @@ class Runtime:
         self.tenants = Tenants(store, self.ledger)
         self.policies = Policies(store, self.ledger)
         self.resources = Resources(store, self.ledger, self.keys, home / "buckets",
-                                   locate=_locate_dataset, missing=_missing_in_dataset)  # fmt: skip
+                                   locate=_locate_dataset, missing=_missing_in_dataset,
+                                   exposed=_exposed_in_dataset)  # fmt: skip
         self.principals = Principals(store, self.ledger)
         self.control = ControlPlane(self.ledger)
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")

@@ -16,6 +16,7 @@ from proctor.broker._connectors import (
 )
 from proctor.broker._datasets import DatasetConnector, StatementTimeout
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
+from proctor.broker._exposure import exposed_in_dataset
 from proctor.broker._factory import broker_socket_root, make_broker, reap_broker_sockets
 from proctor.broker._files import (
     ObjectNotFound,
@@ -70,6 +71,7 @@ __all__ = [
     "UpstreamFailed",
     "broker_socket_root",
     "dataset_connector",
+    "exposed_in_dataset",
     "handle_sql",
     "locate_dataset",
     "make_broker",

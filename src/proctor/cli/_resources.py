@@ -200,6 +200,14 @@ def dataset_add(
     twin_of: Annotated[
         str | None, typer.Option(help="The real dataset this synthetic one stands in for")
     ] = None,
+    accept_public_grants: Annotated[
+        str | None,
+        typer.Option(
+            metavar="REASON",
+            help="Register a PostgreSQL database that grants objects to PUBLIC anyway; "
+            "the reason is recorded",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     home: HomeOpt = None,
 ) -> None:
@@ -217,8 +225,9 @@ def dataset_add(
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         ds = rt.resources.add_dataset(
-            tenant, name, where, rt.operator, synthetic=synthetic, twin_of=twin_of
-        )
+            tenant, name, where, rt.operator, synthetic=synthetic, twin_of=twin_of,
+            accept_public_grants=accept_public_grants,
+        )  # fmt: skip
     if as_json:
         emit_json(_dataset_json(ds))
         return

@@ -78,14 +78,19 @@ LocateDataset = Callable[[Path | str], tuple[str, str]]
 #: What of a manifest's tables a dataset (kind, location) lacks, as sentences
 #: (``proctor.broker.missing_in_dataset``); raises UsageError if it cannot be read.
 MissingInDataset = Callable[[str, str, Mapping[str, Any]], list[str]]
+#: The objects of a dataset (kind, location) every role may read or run, as
+#: sentences (``proctor.broker.exposed_in_dataset``).
+ExposedInDataset = Callable[[str, str], list[str]]
 
 
 class Resources:
     def __init__(
         self, store: Store, ledger: Ledger, keys: KeyRing, buckets_root: Path,
         locate: LocateDataset, missing: MissingInDataset | None = None,
+        exposed: ExposedInDataset | None = None,
     ) -> None:  # fmt: skip
         self._missing = missing
+        self._exposed = exposed
         self._store = store
         self._ledger = ledger
         self._keys = keys
@@ -118,10 +123,12 @@ class Resources:
         *,
         synthetic: bool = False,
         twin_of: str | None = None,
+        accept_public_grants: str | None = None,
     ) -> Dataset:
         """Register a dataset: a SQLite file, or a PostgreSQL DSN (``postgresql://…``)
         that only the runtime holds; ``twin_of`` makes it the synthetic stand-in of a
-        real one."""
+        real one. A database that grants objects to PUBLIC (every role, so every run's
+        login) is refused unless ``accept_public_grants`` gives the reason it may."""
         _check_name("dataset", name)
         if twin_of is not None:
             if not synthetic:
@@ -129,7 +136,18 @@ class Resources:
             real = {d.name: d for d in self.datasets(tenant)}.get(twin_of)
             if real is None or real.synthetic:
                 raise UsageError(f"--twin-of: {twin_of!r} is not a real dataset of {tenant!r}")
+        if accept_public_grants is not None and not accept_public_grants.strip():
+            raise UsageError("--accept-public-grants needs a reason")
         kind, location = self._locate(path)
+        exposed = self._exposed(kind, location) if self._exposed is not None else []
+        if exposed and accept_public_grants is None:
+            shown = ", ".join(exposed[:20]) + (", ..." if len(exposed) > 20 else "")
+            raise UsageError(
+                f"the dataset's database grants to PUBLIC, so to every run's login whatever"
+                f" Cedar forbids: {shown}",
+                hint="REVOKE them from PUBLIC and grant them to the roles that need them"
+                " (docs/postgres.md), or give --accept-public-grants REASON",
+            )
 
         def insert(conn: Conn) -> None:
             if conn.query_one(
@@ -152,7 +170,12 @@ class Resources:
             actor,
             Action.DATASET_REGISTER,
             f"dataset/{name}",
-            {"kind": kind, "synthetic": synthetic, "twin_of": twin_of},
+            {"kind": kind, "synthetic": synthetic, "twin_of": twin_of}
+            | (
+                {"public_grants": exposed[:20], "public_grants_accepted": accept_public_grants}
+                if exposed
+                else {}
+            ),
             insert,
         )
         return Dataset(tenant, name, kind, location, synthetic, twin_of)
