@@ -19,7 +19,6 @@ counted and recorded the same way (``api.connections.refused`` in the system log
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import threading
@@ -32,6 +31,7 @@ from proctor.api._errors import ApiError
 from proctor.errors import LedgerError
 from proctor.governance import Principal
 from proctor.ledger import SYSTEM_LOG, Action, Actor, EventDraft, Ledger
+from proctor.witness import client_key
 
 log = logging.getLogger("proctor.api")
 
@@ -205,18 +205,10 @@ PROTECTED_PER_PRINCIPAL = 16
 REASONS = ("over_source", "over_total", "idle", "slow_head")
 
 
-def source_key(host: str) -> str:
-    """What one "address" is for the per-address bound: an IPv4 address, or the /64 of
-    an IPv6 address (one host holds a whole /64; IPv4-mapped ones count as IPv4)."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
+#: What one "address" is for the per-address bound: an IPv4 address, or the /64 of
+#: an IPv6 address (one host holds a whole /64; IPv4-mapped ones count as IPv4). The
+#: witness server counts its clients the same way.
+source_key = client_key
 
 
 class Held:

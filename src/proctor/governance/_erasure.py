@@ -25,7 +25,6 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from proctor.ledger import (
     keyed_hash,
     lineage_keys,
     lineage_seqs,
+    objects_in,
     read_objects,
 )
 from proctor.store import Conn, Store
@@ -253,7 +253,7 @@ def check_lineage_record(store: Store, tenant: str) -> LineageCheck:
                 ev = json.loads(data)
                 if ev.get("action") == Action.ERASURE_REQUEST and ev.get("decision") == "allow":
                     events.append(ev)
-        lists = _objects_in(conn, tenant, _list_digests(events))
+        lists = objects_in(conn, tenant, _list_digests(events))
         records: list[ErasureRecord] = []
         for ev in events:
             try:
@@ -300,18 +300,6 @@ def check_lineage_record(store: Store, tenant: str) -> LineageCheck:
 
 def _names_entry(problem: str) -> bool:
     return problem.startswith("entry ") or ": entry " in problem
-
-
-def _objects_in(conn: Conn, log: str, digests: Iterable[str]) -> dict[str, bytes]:
-    """``read_objects`` inside a read transaction already open."""
-    found: dict[str, bytes] = {}
-    for digest in sorted(set(digests)):
-        row = conn.query_one(
-            "SELECT data FROM ledger_objects WHERE log = ? AND digest = ?", (log, digest)
-        )
-        if row is not None:
-            found[digest] = bytes(row[0])
-    return found
 
 
 def _list_digests(events: list[dict[str, Any]]) -> set[str]:
@@ -398,7 +386,7 @@ def _index_problem(conn: Conn, tenant: str, seq: int) -> str:
             " object (rows added by hand?)"
         )
     digest = str(ref.get("digest"))
-    kept = _kept(_objects_in(conn, tenant, [digest]).get(digest))
+    kept = _kept(objects_in(conn, tenant, [digest]).get(digest))
     for index, key in kept:
         if (
             conn.query_one(

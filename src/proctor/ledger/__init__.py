@@ -75,6 +75,7 @@ from proctor.ledger._objects import (
     lineage_proof,
     lineage_salt,
     lineage_seqs,
+    objects_in,
     read_objects,
 )
 from proctor.ledger._prune import MAX_PER_EVENT as MAX_PRUNED_PER_EVENT
@@ -149,6 +150,7 @@ __all__ = [
     "lineage_seqs",
     "make_receipt",
     "node_hash",
+    "objects_in",
     "open_checkpoint",
     "parse_canonical",
     "parse_checkpoint",

@@ -304,14 +304,19 @@ def lineage_seqs(store: Store, log: str, key: str) -> set[int]:
 
 def read_objects(store: Store, log: str, digests: Iterable[str]) -> dict[str, bytes]:
     """The stored objects of ``log`` among ``digests``; a digest not stored is absent."""
-    found: dict[str, bytes] = {}
     with store.read() as conn:
-        for digest in sorted(set(digests)):
-            row = conn.query_one(
-                "SELECT data FROM ledger_objects WHERE log = ? AND digest = ?", (log, digest)
-            )
-            if row is not None:
-                found[digest] = bytes(row[0])
+        return objects_in(conn, log, digests)
+
+
+def objects_in(conn: Conn, log: str, digests: Iterable[str]) -> dict[str, bytes]:
+    """``read_objects`` inside a transaction the caller holds open."""
+    found: dict[str, bytes] = {}
+    for digest in sorted(set(digests)):
+        row = conn.query_one(
+            "SELECT data FROM ledger_objects WHERE log = ? AND digest = ?", (log, digest)
+        )
+        if row is not None:
+            found[digest] = bytes(row[0])
     return found
 
 

@@ -14,6 +14,7 @@ Two sides, one component, built on the ledger's notes and proofs:
   what the witnesses it names say they last cosigned, asked of them directly.
 """
 
+from proctor.witness._limits import client_key
 from proctor.witness._policy import check_policy, witnessed
 from proctor.witness._server import WitnessServer, parse_listen
 from proctor.witness._tenant import (
@@ -59,6 +60,7 @@ __all__ = [
     "ask_witnesses",
     "check_policy",
     "checkpoint_path",
+    "client_key",
     "hold_to_answers",
     "parse_listen",
     "require_extends",
