@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 
 from proctor.broker import DatasetBinding, EgressProxy, RateLimit
+from proctor.broker._connectors import MAX_SQL_BODY
 from proctor.broker._egress import IPAddress, UpstreamFailed
 from proctor.broker._http import MAX_HEAD, MAX_HEADERS
-from proctor.broker._server import ENDPOINTS, MAX_SQL_BODY
+from proctor.broker._server import ENDPOINTS
 from tests.fuzz._support import Served, exchange, served_broker
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
-"""Admission of one egress connection: decided, resolved, checked, decided again,
-recorded; and the completion event that closes its record.
+"""The ruling on one egress connection: decided, resolved, checked, decided again
+(the kinds ``_proxy.Connect`` and ``_proxy.Forward`` ask it in the decide stage).
 
 Order, and why:
 
@@ -11,14 +11,14 @@ Order, and why:
 2. The name is resolved once; every address is unmapped and checked against
    the special-purpose registries (:mod:`._egress`), and Cedar decides again
    with the address in the context, so a forbid on an address range applies.
-3. The decision event is appended; if the ledger cannot record it, the call
-   is refused (503) and no connection is made.
+3. The decision event is appended (the record stage, :mod:`._record`); if the
+   ledger cannot record it, the call is refused (503) and no connection is made.
 4. The caller dials exactly the checked address (:class:`Admitted`): no
    second lookup, so a DNS answer that changes between check and use
    (rebinding) changes nothing.
 5. A completion event (bytes each way, duration, status) follows
-   (:func:`settle`), written before any answer the proxy itself still owes
-   the guest, so that answer is on the record too.
+   (``_record.complete``), written before any answer the proxy itself still
+   owes the guest, so that answer is on the record too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proctor.broker._decide import Question, decide
+from proctor.broker._calls import Ruling
+from proctor.broker._decide import Question, Verdict, decide
 from proctor.broker._egress import (
     SPECIAL_ADDRESS_RULE,
     EgressDenied,
@@ -45,6 +46,7 @@ from proctor.broker._egress import (
 )
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope, SecretBinding
+from proctor.ledger import Action
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
 
 log = logging.getLogger("proctor.broker.egress")
@@ -123,7 +125,7 @@ class RelayState:
     started: bool = False  # something of the response reached the guest
 
 
-async def admit(
+async def rule(
     scope: RunScope,
     resolver: Resolver,
     host: Host,
@@ -132,8 +134,10 @@ async def admit(
     scheme: str | None,
     path: str | None,
     bindings: Sequence[SecretBinding] = (),
-) -> Admitted:
-    """Decide, resolve once, check, decide with the address, record. Raises on refusal.
+) -> Ruling:
+    """Decide, resolve once, check, decide with the address: the call's ruling, which
+    the record stage makes durable before anything is dialed (a refusal is raised
+    once it is). ``found`` is the checked address.
 
     ``bindings`` are the secrets the request will carry: each one's ``secret.use``
     is part of the request's one decision and named in its one event."""
@@ -160,14 +164,11 @@ async def admit(
         raise bad from exc
     if bindings:
         details["inject"] = [{"secret": b.name, "header": b.header} for b in bindings]
-    secrets = _secret_questions(scope, host, bindings)
-    verdict = decide(scope, [Question("http.request", ref, context, entities), *secrets])
-    decision = verdict.decision
-    if not decision.allowed:
-        reason = verdict.reason
-        await scope.record("http.request", resource, decision, reason=reason, details=details)
-        raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
-
+    questions = [Question(Action.HTTP_REQUEST, ref, context, entities),
+                 *_secret_questions(scope, host, bindings)]  # fmt: skip
+    verdict = decide(scope, questions)
+    if not verdict.allowed:
+        return _denied(resource, verdict, details)
     if host.address is not None:
         addresses = [host.address]
     else:
@@ -175,49 +176,47 @@ async def admit(
             addresses = await resolve_as(scope, resolver, host.name, port)
         except UpstreamFailed as exc:
             details["error"] = exc.message
-            await scope.record(
-                "http.request",
-                resource,
-                decision,
-                reason=verdict.reason + "; not resolved",
-                details=details,
-            )
-            raise
+            return Ruling(Action.HTTP_REQUEST, resource, verdict.decision,
+                          verdict.reason + "; not resolved", details, refusal=exc)  # fmt: skip
         details["resolved"] = [str(a) for a in addresses]
-
     for address in addresses:
         refusal = check_address(address, scope.allowed_ranges)
         if refusal is not None:
             details["address"] = str(refusal.address)
             details["special_ranges"] = [cidr for cidr, _ in refusal.ranges]
-            details["permitted_by"] = list(decision.policies)
-            await scope.record_refusal(
-                "http.request",
-                resource,
-                refusal.reason,
-                policies=(SPECIAL_ADDRESS_RULE,),
-                details=details,
-            )
-            raise EgressDenied(
+            details["permitted_by"] = list(verdict.decision.policies)
+            denied = Decision(False, (SPECIAL_ADDRESS_RULE,), scope.policies.version)
+            error = EgressDenied(
                 f"http.request to {resource} refused: {host.name} is or resolves to "
                 f"{refusal.address}, a special-purpose address ({refusal.ranges[0][1]})",
                 policies=(SPECIAL_ADDRESS_RULE,),
             )
-
+            return Ruling(Action.HTTP_REQUEST, resource, denied, f"refused: {refusal.reason}",
+                          details, refusal=error)  # fmt: skip
     address = addresses[0]
     details["address"] = str(address)
     if host.address is None:
         # Again with the address known, so forbids on address ranges apply.
         context["address"] = IpAddr(str(address))
-        verdict = decide(scope, [Question("http.request", ref, context, entities), *secrets])
-        decision = verdict.decision
-    reason = verdict.reason
-    appended = await scope.record(
-        "http.request", resource, decision, reason=reason, details=details
-    )
-    if not decision.allowed:
-        raise EgressDenied(f"http.request to {resource} {reason}", policies=decision.policies)
-    return Admitted(host, port, address, decision, appended.seq, resource)
+        verdict = decide(scope, questions)
+        if not verdict.allowed:
+            return _denied(resource, verdict, details)
+    return Ruling(Action.HTTP_REQUEST, resource, verdict.decision, verdict.reason, details,
+                  found=(host, port, address))  # fmt: skip
+
+
+def _denied(resource: str, verdict: Verdict, details: dict[str, Any]) -> Ruling:
+    error = EgressDenied(f"http.request to {resource} {verdict.reason}",
+                         policies=verdict.decision.policies)  # fmt: skip
+    return Ruling(Action.HTTP_REQUEST, resource, verdict.decision, verdict.reason, details,
+                  refusal=error)  # fmt: skip
+
+
+def admitted(ruling: Ruling) -> Admitted:
+    """The connection a recorded, allowed ruling lets through."""
+    assert ruling.seq is not None
+    host, port, address = ruling.found
+    return Admitted(host, port, address, ruling.decision, ruling.seq, ruling.resource)
 
 
 def _secret_questions(
@@ -227,7 +226,7 @@ def _secret_questions(
     for binding in bindings:
         ref = EntityRef.secret(scope.tenant, binding.name)
         out.append(
-            Question("secret.use", ref, {"host": host.name},
+            Question(Action.SECRET_USE, ref, {"host": host.name},
                      (Entity.in_tenant(ref, scope.tenant),),
                      f"with secret.use of secret/{binding.name}")
         )  # fmt: skip
@@ -245,7 +244,7 @@ async def record_bad(scope: RunScope, method: str, target: str, exc: BadCall) ->
     """A malformed request is recorded too; raises CallRefused if it cannot be."""
     shown = target[:256].encode("ascii", "backslashreplace").decode()
     await scope.record_refusal(
-        "http.request",
+        Action.HTTP_REQUEST,
         f"host/{shown}",
         exc.message,
         details={"method": method[:32], "target": shown},
@@ -266,53 +265,3 @@ async def record_refusal(
         )
     except CallRefused as refused:
         raise refused from exc
-
-
-async def settle(scope: RunScope, admitted: Admitted, outcome: Outcome) -> BrokerError | None:
-    """Write the completion event, once; the answer still owed to the guest, if any."""
-    if outcome.completed:
-        return None
-    outcome.completed = True
-    answer, outcome.answer = outcome.answer, None
-    if answer is not None:
-        outcome.error = outcome.error or answer.message
-        outcome.answered = answer.status
-    recorded = await _complete(scope, admitted, outcome)
-    if answer is not None and not recorded and not isinstance(answer, CallRefused):
-        return CallRefused("the call was refused because the ledger cannot record it")
-    return answer
-
-
-async def _complete(scope: RunScope, admitted: Admitted, outcome: Outcome) -> bool:
-    """The completion event. The call already happened, so a failure here is logged
-    (and the caller answers ``not_recorded`` instead of an error it still owed)."""
-    details: dict[str, Any] = {
-        "decision_seq": admitted.seq,
-        "host": admitted.host.name,
-        "port": admitted.port,
-        "address": str(admitted.address),
-        "bytes_up": outcome.bytes_up,
-        "bytes_down": outcome.bytes_down,
-        "duration_ms": round((time.monotonic() - admitted.started) * 1000, 3),
-        "requests": outcome.requests,
-    }
-    if outcome.status is not None:
-        details["status"] = outcome.status
-    if outcome.injected:
-        details["secrets"] = list(outcome.injected)
-    if outcome.error is not None:
-        details["error"] = outcome.error
-    if outcome.answered is not None:
-        details["answered"] = outcome.answered
-    try:
-        await scope.record(
-            "http.request.end",
-            admitted.resource,
-            admitted.decision,
-            reason="closed" if outcome.error is None else "failed",
-            details=details,
-        )
-    except CallRefused as exc:
-        log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
-        return False
-    return True

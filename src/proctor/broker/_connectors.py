@@ -7,12 +7,19 @@ a tenant with only SQLite datasets never needs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._datasets import DatasetConnector, event_base, parse_request
+from proctor.broker._http import read_body
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
+from proctor.ledger import Action
+
+MAX_SQL_BODY = 1024 * 1024
 
 
 def _postgresql() -> DatasetConnector:
@@ -95,7 +102,43 @@ async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, A
         connector = dataset_connector(binding.kind)
     except BrokerError as exc:
         await scope.record_refusal(
-            "sql.select", f"dataset/{base['dataset']}", exc.message, details=base
+            Action.SQL_SELECT, f"dataset/{base['dataset']}", exc.message, details=base
         )
         raise
     return await connector.handle(scope, binding, call, base)
+
+
+@dataclass(frozen=True)
+class Sql:
+    """``POST /v1/sql``: one statement on a dataset bound to the run.
+
+    Its decision is not yet a ruling of the decide stage: the connector asks one
+    Cedar question per table it reads or writes, and records the call itself
+    (``_datasets.answer``), inside the act.
+    """
+
+    name: str = "sql"
+    method: str = "POST"
+    path: str = "/v1/sql"
+    records_first: bool = False
+
+    async def parse(self, call: Call) -> dict[str, Any]:
+        assert call.reader is not None and call.head is not None
+        body = await read_body(call.reader, call.head, MAX_SQL_BODY)
+        try:
+            request = json.loads(body)
+        except ValueError as exc:
+            raise BadCall(f"the body is not JSON: {exc}") from exc
+        if not isinstance(request, dict):
+            raise BadCall("the body must be a JSON object")
+        return request
+
+    async def decide(self, call: Call, request: dict[str, Any]) -> Ruling | None:
+        return None
+
+    async def act(self, call: Call, request: dict[str, Any], ruling: Ruling | None) -> Acted:
+        handler = call.handlers.sql if call.handlers is not None else handle_sql
+        return Acted(answer=await handler(call.scope, request))
+
+
+SQL = register(Sql())

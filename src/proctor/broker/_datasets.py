@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+from proctor.broker._calls import DECIDE, passed
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
@@ -368,6 +369,7 @@ def _combined(scope: RunScope, grants: Sequence[Grant], allowed: bool) -> Decisi
 def decide_tables(
     scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
 ) -> list[Grant]:
+    passed(DECIDE)  # the call's trace: SQL still decides inside its act (one question a table)
     grants: list[Grant] = []
     questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
     questions += [("sql.write", t, c) for t, c in accesses.writes.items()]

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
+from proctor.broker._calls import Acted, Call, Ruling, register
+from proctor.broker._decide import Question, decide
 from proctor.broker._fair import run_blocking
-from proctor.broker._http import BodyStream
+from proctor.broker._http import BodyStream, body_length
+from proctor.broker._record import refuse
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 from proctor.governance import (
     MAX_KEY_LENGTH,
@@ -45,6 +49,7 @@ from proctor.governance import ObjectTooBig as _TooLarge
 from proctor.governance import ObjectUnsafe as _Unsafe
 from proctor.governance import read_object_file as _read
 from proctor.governance import stage_object as _stage
+from proctor.ledger import Action
 from proctor.policy import Decision, Entity, EntityRef
 
 #: What an upload holds in memory at a time: one piece, read, hashed and written.
@@ -89,72 +94,108 @@ def _printable(value: object) -> str:
     return "?"
 
 
-# -- the handlers ----------------------------------------------------------------------
+# -- the kinds: file.read and file.write ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileRequest:
+    """One object call: the names as the guest sent them, and for a write its body."""
+
+    bucket: object
+    key: object
+    data: bytes | BodyStream | None = None
+    max_bytes: int = MAX_OBJECT_BYTES
+
+
+def _object(call: Call) -> tuple[str, str]:
+    assert call.head is not None
+    path = call.head.target.split("?", 1)[0]
+    bucket, sep, key = path.removeprefix("/v1/files/").partition("/")
+    if not sep or not bucket or not key:
+        raise BadCall("use /v1/files/<bucket>/<key>")
+    return bucket, unquote(key)
+
+
+def _refused(
+    scope: RunScope, action: str, resource: str, error: BrokerError, details: dict[str, Any]
+) -> Ruling:
+    """A call refused before or instead of its policy question."""
+    denied = Decision(False, (), scope.policies.version)
+    why = "refused: " + error.message.removeprefix("files: ")
+    return Ruling(action, resource, denied, why, details, refusal=error)
 
 
 async def _refuse(
     scope: RunScope, action: str, resource: str, error: BrokerError, details: Mapping[str, Any]
 ) -> BrokerError:
-    """Record a call refused before or instead of a policy question; returns the error."""
-    await scope.record_refusal(
-        action, resource, error.message.removeprefix("files: "), details=dict(details)
-    )
-    return error
+    """Record a refusal found acting (an object missing, a link); the error to raise."""
+    why = error.message.removeprefix("files: ")
+    return await refuse(scope, action, resource, error, details, why=why)
 
 
-async def _prepare(
-    scope: RunScope, action: str, bucket: object, key: object, context: Mapping[str, Any]
-) -> tuple[str, str, Path, Decision, dict[str, Any]]:
-    """Check names, decide, record a deny. Returns what an allowed call needs."""
-    b, k = _printable(bucket), _printable(key)
+def _ruling(scope: RunScope, action: str, request: FileRequest, context: dict[str, Any]) -> Ruling:
+    """Check names, then ask Cedar ``action`` on the bucket, the key (and a write's
+    announced size) in context."""
+    b, k = _printable(request.bucket), _printable(request.key)
     resource = f"bucket/{b}/{k}"
     details: dict[str, Any] = {"bucket": b, "key": k}
     try:
-        bucket = check_bucket(bucket)
-        key = check_key(key)
+        bucket = check_bucket(request.bucket)
+        key = check_key(request.key)
         if scope.buckets_dir is None:
             raise CallDenied("files: this run has no buckets")
     except BrokerError as exc:
-        raise await _refuse(scope, action, resource, exc, details) from None
+        return _refused(scope, action, resource, exc, details)
     ref = EntityRef.bucket(scope.tenant, bucket)
-    decision = scope.decide(
-        action, ref, {"key": key, **context}, (Entity.in_tenant(ref, scope.tenant),)
-    )
-    if not decision.allowed:
-        reason = decision.reason
+    asked = Question(action, ref, {"key": key, **context}, (Entity.in_tenant(ref, scope.tenant),))
+    verdict = decide(scope, [asked])
+    if not verdict.allowed:
         # With what was decided on (a write's announced size), so it can be re-decided.
-        details |= dict(context)
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"{action} on {resource} {reason}", policies=decision.policies)
-    return bucket, key, scope.buckets_dir, decision, details
+        details |= context
+        denied = CallDenied(f"{action} on {resource} {verdict.reason}",
+                            policies=verdict.decision.policies)  # fmt: skip
+        return Ruling(action, resource, verdict.decision, verdict.reason, details, denied)
+    found = (bucket, key, scope.buckets_dir)
+    return Ruling(action, resource, verdict.decision, verdict.reason, details, found=found)
 
 
-async def read_object(
-    scope: RunScope, bucket: str, key: str, *, max_bytes: int = MAX_OBJECT_BYTES
-) -> bytes:
-    """The object's bytes, once ``file.read`` is permitted and the read recorded
-    (with its SHA-256). Raises CallDenied, BadCall, ObjectNotFound,
-    ObjectTooLarge, or CallRefused (not recorded: nothing is returned)."""
-    action = "file.read"
-    bucket, key, root, decision, details = await _prepare(scope, action, bucket, key, {})
-    resource = f"bucket/{bucket}/{key}"
-    try:
-        data = await run_blocking(scope, _read, root, bucket, key, max_bytes)
-    except _Missing:
-        error: BrokerError = ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}")
-        raise await _refuse(scope, action, resource, error, details) from None
-    except _Unsafe:
-        error = CallDenied("files: the key names a link, a directory or a special file")
-        raise await _refuse(scope, action, resource, error, details) from None
-    except _TooLarge:
-        error = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
-        raise await _refuse(scope, action, resource, error, details) from None
-    except OSError as exc:
-        error = BrokerError(f"files: the object could not be read: {exc.strerror}")
-        raise await _refuse(scope, action, resource, error, details) from None
-    details |= {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    await scope.record(action, resource, decision, reason=decision.reason, details=details)
-    return data
+@dataclass(frozen=True)
+class FileRead:
+    """``GET /v1/files/<bucket>/<key>``: the object's bytes, read before the event
+    (which carries their SHA-256) and held until it is durable."""
+
+    name: str = "file.read"
+    method: str = "GET"
+    path: str = "/v1/files/"
+    records_first: bool = False
+
+    async def parse(self, call: Call) -> FileRequest:
+        return FileRequest(*_object(call))
+
+    async def decide(self, call: Call, request: FileRequest) -> Ruling:
+        return _ruling(call.scope, Action.FILE_READ, request, {})
+
+    async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
+        assert ruling is not None
+        scope, (bucket, key, root) = call.scope, ruling.found
+        action, resource, details = ruling.action, ruling.resource, ruling.details
+        max_bytes = request.max_bytes
+        try:
+            data = await run_blocking(scope, _read, root, bucket, key, max_bytes)
+        except _Missing:
+            error: BrokerError = ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}")
+            raise await _refuse(scope, action, resource, error, details) from None
+        except _Unsafe:
+            error = CallDenied("files: the key names a link, a directory or a special file")
+            raise await _refuse(scope, action, resource, error, details) from None
+        except _TooLarge:
+            error = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
+            raise await _refuse(scope, action, resource, error, details) from None
+        except OSError as exc:
+            error = BrokerError(f"files: the object could not be read: {exc.strerror}")
+            raise await _refuse(scope, action, resource, error, details) from None
+        facts = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return Acted(answer=data, details=facts)
 
 
 async def _pieces(data: bytes | BodyStream) -> AsyncIterator[bytes]:
@@ -164,6 +205,114 @@ async def _pieces(data: bytes | BodyStream) -> AsyncIterator[bytes]:
     else:
         for at in range(0, len(data), _PIECE):
             yield data[at : at + _PIECE]
+
+
+@dataclass(frozen=True)
+class FileWrite:
+    """``PUT /v1/files/<bucket>/<key>``: decided on the head (the announced length)
+    before a byte of the body is read; streamed to a staged file, hashed; the event
+    (SHA-256, size) durable before the object is renamed into place."""
+
+    name: str = "file.write"
+    method: str = "PUT"
+    path: str = "/v1/files/"
+    records_first: bool = False
+
+    async def parse(self, call: Call) -> FileRequest:
+        bucket, key = _object(call)
+        assert call.head is not None and call.reader is not None
+        # Not read here: decided from the head first (a refused upload is never
+        # read; the connection closes), then streamed to disk.
+        body = BodyStream(call.reader, body_length(call.head, MAX_OBJECT_BYTES))
+        return FileRequest(bucket, key, body)
+
+    async def decide(self, call: Call, request: FileRequest) -> Ruling:
+        scope, action = call.scope, Action.FILE_WRITE
+        untrusted: object = request.data
+        if isinstance(untrusted, BodyStream):
+            size = untrusted.length
+        elif isinstance(untrusted, bytes | bytearray | memoryview):
+            size = len(untrusted)
+        else:
+            size = -1
+        early: BrokerError | None = None
+        if size < 0:
+            early = BadCall("files: the object must be bytes")
+        elif size > request.max_bytes:
+            early = ObjectTooLarge(f"files: the object is larger than {request.max_bytes} bytes")
+        if early is not None:
+            b, k = _printable(request.bucket), _printable(request.key)
+            details = {"bucket": b, "key": k, "bytes": size}
+            return _refused(scope, action, f"bucket/{b}/{k}", early, details)
+        return _ruling(scope, action, request, {"bytes": size})
+
+    async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
+        assert ruling is not None
+        scope, (bucket, key, root) = call.scope, ruling.found
+        action, resource, details = ruling.action, ruling.resource, ruling.details
+        error: BrokerError
+        try:
+            staged = await run_blocking(scope, _stage, root, bucket, key)
+        except _Missing:
+            error = ObjectNotFound(f"files: no bucket {bucket!r}")
+            raise await _refuse(scope, action, resource, error, details) from None
+        except _Unsafe:
+            error = CallDenied("files: the key runs through or names a link or a non-file")
+            raise await _refuse(scope, action, resource, error, details) from None
+        except OSError as exc:
+            error = BrokerError(f"files: the object could not be written: {exc.strerror}")
+            raise await _refuse(scope, action, resource, error, details) from None
+        untrusted: object = request.data  # the caller's: bytes-like or a stream
+        data = bytes(untrusted) if isinstance(untrusted, bytearray | memoryview) else untrusted
+        assert isinstance(data, bytes | BodyStream)
+        hasher = hashlib.sha256()
+        written = 0
+        try:
+            try:
+                async for piece in _pieces(data):
+                    hasher.update(piece)
+                    written += len(piece)
+                    await run_blocking(scope, staged.write, piece)
+                await run_blocking(scope, staged.finish)
+            except BadCall as exc:  # the body stalled or ended early
+                raise await _refuse(scope, action, resource, exc, details) from None
+            except OSError as exc:
+                error = BrokerError(f"files: the object could not be written: {exc.strerror}")
+                raise await _refuse(scope, action, resource, error, details) from None
+        except BaseException:
+            await run_blocking(scope, staged.discard)
+            raise
+        digest = hasher.hexdigest()
+
+        async def commit() -> None:
+            await run_blocking(scope, staged.commit)
+
+        async def discard() -> None:
+            await run_blocking(scope, staged.discard)
+
+        return Acted(
+            answer={"sha256": digest, "bytes": written},
+            details={"bytes": written, "sha256": digest},
+            commit=commit,
+            discard=discard,
+        )
+
+
+FILE_READ = register(FileRead())
+FILE_WRITE = register(FileWrite())
+
+
+async def read_object(
+    scope: RunScope, bucket: str, key: str, *, max_bytes: int = MAX_OBJECT_BYTES
+) -> bytes:
+    """The object's bytes, once ``file.read`` is permitted and the read recorded
+    (with its SHA-256), through the same stages as a guest's call. Raises
+    CallDenied, BadCall, ObjectNotFound, ObjectTooLarge, or CallRefused (not
+    recorded: nothing is returned)."""
+    from proctor.broker._pipeline import perform  # it registers this module's kinds
+
+    data: bytes = await perform(scope, FILE_READ, FileRequest(bucket, key, None, max_bytes))
+    return data
 
 
 async def write_object(
@@ -177,65 +326,12 @@ async def write_object(
     """Write the object atomically once ``file.write`` is permitted; the event
     (SHA-256, size) is durable before the object is visible. Returns
     ``{"sha256", "bytes"}``. Raises CallDenied, BadCall, ObjectTooLarge, or
-    CallRefused (not recorded: nothing is written).
+    CallRefused (not recorded: nothing is written). ``data`` is the object's
+    bytes, or a :class:`BodyStream` not read yet (decided on its announced
+    length before a byte of it is read, streamed to disk a piece at a time)."""
+    from proctor.broker._pipeline import perform  # it registers this module's kinds
 
-    ``data`` is the object's bytes, or a :class:`BodyStream` not read yet: the
-    call is then decided on its announced length before a byte of it is read
-    (a refused body is never read), and it is streamed to disk a chunk at a
-    time, never held whole."""
-    action = "file.write"
-    untrusted: object = data
-    early: BrokerError | None = None
-    if isinstance(untrusted, BodyStream):
-        size = untrusted.length
-    elif isinstance(untrusted, bytes | bytearray | memoryview):
-        size = len(untrusted)
-        data = bytes(untrusted)
-    else:
-        size = -1
-    if size < 0:
-        early = BadCall("files: the object must be bytes")
-    elif size > max_bytes:
-        early = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
-    if early is not None:
-        resource = f"bucket/{_printable(bucket)}/{_printable(key)}"
-        info: dict[str, Any] = {"bucket": _printable(bucket), "key": _printable(key)}
-        raise await _refuse(scope, action, resource, early, {**info, "bytes": size})
-    bucket, key, root, decision, details = await _prepare(
-        scope, action, bucket, key, {"bytes": size}
+    answer: dict[str, Any] = await perform(
+        scope, FILE_WRITE, FileRequest(bucket, key, data, max_bytes)
     )
-    resource = f"bucket/{bucket}/{key}"
-    error: BrokerError
-    try:
-        staged = await run_blocking(scope, _stage, root, bucket, key)
-    except _Missing:
-        error = ObjectNotFound(f"files: no bucket {bucket!r}")
-        raise await _refuse(scope, action, resource, error, details) from None
-    except _Unsafe:
-        error = CallDenied("files: the key runs through or names a link or a non-file")
-        raise await _refuse(scope, action, resource, error, details) from None
-    except OSError as exc:
-        error = BrokerError(f"files: the object could not be written: {exc.strerror}")
-        raise await _refuse(scope, action, resource, error, details) from None
-    hasher = hashlib.sha256()
-    written = 0
-    try:
-        try:
-            async for piece in _pieces(data):
-                hasher.update(piece)
-                written += len(piece)
-                await run_blocking(scope, staged.write, piece)
-            await run_blocking(scope, staged.finish)
-        except BadCall as exc:  # the body stalled or ended early
-            raise await _refuse(scope, action, resource, exc, details) from None
-        except OSError as exc:
-            error = BrokerError(f"files: the object could not be written: {exc.strerror}")
-            raise await _refuse(scope, action, resource, error, details) from None
-        digest = hasher.hexdigest()
-        details |= {"bytes": written, "sha256": digest}
-        await scope.record(action, resource, decision, reason=decision.reason, details=details)
-    except BaseException:
-        await run_blocking(scope, staged.discard)
-        raise
-    await run_blocking(scope, staged.commit)
-    return {"sha256": digest, "bytes": written}
+    return answer

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, quote_plus
 
-from proctor.broker._admission import Admitted, Outcome, RelayState, settle
+from proctor.broker._admission import Admitted, Outcome, RelayState
 from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, host_matches
 from proctor.broker._http import (
     HOP_BY_HOP,
@@ -42,6 +42,7 @@ from proctor.broker._http import (
     walk_body,
 )
 from proctor.broker._mitm import CAError, TlsStream
+from proctor.broker._record import complete
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
@@ -117,7 +118,7 @@ class Injector:
             return
         outcome.answer = await self._loop(scope, admitted, bindings, guest, first, outcome)
         # Inside TLS, the answer is sent here, after the completion event that records it.
-        answer = await settle(scope, admitted, outcome)
+        answer = await complete(scope, admitted, outcome)
         if answer is not None:
             await _send_error_tls(guest, answer)
         await guest.close()

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,20 +27,21 @@ from proctor.broker._admission import (
     Outcome,
     RelayState,
     Resolver,
-    admit,
     record_bad,
     record_refusal,
     resource_of,
-    settle,
+    rule,
     system_resolver,
 )
+from proctor.broker._admission import admitted as admitted_of
+from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._egress import Host, UpstreamFailed, parse_host, split_authority
 from proctor.broker._http import (
     HOP_BY_HOP,
     TOKEN,
     Framing,
+    RequestHead,
     check_headers,
-    error_bytes,
     forward_headers,
     parse_response_head,
     request_framing,
@@ -57,7 +59,10 @@ from proctor.broker._inject import (
     walk_scanned,
 )
 from proctor.broker._mitm import TenantCA, upstream_context
-from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope
+from proctor.broker._record import complete
+from proctor.broker._scope import BadCall, CallRefused, RunScope, SecretBinding
+from proctor.guest.protocol import TOKEN_HEADER
+from proctor.ledger import Action
 
 __all__ = ["SECRET_BINDING_RULE", "EgressProxy", "Resolver", "system_resolver"]
 
@@ -120,29 +125,24 @@ class EgressProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        """Answer one CONNECT: a tunnel, TLS termination with injection, or a refusal."""
-        try:
-            try:
-                host_text, port = split_authority(target, None)
-                host = parse_host(host_text)
-            except BadCall as exc:
-                await record_bad(scope, "CONNECT", target, exc)
-                raise
-            bindings = bindings_for(scope, host, port)
-            admitted = await admit(
-                scope, self.resolver, host, port, "CONNECT", None, None, bindings
+        """Answer one CONNECT (a tunnel, TLS termination with injection, or a refusal)
+        through the call pipeline: for a caller that read the head itself."""
+        from proctor.broker._pipeline import serve_kind  # it imports this module
+
+        head = RequestHead("CONNECT", target, "HTTP/1.1", [])
+        await serve_kind(Call(scope, reader, writer, head, proxy=self), CONNECT)
+
+    async def connect(
+        self, call: Call, request: ConnectRequest, admitted: Admitted, outcome: Outcome
+    ) -> None:
+        """The act of an admitted CONNECT: a tunnel, or TLS ended with a secret injected."""
+        assert call.reader is not None and call.writer is not None
+        if request.bindings:
+            await self._injector.run(
+                call.scope, admitted, request.bindings, call.reader, call.writer, outcome
             )
-        except BrokerError as exc:
-            await _send_error(writer, exc)
-            return
-        outcome = Outcome()
-        try:
-            if bindings:
-                await self._injector.run(scope, admitted, bindings, reader, writer, outcome)
-            else:
-                await self._tunnel(admitted, reader, writer, outcome)
-        finally:
-            await _finish(scope, admitted, outcome, writer)
+        else:
+            await self._tunnel(admitted, call.reader, call.writer, outcome)
 
     async def _tunnel(
         self,
@@ -183,40 +183,12 @@ class EgressProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
-        """Forward one plain-HTTP request (absolute form) and relay the response."""
-        try:
-            try:
-                host, port, origin, authority = _parse_url(url)
-                check_headers(headers)
-                if not method or not set(method) <= TOKEN:
-                    raise BadCall(f"invalid method {method!r}")
-                framing = request_framing(headers, method)
-            except BadCall as exc:
-                await record_bad(scope, method, url, exc)
-                raise
-            # Placeholders in the head are refused before anything is decided
-            # or dialed; injection happens only inside TLS (CONNECT).
-            found = misplaced(scope.secrets.values(), [], method, url, headers)
-            if found is not None:
-                refusal = placeholder_refusal(scope, found[0], host, port, plain=True)
-                await record_refusal(
-                    scope, "secret.use", resource_of(host, port), refusal, SECRET_BINDING_RULE,
-                    {"secret": found[0], "where": found[1]},
-                )  # fmt: skip
-                raise refusal
-            path = origin.split("?", 1)[0]
-            admitted = await admit(scope, self.resolver, host, port, method, "http", path)
-        except BrokerError as exc:
-            await _send_error(writer, exc)
-            return
-        outcome = Outcome(requests=1)
-        try:
-            await self._forward(
-                scope, admitted, method, origin, authority, headers, framing, reader, writer,
-                outcome,
-            )  # fmt: skip
-        finally:
-            await _finish(scope, admitted, outcome, writer)
+        """Forward one plain-HTTP request (absolute form) through the call pipeline:
+        for a caller that read the head itself."""
+        from proctor.broker._pipeline import serve_kind  # it imports this module
+
+        head = RequestHead(method, url, "HTTP/1.1", headers)
+        await serve_kind(Call(scope, reader, writer, head, proxy=self), FORWARD)
 
     async def _forward(
         self,
@@ -267,7 +239,7 @@ class EgressProxy:
                     scope, exc.name, admitted.host, admitted.port, plain=True
                 )
                 await record_refusal(
-                    scope, "secret.use", admitted.resource, refusal, SECRET_BINDING_RULE,
+                    scope, Action.SECRET_USE, admitted.resource, refusal, SECRET_BINDING_RULE,
                     {"secret": exc.name, "where": "body"},
                 )  # fmt: skip
                 outcome.answer = refusal
@@ -399,29 +371,167 @@ async def _relay(
 # -- answers to the guest -----------------------------------------------------
 
 
-async def _finish(
-    scope: RunScope, admitted: Admitted, outcome: Outcome, writer: asyncio.StreamWriter
-) -> None:
-    """End a connection: the completion event goes first, as the record of any answer
-    still owed (a 502 from dialing, say), then that answer."""
-    answer = await settle(scope, admitted, outcome)
-    if answer is not None:
-        await _send_error(writer, answer)
-    await _close(writer)
-
-
-async def _send_error(writer: asyncio.StreamWriter, exc: BrokerError) -> None:
-    try:
-        writer.write(error_bytes(exc))
-        await writer.drain()
-    except (ConnectionError, OSError, RuntimeError):
-        pass
-    await _close(writer)
-
-
 async def _close(writer: asyncio.StreamWriter) -> None:
     if writer.is_closing():
         return
     writer.close()
     with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
         await writer.wait_closed()
+
+
+# -- the kinds: CONNECT and absolute-form HTTP ---------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectRequest:
+    host: Host
+    port: int
+    #: The secrets bound to the host: injected, and asked with the request.
+    bindings: list[SecretBinding]
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    method: str
+    host: Host
+    port: int
+    origin: str
+    authority: str
+    headers: list[tuple[str, str]]
+    framing: Framing
+
+
+def _proxy_of(call: Call) -> EgressProxy | None:
+    if call.proxy is not None:
+        return call.proxy
+    owner = getattr(call.handlers.connect, "__self__", None) if call.handlers else None
+    return owner if isinstance(owner, EgressProxy) else None
+
+
+async def _carry(
+    call: Call, ruling: Ruling | None, act: Callable[[Admitted, Outcome], Awaitable[None]],
+    outcome: Outcome,
+) -> Acted:  # fmt: skip
+    """Act on an admitted connection; the completion record is written however the
+    act ends, before the answer it still owes (:class:`Acted` ``answer``)."""
+    assert ruling is not None
+    admitted = admitted_of(ruling)
+    try:
+        await act(admitted, outcome)
+    finally:
+        owed = await complete(call.scope, admitted, outcome)
+    return Acted(answer=owed)
+
+
+@dataclass(frozen=True)
+class Connect:
+    """``CONNECT host:port``: a blind tunnel, or TLS ended with a secret injected."""
+
+    name: str = "egress.connect"
+    method: str = "CONNECT"
+    path: str = "authority"
+    records_first: bool = True
+
+    async def parse(self, call: Call) -> ConnectRequest | None:
+        assert call.head is not None
+        if _proxy_of(call) is None:
+            return None  # a handler of the broker's own (tests) does it all
+        target, scope = call.head.target, call.scope
+        try:
+            host_text, port = split_authority(target, None)
+            host = parse_host(host_text)
+        except BadCall as exc:
+            await record_bad(scope, "CONNECT", target, exc)
+            raise
+        return ConnectRequest(host, port, bindings_for(scope, host, port))
+
+    async def decide(self, call: Call, request: ConnectRequest | None) -> Ruling | None:
+        proxy = _proxy_of(call)
+        if request is None or proxy is None:
+            return None
+        return await rule(call.scope, proxy.resolver, request.host, request.port,
+                          "CONNECT", None, None, request.bindings)  # fmt: skip
+
+    async def act(self, call: Call, request: ConnectRequest | None, ruling: Ruling | None) -> Acted:
+        proxy = _proxy_of(call)
+        if request is None or proxy is None:
+            assert call.handlers is not None and call.head is not None
+            assert call.reader is not None and call.writer is not None
+            await call.handlers.connect(call.scope, call.head.target, call.reader, call.writer)
+            return Acted()
+
+        async def carry(admitted: Admitted, outcome: Outcome) -> None:
+            await proxy.connect(call, request, admitted, outcome)
+
+        return await _carry(call, ruling, carry, Outcome())
+
+
+@dataclass(frozen=True)
+class Forward:
+    """``GET http://host/path`` (absolute form, any method): one plain-HTTP request."""
+
+    name: str = "egress.forward"
+    method: str = "*"
+    path: str = "absolute-form"
+    records_first: bool = True
+
+    async def parse(self, call: Call) -> ForwardRequest | None:
+        assert call.head is not None
+        if _proxy_of(call) is None:
+            return None
+        scope, head = call.scope, call.head
+        method, url = head.method, head.target
+        headers = head.without(TOKEN_HEADER, "Proxy-Authorization", "Proxy-Connection")
+        try:
+            host, port, origin, authority = _parse_url(url)
+            check_headers(headers)
+            if not method or not set(method) <= TOKEN:
+                raise BadCall(f"invalid method {method!r}")
+            framing = request_framing(headers, method)
+        except BadCall as exc:
+            await record_bad(scope, method, url, exc)
+            raise
+        # Placeholders in the head are refused before anything is decided
+        # or dialed; injection happens only inside TLS (CONNECT).
+        found = misplaced(scope.secrets.values(), [], method, url, headers)
+        if found is not None:
+            refusal = placeholder_refusal(scope, found[0], host, port, plain=True)
+            await record_refusal(
+                scope, Action.SECRET_USE, resource_of(host, port), refusal, SECRET_BINDING_RULE,
+                {"secret": found[0], "where": found[1]},
+            )  # fmt: skip
+            raise refusal
+        return ForwardRequest(method, host, port, origin, authority, headers, framing)
+
+    async def decide(self, call: Call, request: ForwardRequest | None) -> Ruling | None:
+        proxy = _proxy_of(call)
+        if request is None or proxy is None:
+            return None
+        path = request.origin.split("?", 1)[0]
+        return await rule(call.scope, proxy.resolver, request.host, request.port,
+                          request.method, "http", path)  # fmt: skip
+
+    async def act(self, call: Call, request: ForwardRequest | None, ruling: Ruling | None) -> Acted:
+        proxy = _proxy_of(call)
+        assert call.reader is not None and call.writer is not None and call.head is not None
+        reader, writer = call.reader, call.writer
+        if request is None or proxy is None:
+            assert call.handlers is not None
+            head = call.head
+            headers = head.without(TOKEN_HEADER, "Proxy-Authorization", "Proxy-Connection")
+            await call.handlers.forward(call.scope, head.method, head.target, headers,
+                                        reader, writer)  # fmt: skip
+            return Acted()
+        req = request
+
+        async def carry(admitted: Admitted, outcome: Outcome) -> None:
+            await proxy._forward(
+                call.scope, admitted, req.method, req.origin, req.authority, req.headers,
+                req.framing, reader, writer, outcome,
+            )  # fmt: skip
+
+        return await _carry(call, ruling, carry, Outcome(requests=1))
+
+
+CONNECT = register(Connect())
+FORWARD = register(Forward())

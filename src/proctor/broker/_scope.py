@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from proctor.broker._calls import COMPLETE, DECIDE, RECORD, passed
 from proctor.errors import LedgerError, ProctorError, UsageError
 from proctor.ledger import (
     Actor,
@@ -476,6 +477,7 @@ class RunScope:
         entities: tuple[Entity, ...] = (),
     ) -> Decision:
         """Cedar's answer for this run's workload; never raises (errors deny)."""
+        passed(DECIDE)
         base = self.entities()
         ents = base.with_added(entities) if entities else base
         return decide(self.policies, Request(self.principal, action, resource, dict(context)), ents)
@@ -522,6 +524,7 @@ class RunScope:
                 if why is not None:
                     raise _NotStanding(why)
 
+        passed(COMPLETE if action in _COMPLETIONS else RECORD)
         try:
             appended = await self.ledger.append_async(self.tenant, draft, hook)
         except _NotStanding as exc:

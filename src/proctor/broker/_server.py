@@ -11,12 +11,11 @@ guest cannot flood the ledger with calls, nor with refusals of calls. Past the
 run's bound of calls in all, or its tenant's ledger quota of the day, it is
 answered 403, naming the one event that records that refusal.
 
-Every other answer has its event in the run's ledger before it is sent: the
-handlers record their own calls; the server records what it answers itself
-(``broker.whoami``, ``broker.auth`` for a refused token, ``broker.request``
-for a malformed request, an unknown endpoint or a wrong method, and for any
-refusal a handler raised without recording it). If that event cannot be
-recorded, the answer is 503 ``not_recorded`` instead.
+Every other answer has its event in the run's ledger before it is sent. Each
+connection is one call, served by the call pipeline (:mod:`._pipeline`: admit,
+parse, decide, act, record, answer); this module owns the sockets, the
+connections and their bounds. If an answer's event cannot be recorded, the
+answer is 503 ``not_recorded`` instead.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import asyncio
 import base64
 import contextlib
 import contextvars
-import json
 import logging
 import os
 import shutil
@@ -33,46 +31,29 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
-from proctor.broker._http import (
-    BodyStream,
-    IdleConnection,
-    RequestHead,
-    body_length,
-    error_bytes,
-    read_body,
-    read_head,
-    respond,
-    respond_json,
-)
+from proctor.broker._calls import KINDS, Call
+from proctor.broker._http import BodyStream
+from proctor.broker._pipeline import serve
 from proctor.broker._scope import (
     DEFAULT_CALL_BOUND,
-    REQUEST_EVENTS,
-    WHOAMI_RULE,
-    BadCall,
     BrokerError,
     CallRefused,
-    Exhausted,
     LedgerDay,
     LedgerQuota,
     RateLimit,
-    RateLimited,
-    RequestEvents,
     RunScope,
 )
 from proctor.broker._tokens import RunTokens
-from proctor.guest.protocol import TOKEN_HEADER
-from proctor.policy import Decision
 
 log = logging.getLogger("proctor.broker")
 
-MAX_SQL_BODY = 1024 * 1024
 #: Connections one run's socket holds at once; more are closed unread, and counted.
 MAX_CONNECTIONS_PER_RUN = 64
 #: A connection that sends no byte for this long is closed, and counted (no event each).
@@ -99,7 +80,13 @@ ForwardHandler = Callable[
 
 @dataclass(frozen=True)
 class Handlers:
-    """What the broker does with each kind of call; each decides and records itself."""
+    """What the broker is handed for the kinds of call it cannot make up itself.
+
+    ``sql`` is the SQL kind's act (``broker.handle_sql``); ``connect`` and
+    ``forward`` are an :class:`EgressProxy`'s (whose calls then go stage by
+    stage), or a test's own. The file kinds are the broker's (``_files``):
+    ``read_object`` and ``write_object`` are kept for callers that name them,
+    and the socket does not call them."""
 
     sql: SqlHandler
     read_object: ReadHandler
@@ -108,67 +95,23 @@ class Handlers:
     forward: ForwardHandler
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """One kind of request the run's socket answers.
-
-    ``path`` is an exact path, a prefix when it ends in ``/``, ``authority`` for
-    CONNECT's ``host:port``, or ``absolute-form`` for an ``http(s)://`` target
-    (any method: the egress proxy). ``serve`` names the Broker method answering it.
-    """
-
-    method: str
-    path: str
-    serve: str
-
-    def matches_path(self, path: str) -> bool:
-        if not self.path.startswith("/"):
-            return False
-        return path == self.path or (self.path.endswith("/") and path.startswith(self.path))
-
-
-#: The dispatch table: everything the socket answers with 2xx. Anything else is
+#: The dispatch table: everything the socket answers with 2xx, one registered call
+#: kind each (:data:`._calls.KINDS`: method, path, what it does). Anything else is
 #: refused (404 no such endpoint, 405 wrong method) and recorded.
-ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("GET", "/v1/whoami", "_whoami"),
-    Endpoint("POST", "/v1/sql", "_sql"),
-    Endpoint("GET", "/v1/files/", "_read_file"),
-    Endpoint("PUT", "/v1/files/", "_write_file"),
-    Endpoint("CONNECT", "authority", "_connect"),
-    Endpoint("*", "absolute-form", "_forward"),
-)
-_CONNECT = next(e for e in ENDPOINTS if e.path == "authority")
-_ABSOLUTE = next(e for e in ENDPOINTS if e.path == "absolute-form")
-_SHOWN_METHOD = 16
-_SHOWN_REASON = 160
+ENDPOINTS = KINDS
 
 
-def match_endpoint(method: str, target: str) -> Endpoint:
-    """The endpoint for ``method target``; :class:`BadCall` 404 or 405 if none."""
-    if method == "CONNECT":
-        return _CONNECT
-    if target.startswith(("http://", "https://")):
-        return _ABSOLUTE
-    path = target.split("?", 1)[0]
-    known = [e for e in ENDPOINTS if e.matches_path(path)]
-    for endpoint in known:
-        if endpoint.method == method:
-            return endpoint
-    if known:
-        methods = " or ".join(sorted({e.method for e in known}))
-        err = BadCall(f"use {methods} for {known[0].path}")
-        err.status = 405
-        raise err
-    err = BadCall(f"no such broker endpoint: {method} {path}")
-    err.status = 404
-    raise err
+#: How many calls' traces a broker keeps (for tests, benches and a person debugging).
+TRACES_KEPT = 1024
 
 
-def _shown(text: str, limit: int) -> str:
-    """Guest text made safe for an event: printable ASCII, cut at ``limit``."""
-    out = text.encode("ascii", "backslashreplace").decode()
-    out = "".join(c if c.isprintable() else "?" for c in out)
-    return out if len(out) <= limit else out[: limit - 3] + "..."
+@dataclass(frozen=True)
+class CallTrace:
+    """The stages one call passed, in order, and its kind."""
+
+    run_id: str
+    kind: str
+    stages: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -251,6 +194,8 @@ class Broker:
         self._root = Path(tempfile.mkdtemp(prefix="proctor-broker-", dir=socket_root))
         self._root.chmod(0o700)
         self._runs: dict[str, _Run] = {}
+        #: The stages the last calls passed, newest last (of every run; bounded).
+        self.traces: deque[CallTrace] = deque(maxlen=TRACES_KEPT)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="proctor-broker", daemon=True)
         self._started = False
@@ -466,116 +411,26 @@ class Broker:
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        # Counts what the handlers record for this request (this task's context only).
-        REQUEST_EVENTS.set(RequestEvents())
-        head: RequestHead | None = None
+        call = Call(scope, reader, writer, handlers=self._handlers)
         try:
-            try:
-                head = await read_head(reader, first_byte=FIRST_BYTE_TIMEOUT)
-            except IdleConnection:
-                run = self._runs.get(scope.run_id)
-                if run is not None:
-                    self._count_refused(run, "idle")
-                return
-            except BadCall:
-                # A malformed request is a call: charged before its refusal is recorded.
-                scope.admit_call()
-                raise
-            if head is None:
-                return  # nothing asked, nothing answered
-            # Before anything that costs a ledger write, the refusal of a bad token included.
-            scope.admit_call()
-            problem = self._authenticate(scope, head)
-            if problem is not None:
-                await self._record_auth_refusal(scope, head, problem)
-                await respond_json(
-                    writer,
-                    401,
-                    {"error": "unauthenticated", "message": problem, "policies": []},
-                )
-                return
-            await self._route(scope, head, reader, writer)
-        except Exhausted as exc:
-            await self._answer_exhausted(writer, exc)
-        except RateLimited as exc:
-            await self._send_error(writer, exc, extra=[("Retry-After", "1")])
-        except BrokerError as exc:
-            await self._refuse(scope, head, writer, exc)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug must not kill the broker, nor reach the guest
-            log.exception("broker: unexpected failure in run %s", scope.run_id)
-            error = BrokerError("internal broker error")
-            await self._refuse(scope, head, writer, error, status=500, always=True)
+            await serve(call, self)
+        finally:
+            if call.kind is not None:
+                self.traces.append(CallTrace(scope.run_id, call.kind.name, call.trace))
 
-    async def _refuse(
-        self,
-        scope: RunScope,
-        head: RequestHead | None,
-        writer: asyncio.StreamWriter,
-        exc: BrokerError,
-        *,
-        status: int | None = None,
-        always: bool = False,
-    ) -> None:
-        """Answer a refusal, recorded first unless its handler recorded it; if it
-        cannot be recorded, the answer is 503 ``not_recorded`` instead."""
-        counter = REQUEST_EVENTS.get()
-        if always or counter is None or counter.count == 0:
-            code = status or exc.status
-            details: dict[str, Any] = {"status": code, "error": exc.code}
-            if head is not None:
-                details["method"] = _shown(head.method, _SHOWN_METHOD)
-                # The target is the guest's text (it could hold a value it read):
-                # kept as a keyed hash, like a statement.
-                details["target_hmac"] = scope.key_hmacs([head.target])[0]
-            reason = exc.message
-            if code == 404:
-                reason = "no such broker endpoint"  # the path is in target_hmac
-            try:
-                await scope.record_refusal(
-                    "broker.request",
-                    f"run/{scope.run_id}",
-                    _shown(reason, _SHOWN_REASON),
-                    policies=exc.policies,
-                    details=details,
-                )
-            except CallRefused as refused:
-                exc, status = refused, None
-        await self._send_error(writer, exc, status=status)
+    # -- what the admit stage asks of the server (._admit.Gate) ---------------
 
-    async def _answer_exhausted(self, writer: asyncio.StreamWriter, exc: Exhausted) -> None:
-        """Past the run's bound or the tenant's quota: answered once its one event is
-        durable, naming it; 503 ``not_recorded`` if it cannot be."""
-        try:
-            refusal = await asyncio.shield(exc.recorded)
-        except BrokerError as refused:
-            await self._send_error(writer, refused)
-            return
-        counter = REQUEST_EVENTS.get()
-        if counter is not None:
-            counter.refusal = refusal
-        await self._send_error(writer, exc)
+    @property
+    def first_byte_timeout(self) -> float:
+        return FIRST_BYTE_TIMEOUT
 
-    async def _send_error(
-        self,
-        writer: asyncio.StreamWriter,
-        exc: BrokerError,
-        status: int | None = None,
-        extra: list[tuple[str, str]] | None = None,
-    ) -> None:
-        if writer.is_closing():
-            return
-        with contextlib.suppress(ConnectionError):
-            writer.write(error_bytes(exc, status, extra or ()))
-            await writer.drain()
+    def count_idle(self, call: Call) -> None:
+        run = self._runs.get(call.scope.run_id)
+        if run is not None:
+            self._count_refused(run, "idle")
 
-    def _authenticate(self, scope: RunScope, head: RequestHead) -> str | None:
-        token = head.header(TOKEN_HEADER)
-        if not token:
-            return f"missing {TOKEN_HEADER} header"
+    def token_problem(self, call: Call, token: str) -> str | None:
+        scope = call.scope
         run = self._runs.get(scope.run_id)
         problem = self._tokens.check(
             token, scope.run_id, scope.artifact or "", run.opening if run is not None else ""
@@ -591,123 +446,6 @@ class Broker:
             if again is None:
                 return "token belongs to another run"
         return problem
-
-    async def _record_auth_refusal(self, scope: RunScope, head: RequestHead, problem: str) -> None:
-        """Record a refused token; raises :class:`CallRefused` if it cannot be."""
-        await scope.record(
-            "broker.auth",
-            f"run/{scope.run_id}",
-            Decision(False, (), scope.policies.version),
-            reason=problem,
-            details={"method": _shown(head.method, _SHOWN_METHOD)},
-        )
-
-    async def _route(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        endpoint = match_endpoint(head.method, head.target)
-        serve: Callable[
-            [RunScope, RequestHead, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
-        ] = getattr(self, endpoint.serve)
-        await serve(scope, head, reader, writer)
-
-    async def _whoami(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        await scope.record(
-            "broker.whoami",
-            f"run/{scope.run_id}",
-            Decision(True, (WHOAMI_RULE,), scope.policies.version),
-            reason="the run's own identity",
-            details={},
-        )
-        await respond_json(
-            writer,
-            200,
-            {
-                "tenant": scope.tenant,
-                "run": scope.run_id,
-                "workload": scope.workload,
-                "deployment": scope.deployment,
-                "artifact": scope.artifact,
-                "environment": scope.environment,
-            },
-        )
-
-    async def _sql(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        body = await read_body(reader, head, MAX_SQL_BODY)
-        try:
-            request = json.loads(body)
-        except ValueError as exc:
-            raise BadCall(f"the body is not JSON: {exc}") from exc
-        if not isinstance(request, dict):
-            raise BadCall("the body must be a JSON object")
-        await respond_json(writer, 200, await self._handlers.sql(scope, request))
-
-    @staticmethod
-    def _object(head: RequestHead) -> tuple[str, str]:
-        path = head.target.split("?", 1)[0]
-        bucket, sep, key = path.removeprefix("/v1/files/").partition("/")
-        if not sep or not bucket or not key:
-            raise BadCall("use /v1/files/<bucket>/<key>")
-        return bucket, unquote(key)
-
-    async def _read_file(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        bucket, key = self._object(head)
-        data = await self._handlers.read_object(scope, bucket, key)
-        await respond(writer, 200, data, "application/octet-stream")
-
-    async def _write_file(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        bucket, key = self._object(head)
-        # Not read here: the handler decides from the head first (a refused upload is
-        # never read; the connection closes), then streams it to disk.
-        body = BodyStream(reader, body_length(head, MAX_OBJECT))
-        await respond_json(writer, 200, await self._handlers.write_object(scope, bucket, key, body))
-
-    async def _connect(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        await self._handlers.connect(scope, head.target, reader, writer)
-
-    async def _forward(
-        self,
-        scope: RunScope,
-        head: RequestHead,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-    ) -> None:
-        headers = head.without(TOKEN_HEADER, "Proxy-Authorization", "Proxy-Connection")
-        await self._handlers.forward(scope, head.method, head.target, headers, reader, writer)
 
 
 def wait_for_socket(path: Path, timeout: float = 5.0) -> None:

@@ -1,0 +1,112 @@
+"""The admit stage: is this a call the run may make at all, and of which kind?
+
+In order: the head is read (a connection silent for the first-byte timeout is
+closed and counted, never answered); the call is charged to the run's budget
+(rate, bound of calls, the tenant's ledger quota: :meth:`RunScope.admit_call`),
+before anything that costs a ledger write, the refusal of a bad token included;
+the token is checked (bound to the run, its artifact and the socket's opening);
+the kind is found in the one registry (:data:`._calls.KINDS`), or the request
+is refused 404 (no such endpoint) or 405 (a known path, the wrong method).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proctor.broker._calls import ADMIT, KINDS, Call, CallKind
+from proctor.broker._http import IdleConnection, RequestHead, read_head
+from proctor.broker._scope import BadCall, BrokerError
+from proctor.guest.protocol import TOKEN_HEADER
+from proctor.ledger import Action
+from proctor.policy import Decision
+
+SHOWN_METHOD = 16
+
+
+class Unauthenticated(BrokerError):
+    """The call's token is missing, forged, expired, or another run's (recorded)."""
+
+    code = "unauthenticated"
+    status = 401
+
+
+class Gate(Protocol):
+    """What the admit stage asks of the server: the run's token checked against the
+    socket's opening, and a silent connection counted."""
+
+    @property
+    def first_byte_timeout(self) -> float: ...
+    def token_problem(self, call: Call, token: str) -> str | None: ...
+    def count_idle(self, call: Call) -> None: ...
+
+
+def shown(text: str, limit: int) -> str:
+    """Guest text made safe for an event: printable ASCII, cut at ``limit``."""
+    out = text.encode("ascii", "backslashreplace").decode()
+    out = "".join(c if c.isprintable() else "?" for c in out)
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+async def admit(call: Call, gate: Gate) -> CallKind | None:
+    """The call's kind, once the call is charged and its token checked; None when
+    nothing was asked (a clean end, or an idle connection counted)."""
+    scope = call.scope
+    assert call.reader is not None
+    try:
+        head = await read_head(call.reader, first_byte=gate.first_byte_timeout)
+    except IdleConnection:
+        gate.count_idle(call)
+        return None
+    except BadCall:
+        # A malformed request is a call: charged before its refusal is recorded.
+        scope.admit_call()
+        raise
+    if head is None:
+        return None  # nothing asked, nothing answered
+    call.head = head
+    scope.admit_call()
+    call.passed(ADMIT)
+    token = head.header(TOKEN_HEADER)
+    problem = gate.token_problem(call, token) if token else f"missing {TOKEN_HEADER} header"
+    if problem is not None:
+        await scope.record(
+            Action.BROKER_AUTH,
+            f"run/{scope.run_id}",
+            Decision(False, (), scope.policies.version),
+            reason=problem,
+            details={"method": shown(head.method, SHOWN_METHOD)},
+        )
+        raise Unauthenticated(problem)
+    call.kind = kind_for(head)
+    return call.kind
+
+
+def kind_for(head: RequestHead) -> CallKind:
+    """The registered kind answering ``head``; :class:`BadCall` 404 or 405 if none."""
+    method, target = head.method, head.target
+    if method == "CONNECT":
+        return _by_path("authority")
+    if target.startswith(("http://", "https://")):
+        return _by_path("absolute-form")
+    path = target.split("?", 1)[0]
+    known = [
+        k
+        for k in KINDS
+        if k.path.startswith("/")
+        and (path == k.path or (k.path.endswith("/") and path.startswith(k.path)))
+    ]
+    for kind in known:
+        if kind.method == method:
+            return kind
+    if known:
+        methods = " or ".join(sorted({k.method for k in known}))
+        err = BadCall(f"use {methods} for {known[0].path}")
+        err.status = 405
+        raise err
+    err = BadCall(f"no such broker endpoint: {method} {path}")
+    err.status = 404
+    raise err
+
+
+def _by_path(path: str) -> CallKind:
+    return next(k for k in KINDS if k.path == path)

@@ -1,0 +1,149 @@
+"""One call out of a sandbox, and the kinds of call: what the pipeline carries.
+
+Every call goes through the same stages, one module each (:mod:`._pipeline`
+reads them top to bottom): admit (:mod:`._admit`), parse (the kind),
+decide (:mod:`._decide`), act (:mod:`._act`), record (:mod:`._record`),
+answer (:mod:`._answer`). A kind of call supplies only what differs, through
+:class:`CallKind`: how its request is parsed, which Cedar questions it asks,
+how it acts, and whether its record must come before its act (an act that
+cannot be held back, a connection dialed) or after it (an act whose result the
+event carries, held until the event is durable: the bytes read, a staged write).
+
+Kinds are registered once (:data:`KINDS`, in the order the socket matches
+them); nothing else in the path tests a kind. Each :class:`Call` keeps the
+stages it passed, in order (:attr:`Call.trace`): a tuple of names, cheap enough
+to keep for every call; the broker keeps the last ones of each run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+if TYPE_CHECKING:
+    from proctor.broker._http import RequestHead
+    from proctor.broker._proxy import EgressProxy
+    from proctor.broker._scope import BrokerError, RunScope
+    from proctor.broker._server import Handlers
+    from proctor.policy import Decision
+
+#: The stages, by name, as a call's trace shows them.
+ADMIT: Final = "admit"
+PARSE: Final = "parse"
+DECIDE: Final = "decide"
+ACT: Final = "act"
+RECORD: Final = "record"
+COMPLETE: Final = "complete"
+ANSWER: Final = "answer"
+
+
+@dataclass(eq=False)
+class Call:
+    """One request on a run's socket, on its way through the stages."""
+
+    scope: RunScope
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+    head: RequestHead | None = None
+    kind: CallKind | None = None
+    handlers: Handlers | None = None
+    #: The egress proxy, for a caller that hands a proxy call in directly.
+    proxy: EgressProxy | None = None
+    #: The stages passed, in order (a stage passed twice in a row shows once).
+    trace: tuple[str, ...] = ()
+
+    def passed(self, stage: str) -> None:
+        if not self.trace or self.trace[-1] != stage:
+            self.trace = (*self.trace, stage)
+
+
+#: The call being served by this task (set by the pipeline): stage functions that
+#: are reached from a kind's own code (the record of a refusal, the completion
+#: record) note themselves in its trace.
+CURRENT: ContextVar[Call | None] = ContextVar("proctor_current_call", default=None)
+
+
+def passed(stage: str) -> None:
+    """Note ``stage`` in the trace of the call this task serves, if any."""
+    call = CURRENT.get()
+    if call is not None:
+        call.passed(stage)
+
+
+@dataclass
+class Ruling:
+    """What the decide stage found: the call's one decision and the event recording it.
+
+    ``refusal`` set: the call stops once the event is durable, answered with it.
+    ``found`` is what the kind learnt deciding and needs to act (an egress
+    call's checked address); ``seq`` is the event's, once recorded.
+    """
+
+    action: str
+    resource: str
+    decision: Decision
+    reason: str
+    details: dict[str, Any]
+    refusal: BrokerError | None = None
+    found: Any = None
+    seq: int | None = None
+
+
+@dataclass
+class Acted:
+    """What the act stage did: ``details`` join the call's event; ``answer`` is what
+    the guest is sent (a JSON document, bytes, or None when the act answered
+    itself, a tunnel); ``commit`` runs once the event is durable, ``discard`` if
+    it cannot be made so (a staged write made visible, or removed)."""
+
+    answer: Any = None
+    details: dict[str, Any] = field(default_factory=dict)
+    commit: Callable[[], Any] | None = None
+    discard: Callable[[], Any] | None = None
+
+
+class CallKind(Protocol):
+    """A kind of call: the parts of the pipeline that differ from one kind to another.
+
+    ``method`` and ``path`` are the requests it answers: an exact path, a prefix
+    ending in ``/``, ``authority`` (CONNECT's ``host:port``) or ``absolute-form``
+    (an ``http://`` target, any method). ``records_first``: the event is
+    recorded before the act (the act cannot be held back), else after it.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def records_first(self) -> bool: ...
+
+    async def parse(self, call: Call) -> Any:
+        """The call's request, read from its head (and body); BadCall if malformed."""
+        ...
+
+    async def decide(self, call: Call, request: Any) -> Ruling | None:
+        """The call's ruling (its Cedar questions asked through :mod:`._decide`);
+        None for a kind whose act still decides and records itself."""
+        ...
+
+    async def act(self, call: Call, request: Any, ruling: Ruling | None) -> Acted:
+        """Carry the call out."""
+        ...
+
+
+#: Every kind of call, registered once, in the order the socket matches them.
+KINDS: list[CallKind] = []
+
+
+def register(kind: CallKind) -> CallKind:
+    """Add ``kind`` to :data:`KINDS` (once, at import of the module defining it)."""
+    if any(k.name == kind.name for k in KINDS):
+        raise ValueError(f"call kind {kind.name!r} is registered twice")
+    KINDS.append(kind)
+    return kind

@@ -1,0 +1,112 @@
+"""One call, one path: every call out of a sandbox, top to bottom.
+
+::
+
+    admit   (_admit.py)   budget charged, token checked, the kind found
+    parse   (the kind)    its request read from the head (and body)
+    decide  (_decide.py)  the kind's Cedar questions: one decision, one ruling
+    act     (_act.py)     carried out: held until recorded, or after it
+    record  (_record.py)  the one decision event, durable before any answer
+    answer  (_answer.py)  the result sent; a refusal answered naming its event
+
+A kind whose act cannot be held back (``records_first``: a connection dialed)
+is recorded before it acts, and what it learns acting is a completion record
+(``_record.complete``) written before any answer it still owes. Each call's
+stages are kept, in order, in :attr:`Call.trace`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from typing import Any
+
+from proctor.broker import _connectors, _files, _proxy, _whoami  # noqa: F401 - registers the kinds
+from proctor.broker._act import act, settle
+from proctor.broker._admit import Gate, admit
+from proctor.broker._answer import answer, refuse, send_error
+from proctor.broker._calls import CURRENT, PARSE, Acted, Call, CallKind
+from proctor.broker._decide import decide_call
+from proctor.broker._record import record
+from proctor.broker._scope import REQUEST_EVENTS, BrokerError, RequestEvents, RunScope
+
+log = logging.getLogger("proctor.broker")
+
+
+async def serve(call: Call, gate: Gate) -> None:
+    """Serve one call on its connection; every answer has its event first."""
+    # Counts what the stages record for this request (this task's context only).
+    REQUEST_EVENTS.set(RequestEvents())
+    CURRENT.set(call)
+    try:
+        await _stages(call, gate)
+    except BrokerError as exc:
+        await refuse(call, exc)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug must not kill the broker, nor reach the guest
+        log.exception("broker: unexpected failure in run %s", call.scope.run_id)
+        await refuse(call, BrokerError("internal broker error"), status=500, always=True)
+
+
+async def _stages(call: Call, gate: Gate) -> None:
+    kind = await admit(call, gate)
+    if kind is None:
+        return
+    request = await kind.parse(call)
+    call.passed(PARSE)
+    acted = await _decided(call, kind, request)
+    await answer(call, acted)
+
+
+async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
+    """Decide, act and record, in the kind's order; what is to be answered."""
+    ruling = await decide_call(call, kind, request)
+    if ruling is not None and (kind.records_first or ruling.refusal is not None):
+        await record(call, ruling)  # a refusal is raised here, once on record
+    acted = await act(call, kind, request, ruling)
+    if ruling is not None and ruling.seq is None:
+        try:
+            await record(call, ruling, acted)
+        except BaseException:
+            await settle(acted, recorded=False)
+            raise
+        await settle(acted, recorded=True)
+    return acted
+
+
+async def perform(scope: RunScope, kind: CallKind, request: Any) -> Any:
+    """The call ``request`` of ``kind`` made for ``scope``'s run from the broker's own
+    code (not read from a socket): decided, acted and recorded as a guest's; its answer."""
+    call = Call(scope, kind=kind)
+    token = CURRENT.set(call)
+    try:
+        acted = await _decided(call, kind, request)
+    finally:
+        CURRENT.reset(token)
+    return acted.answer
+
+
+async def serve_kind(call: Call, kind: CallKind) -> None:
+    """Serve a call whose head was read, admitted and matched elsewhere (the egress
+    proxy's own entry points): parse, decide, act, record, answer."""
+    token = CURRENT.set(call)
+    call.kind = kind
+    try:
+        request = await kind.parse(call)
+        call.passed(PARSE)
+        await answer(call, await _decided(call, kind, request))
+    except BrokerError as exc:
+        # Every refusal of an egress kind is recorded where it is found (or is
+        # not_recorded): answered as it is, by whoever's server this is.
+        await send_error(call, exc)
+    finally:
+        CURRENT.reset(token)
+        if call.writer is not None and not call.writer.is_closing():
+            call.writer.close()
+            with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
+                await call.writer.wait_closed()
