@@ -30,8 +30,9 @@ HELD = ("admit", "parse", "decide", "act", "record", "answer")
 #: An act that cannot be held back (a connection dialed): recorded first, then its
 #: completion record before whatever it still owes the guest.
 RECORDED_FIRST = ("admit", "parse", "decide", "record", "act", "complete", "answer")
-#: SQL: its connector still decides (one question per table) and records inside its act.
-SQL = ("admit", "parse", "act", "decide", "record", "answer")
+#: SQL: one question per table, one decision; a read run and held (in the same worker
+#: trip as its decision), a write run in its transaction and committed once recorded.
+SQL = HELD
 #: A refusal: recorded, then answered; nothing acted.
 REFUSED = ("admit", "parse", "decide", "record", "answer")
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from proctor.broker._proxy import EgressProxy
     from proctor.broker._scope import BrokerError, RunScope
     from proctor.broker._server import Handlers
+    from proctor.ledger import LedgerObject
     from proctor.policy import Decision
 
 #: The stages, by name, as a call's trace shows them.
@@ -103,6 +104,8 @@ class Acted:
     details: dict[str, Any] = field(default_factory=dict)
     commit: Callable[[], Any] | None = None
     discard: Callable[[], Any] | None = None
+    #: Objects the event references (a read's lineage: its rows' keyed hashes).
+    objects: tuple[LedgerObject, ...] = ()
 
 
 class CallKind(Protocol):
@@ -134,6 +137,11 @@ class CallKind(Protocol):
 
     async def act(self, call: Call, request: Any, ruling: Ruling | None) -> Acted:
         """Carry the call out."""
+        ...
+
+    async def done(self, call: Call, request: Any) -> None:
+        """Give back what the parsed request holds (a database connection), however
+        the call ended."""
         ...
 
 

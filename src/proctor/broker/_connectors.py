@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from proctor.broker._calls import Acted, Call, Ruling, register
-from proctor.broker._datasets import DatasetConnector, event_base, parse_request
+from proctor.broker._datasets import (
+    DatasetConnector,
+    Statement,
+    act,
+    event_base,
+    parse_request,
+    rule,
+)
 from proctor.broker._http import read_body
-from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
+from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.ledger import Action
 
 MAX_SQL_BODY = 1024 * 1024
@@ -82,13 +89,21 @@ def revoke_run_grants(datasets: Iterable[tuple[str, str, str]], tenant: str, run
             drop_run_logins(location, tenant, run_id, name)
 
 
-async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
-    """One guest SQL call: ``{"dataset", "sql", "params"}`` in; for a read
-    ``{"columns", "rows", "row_count", "truncated"}`` out, for a write
-    ``{"rows_affected"}``. Raises :class:`CallDenied` (policy or a refused
-    construct), :class:`BadCall` (malformed), :class:`StatementTimeout`, or
-    :class:`CallRefused` (the ledger could not record: nothing is answered,
-    a write is rolled back). Every outcome is recorded."""
+@dataclass(frozen=True)
+class SqlRequest:
+    """One statement, checked as far as its engine checks before analysis."""
+
+    connector: DatasetConnector
+    binding: DatasetBinding
+    dataset: str
+    stmt: Statement
+    details: dict[str, Any]
+
+
+async def prepare(scope: RunScope, request: Mapping[str, Any]) -> SqlRequest:
+    """A guest's ``{"dataset", "sql", "params"}`` made a statement of the dataset's
+    engine; a malformed call, or one on a dataset not bound to the run, recorded
+    and refused."""
     untrusted: object = request  # decoded JSON from the guest: any shape
     if not isinstance(untrusted, Mapping):
         untrusted = {}
@@ -105,24 +120,37 @@ async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, A
             Action.SQL_SELECT, f"dataset/{base['dataset']}", exc.message, details=base
         )
         raise
-    return await connector.handle(scope, binding, call, base)
+    stmt, details = await connector.prepare(scope, binding, call, base)
+    return SqlRequest(connector, binding, call.dataset, stmt, details)
+
+
+async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
+    """One SQL call made for ``scope``'s run through the same stages as a guest's:
+    ``{"dataset", "sql", "params"}`` in; for a read ``{"columns", "rows",
+    "row_count", "truncated"}`` out, for a write ``{"rows_affected"}``. Raises
+    :class:`CallDenied` (policy or a refused construct), :class:`BadCall`
+    (malformed), :class:`StatementTimeout`, or :class:`CallRefused` (the ledger
+    could not record: nothing is answered, a write is rolled back). Every outcome
+    is recorded."""
+    from proctor.broker._pipeline import perform  # it registers this module's kind
+
+    answer: dict[str, Any] = await perform(scope, SQL, await prepare(scope, request))
+    return answer
 
 
 @dataclass(frozen=True)
 class Sql:
-    """``POST /v1/sql``: one statement on a dataset bound to the run.
-
-    Its decision is not yet a ruling of the decide stage: the connector asks one
-    Cedar question per table it reads or writes, and records the call itself
-    (``_datasets.answer``), inside the act.
-    """
+    """``POST /v1/sql``: one statement on a dataset bound to the run: analysed and
+    decided (one Cedar question per table it reads or writes, one decision), a read
+    run and held or a write run in its transaction, recorded, then answered (a
+    write committed once its event is durable)."""
 
     name: str = "sql"
     method: str = "POST"
     path: str = "/v1/sql"
     records_first: bool = False
 
-    async def parse(self, call: Call) -> dict[str, Any]:
+    async def parse(self, call: Call) -> SqlRequest:
         assert call.reader is not None and call.head is not None
         body = await read_body(call.reader, call.head, MAX_SQL_BODY)
         try:
@@ -131,14 +159,18 @@ class Sql:
             raise BadCall(f"the body is not JSON: {exc}") from exc
         if not isinstance(request, dict):
             raise BadCall("the body must be a JSON object")
-        return request
+        return await prepare(call.scope, request)
 
-    async def decide(self, call: Call, request: dict[str, Any]) -> Ruling | None:
-        return None
+    async def decide(self, call: Call, request: SqlRequest) -> Ruling:
+        return await rule(call.scope, request.stmt, request.dataset, request.binding,
+                          request.details)  # fmt: skip
 
-    async def act(self, call: Call, request: dict[str, Any], ruling: Ruling | None) -> Acted:
-        handler = call.handlers.sql if call.handlers is not None else handle_sql
-        return Acted(answer=await handler(call.scope, request))
+    async def act(self, call: Call, request: SqlRequest, ruling: Ruling | None) -> Acted:
+        assert ruling is not None
+        return await act(call.scope, request.stmt, ruling)
+
+    async def done(self, call: Call, request: SqlRequest) -> None:
+        await request.connector.close(call.scope, request.stmt)
 
 
 SQL = register(Sql())

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from proctor.broker._calls import DECIDE, passed
+from proctor.broker._calls import Acted, Ruling
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
@@ -258,10 +258,16 @@ class DatasetConnector(Protocol):
         approved ``tables`` (the manifest's ``datasets.<name>.tables``)."""
         ...
 
-    async def handle(
+    async def prepare(
         self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Answer one call; every outcome recorded (``base``: the event's details)."""
+    ) -> tuple[Statement, dict[str, Any]]:
+        """The call's statement, checked as far as the engine checks before it is
+        analysed (a refusal recorded, then raised), and the details its events carry
+        (``base`` and the engine's own)."""
+        ...
+
+    async def close(self, scope: RunScope, stmt: Statement) -> None:
+        """Give back what ``stmt`` holds (its connection), however the call ended."""
         ...
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
@@ -369,7 +375,6 @@ def _combined(scope: RunScope, grants: Sequence[Grant], allowed: bool) -> Decisi
 def decide_tables(
     scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
 ) -> list[Grant]:
-    passed(DECIDE)  # the call's trace: SQL still decides inside its act (one question a table)
     grants: list[Grant] = []
     questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
     questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
@@ -446,23 +451,30 @@ def _deny_reason(denied: Sequence[Grant], plan: Sequence[PlanRead] = ()) -> str:
     return "denied: " + "; ".join(parts)
 
 
-# -- decide -> record -> answer ----------------------------------------------------
+# -- the SQL kind's decide and act stages ------------------------------------------
 
 
-async def answer(
-    scope: RunScope,
-    stmt: Statement,
-    dataset: str,
-    binding: DatasetBinding,
+def _refused(
+    scope: RunScope, action: str, resource: str, why: str, details: dict[str, Any],
+    error: BrokerError,
+) -> Ruling:  # fmt: skip
+    """A statement refused before or instead of its tables' questions."""
+    denied = Decision(False, (), scope.policies.version)
+    return Ruling(action, resource, denied, f"refused: {why}", details, refusal=error)
+
+
+async def rule(
+    scope: RunScope, stmt: Statement, dataset: str, binding: DatasetBinding,
     details: dict[str, Any],
-) -> dict[str, Any]:
-    """Analyse, decide, run and answer one statement; each outcome is recorded
-    first. For a read ``{"columns", "rows", "row_count", "truncated"}``, for a
-    write ``{"rows_affected"}``."""
+) -> Ruling:  # fmt: skip
+    """The decide stage of a statement: analysed, one Cedar question per table it
+    reads or writes, one decision. ``found``: (accesses, the read, its lineage).
+
+    One trip to a worker thread for the common case: a permitted read is run in
+    the same trip (held, not answered; the act stage takes it, and the record stage
+    makes its event durable before anything is answered)."""
 
     def analyse_decide_read() -> tuple[Accesses, list[Grant], Outcome | Exception | None, Lineage]:
-        # One trip to a worker thread for the common case: a permitted read runs
-        # at once; its event is recorded below, before anything is answered.
         accesses = stmt.analyse()
         grants = decide_tables(scope, dataset, binding, accesses)
         if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
@@ -474,18 +486,19 @@ async def answer(
         # Hashing one key per row is CPU work: here, not on the event loop.
         return accesses, grants, outcome, _lineage(scope, outcome)
 
+    on = f"dataset/{dataset}"
     try:
         accesses, grants, read, lineage = await run_blocking(scope, analyse_decide_read)
     except Refused as exc:
         refused = "sql.write" if exc.write else "sql.select"
-        await scope.record_refusal(refused, f"dataset/{dataset}", exc.reason, details=details)
+        error: BrokerError = CallDenied(f"sql: refused: {exc.reason}")
         if exc.bad_call:
             message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
-            raise BadCall(f"sql: {message}") from None
-        raise CallDenied(f"sql: refused: {exc.reason}") from None
+            error = BadCall(f"sql: {message}")
+        return _refused(scope, refused, on, exc.reason, details, error)
     except TimedOut:
-        await scope.record_refusal("sql.select", f"dataset/{dataset}", "timeout", details=details)
-        raise StatementTimeout("sql: the statement was stopped at the time limit") from None
+        error = StatementTimeout("sql: the statement was stopped at the time limit")
+        return _refused(scope, "sql.select", on, "timeout", details, error)
 
     action = "sql.write" if accesses.is_write else "sql.select"
     tables = sorted({g.table for g in grants})
@@ -497,16 +510,25 @@ async def answer(
     if not grants:
         # Deny by default holds here too: no policy names a statement on no table.
         reason = "the statement reads no table; no policy permits it"
-        await scope.record_refusal(action, resource, reason, details=details)
-        raise CallDenied(f"sql: refused: {reason}")
+        return _refused(scope, action, resource, reason, details,
+                        CallDenied(f"sql: refused: {reason}"))  # fmt: skip
     if denied:
         reason = clip(_deny_reason(denied, accesses.plan), MAX_REASON)
         decision = _combined(scope, grants, allowed=False)
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"sql: {reason}", policies=decision.policies)
-
+        error = CallDenied(f"sql: {reason}", policies=decision.policies)
+        return Ruling(action, resource, decision, reason, details, refusal=error)
     decision = _combined(scope, grants, allowed=True)
-    reason = decision.reason
+    return Ruling(action, resource, decision, decision.reason, details,
+                  found=(accesses, read, lineage))  # fmt: skip
+
+
+async def act(scope: RunScope, stmt: Statement, ruling: Ruling) -> Acted:
+    """The act stage of a permitted statement: the read taken (run while deciding),
+    or the write run in its transaction, committed once its event is durable and
+    rolled back if it cannot be. An outcome that is not rows (a timeout, an answer
+    over its budget, the database's own refusal, an error) is the event's too,
+    and its answer an error."""
+    accesses, read, lineage = ruling.found
     try:
         if accesses.is_write:
             outcome = await run_blocking(scope, stmt.run_write, accesses)
@@ -516,55 +538,50 @@ async def answer(
             assert read is not None
             outcome = read
     except TimedOut:
-        details["outcome"] = "timeout"
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise StatementTimeout(
-            f"sql: the statement was stopped after {scope.statement_timeout:g} s"
-        ) from None
+        return Acted(
+            StatementTimeout(f"sql: the statement was stopped after {scope.statement_timeout:g} s"),
+            {"outcome": "timeout"},
+        )
     except TooLarge as exc:
         # Nothing is answered: the guest learns the budget and asks for less.
-        details["outcome"] = "too_large"
-        details["answer_budget"] = exc.budget
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise AnswerTooLarge(f"sql: refused: {exc.sentence()}") from None
+        return Acted(AnswerTooLarge(f"sql: refused: {exc.sentence()}"),
+                     {"outcome": "too_large", "answer_budget": exc.budget})  # fmt: skip
     except DatabaseRefused as exc:
         # Cedar permitted more than the database grants: the database has the last word.
-        details["outcome"] = "refused_by_database"
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise CallDenied(f"sql: the database refused it: {exc}") from None
+        return Acted(CallDenied(f"sql: the database refused it: {exc}"),
+                     {"outcome": "refused_by_database"})  # fmt: skip
     except Failed as exc:
         # The class only: an engine message could quote a value.
-        details["outcome"] = "error"
-        details["error"] = exc.error
-        await scope.record(action, resource, decision, reason=reason, details=details)
-        raise BadCall(f"sql: the statement failed: {exc.message}") from None
-
-    details["outcome"] = "ok"
+        return Acted(BadCall(f"sql: the statement failed: {exc.message}"),
+                     {"outcome": "error", "error": exc.error})  # fmt: skip
     if accesses.is_write:
-        details["rows_affected"] = outcome.rows_affected
-        try:
-            await scope.record(action, resource, decision, reason=reason, details=details)
-        except BaseException:
-            await run_blocking(scope, stmt.rollback)
-            raise
-        await run_blocking(scope, stmt.commit)
-        return {"rows_affected": outcome.rows_affected}
 
-    details["row_count"] = len(outcome.rows)
-    details["truncated"] = outcome.truncated
-    details["lineage"] = "rows" if lineage is not None else "table"
+        async def commit() -> None:
+            await run_blocking(scope, stmt.commit)
+
+        async def rollback() -> None:
+            await run_blocking(scope, stmt.rollback)
+
+        affected = {"rows_affected": outcome.rows_affected}
+        return Acted(affected, {"outcome": "ok", **affected}, commit=commit, discard=rollback)
+    details: dict[str, Any] = {
+        "outcome": "ok",
+        "row_count": len(outcome.rows),
+        "truncated": outcome.truncated,
+        "lineage": "rows" if lineage is not None else "table",
+    }
     objects: tuple[LedgerObject, ...] = ()
     if lineage is not None:
         # The event names the rows by a reference of fixed size (ledger/_objects.py).
         objects = (lineage[0],)
         details["lineage_object"] = lineage[1]
-    await scope.record(action, resource, decision, reason=reason, details=details, objects=objects)
-    return {
+    rows = {
         "columns": outcome.columns,
         "rows": outcome.rows,
         "row_count": len(outcome.rows),
         "truncated": outcome.truncated,
     }
+    return Acted(rows, details, objects=objects)
 
 
 # -- fixed budgets: an event's size must not follow its statement (docs/ledger.md) --

@@ -175,6 +175,9 @@ class FileRead:
     async def decide(self, call: Call, request: FileRequest) -> Ruling:
         return _ruling(call.scope, Action.FILE_READ, request, {})
 
+    async def done(self, call: Call, request: object) -> None:
+        return None
+
     async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
         assert ruling is not None
         scope, (bucket, key, root) = call.scope, ruling.found
@@ -245,6 +248,9 @@ class FileWrite:
             details = {"bucket": b, "key": k, "bytes": size}
             return _refused(scope, action, f"bucket/{b}/{k}", early, details)
         return _ruling(scope, action, request, {"bytes": size})
+
+    async def done(self, call: Call, request: object) -> None:
+        return None
 
     async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
         assert ruling is not None

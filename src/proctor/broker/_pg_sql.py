@@ -106,7 +106,6 @@ from proctor.broker._datasets import (
     Statement,
     TimedOut,
     TooLarge,
-    answer,
     column_permitted,
     run_answer_budget,
 )
@@ -1477,9 +1476,9 @@ class PostgresConnector:
         # Reset to match the approved manifest at every start.
         grant_deployment_role(binding.location, tenant, deployment, binding.name, tables)
 
-    async def handle(
+    async def prepare(
         self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> tuple[Statement, dict[str, Any]]:
         try:
             if not isinstance(call.params, tuple):
                 raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
@@ -1498,10 +1497,11 @@ class PostgresConnector:
             raise
         details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
         stmt = _Statement(_pool(scope, binding), pg_sql, call.params, scope.statement_timeout)
-        try:
-            return await answer(scope, stmt, call.dataset, binding, details)
-        finally:
-            await run_blocking(scope, stmt.close)
+        return stmt, details
+
+    async def close(self, scope: RunScope, stmt: Statement) -> None:
+        assert isinstance(stmt, _Statement)
+        await run_blocking(scope, stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
         # The closed pool stays with the scope (see close_pg_pools); one is made

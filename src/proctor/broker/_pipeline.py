@@ -59,8 +59,10 @@ async def _stages(call: Call, gate: Gate) -> None:
         return
     request = await kind.parse(call)
     call.passed(PARSE)
-    acted = await _decided(call, kind, request)
-    await answer(call, acted)
+    try:
+        await answer(call, await _decided(call, kind, request))
+    finally:
+        await kind.done(call, request)
 
 
 async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
@@ -88,6 +90,9 @@ async def perform(scope: RunScope, kind: CallKind, request: Any) -> Any:
         acted = await _decided(call, kind, request)
     finally:
         CURRENT.reset(token)
+        await kind.done(call, request)
+    if isinstance(acted.answer, BrokerError):
+        raise acted.answer  # recorded with the call's event
     return acted.answer
 
 
@@ -99,7 +104,10 @@ async def serve_kind(call: Call, kind: CallKind) -> None:
     try:
         request = await kind.parse(call)
         call.passed(PARSE)
-        await answer(call, await _decided(call, kind, request))
+        try:
+            await answer(call, await _decided(call, kind, request))
+        finally:
+            await kind.done(call, request)
     except BrokerError as exc:
         # Every refusal of an egress kind is recorded where it is found (or is
         # not_recorded): answered as it is, by whoever's server this is.

@@ -452,6 +452,9 @@ class Connect:
         return await rule(call.scope, proxy.resolver, request.host, request.port,
                           "CONNECT", None, None, request.bindings)  # fmt: skip
 
+    async def done(self, call: Call, request: object) -> None:
+        return None
+
     async def act(self, call: Call, request: ConnectRequest | None, ruling: Ruling | None) -> Acted:
         proxy = _proxy_of(call)
         if request is None or proxy is None:
@@ -510,6 +513,9 @@ class Forward:
         path = request.origin.split("?", 1)[0]
         return await rule(call.scope, proxy.resolver, request.host, request.port,
                           request.method, "http", path)  # fmt: skip
+
+    async def done(self, call: Call, request: object) -> None:
+        return None
 
     async def act(self, call: Call, request: ForwardRequest | None, ruling: Ruling | None) -> Acted:
         proxy = _proxy_of(call)

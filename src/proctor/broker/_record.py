@@ -37,8 +37,9 @@ async def record(call: Call, ruling: Ruling, acted: Acted | None = None) -> None
     refusal once it is durable."""
     details = ruling.details if acted is None else {**ruling.details, **acted.details}
     appended = await call.scope.record(
-        ruling.action, ruling.resource, ruling.decision, reason=ruling.reason, details=details
-    )
+        ruling.action, ruling.resource, ruling.decision, reason=ruling.reason, details=details,
+        objects=acted.objects if acted is not None else (),
+    )  # fmt: skip
     ruling.seq = appended.seq
     if ruling.refusal is not None:
         raise ruling.refusal

@@ -57,8 +57,8 @@ from proctor.broker._datasets import (
     Outcome,
     Refused,
     SqlCall,
+    Statement,
     TimedOut,
-    answer,
 )
 from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant, quote_name
@@ -855,22 +855,22 @@ class SQLiteConnector:
     ) -> None:
         return None
 
-    async def handle(
+    async def prepare(
         self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> tuple[Statement, dict[str, Any]]:
         deadline = time.monotonic() + scope.statement_timeout
         stmt = _Statement(binding, _read_pool(scope, binding), call.sql, call.params, deadline)
-        details = {**base, "synthetic": binding.synthetic}
-        try:
-            return await answer(scope, stmt, call.dataset, binding, details)
-        finally:
-            # Returning a read connection to the pool is cheap: do it here unless a
-            # worker still holds the statement (a cancelled call), then wait off-loop.
-            if stmt.write_conn is None and stmt.lock.acquire(blocking=False):
-                stmt.lock.release()
-                stmt.close()
-            else:
-                await run_blocking(scope, stmt.close)
+        return stmt, {**base, "synthetic": binding.synthetic}
+
+    async def close(self, scope: RunScope, stmt: Statement) -> None:
+        assert isinstance(stmt, _Statement)
+        # Returning a read connection to the pool is cheap: do it here unless a
+        # worker still holds the statement (a cancelled call), then wait off-loop.
+        if stmt.write_conn is None and stmt.lock.acquire(blocking=False):
+            stmt.lock.release()
+            stmt.close()
+        else:
+            await run_blocking(scope, stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
         # The read pools are the scope's and go with it; no connection outlives a

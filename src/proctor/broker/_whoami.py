@@ -28,6 +28,9 @@ class Whoami:
         return Ruling(Action.BROKER_WHOAMI, f"run/{scope.run_id}", allowed,
                       "the run's own identity", {})  # fmt: skip
 
+    async def done(self, call: Call, request: object) -> None:
+        return None
+
     async def act(self, call: Call, request: None, ruling: Ruling | None) -> Acted:
         scope = call.scope
         identity: dict[str, Any] = {
