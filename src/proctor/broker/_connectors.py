@@ -83,10 +83,9 @@ def revoke_run_grants(datasets: Iterable[tuple[str, str, str]], tenant: str, run
     other kinds grant nothing per run. Raises :class:`~proctor.errors.ProctorError`
     if a database cannot be reached (the sweep tries again at the next opening)."""
     for kind, location, name in datasets:
-        if kind == "postgresql":
-            from proctor.broker._pg_sql import drop_run_logins
-
-            drop_run_logins(location, tenant, run_id, name)
+        load = _CONNECTORS.get(kind)
+        if load is not None:
+            load().revoke_run(location, tenant, run_id, name)
 
 
 @dataclass(frozen=True)

@@ -278,6 +278,11 @@ class DatasetConnector(Protocol):
         """At undeploy: take back what :meth:`grant` gave; whether there was any."""
         ...
 
+    def revoke_run(self, location: str, tenant: str, run_id: str, dataset: str) -> bool:
+        """For a run whose owner is gone: take back what the run was granted outside
+        Proctor (PostgreSQL: its login role); whether there was any."""
+        ...
+
 
 _Conn = TypeVar("_Conn")
 

@@ -1511,6 +1511,9 @@ class PostgresConnector:
     def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
         return revoke_deployment_role(location, tenant, deployment, dataset)
 
+    def revoke_run(self, location: str, tenant: str, run_id: str, dataset: str) -> bool:
+        return drop_run_logins(location, tenant, run_id, dataset)
+
 
 POSTGRESQL = PostgresConnector()
 

@@ -1,9 +1,11 @@
-"""What the broker knows about one run, and the one way its handlers decide and record.
+"""What the broker knows about one run, and the one way its calls are decided and recorded.
 
-Every handler (egress, SQL, files, secrets) goes through :meth:`RunScope.decide`
-and :meth:`RunScope.record`: Cedar decides with the run's workload as principal,
-and the event is durable in the tenant's ledger before the call is answered. If
-the ledger cannot record, :class:`CallRefused` is raised and the call must fail.
+Every call (egress, SQL, files, secrets) is decided through :meth:`RunScope.decide`
+(the decide stage, ``_decide.py``) and recorded through :meth:`RunScope.record`
+(the record stage, ``_record.py``): Cedar decides with the run's workload as
+principal, and the event is durable in the tenant's ledger before the call is
+answered. If the ledger cannot record, :class:`CallRefused` is raised and the
+call must fail.
 
 Every allowed call is also held to the run's standing in the same transaction
 as its event (:attr:`RunScope.standing`, a read of the store): a tenant frozen,
@@ -569,24 +571,6 @@ class RunScope:
         return await self.record(
             action, resource, denied, reason=f"refused: {why}", details=details, objects=objects
         )
-
-    async def decide_and_record(
-        self,
-        action: str,
-        resource: EntityRef,
-        event_resource: str,
-        context: Mapping[str, Any],
-        *,
-        details: Mapping[str, Any],
-        entities: tuple[Entity, ...] = (),
-    ) -> Decision:
-        """Decide, record the decision, and raise CallDenied if it was a deny."""
-        decision = self.decide(action, resource, context, entities)
-        reason = decision.reason
-        await self.record(action, event_resource, decision, reason=reason, details=details)
-        if not decision.allowed:
-            raise CallDenied(f"{action} on {event_resource} {reason}", policies=decision.policies)
-        return decision
 
     # -- the call rate ---------------------------------------------------------
 

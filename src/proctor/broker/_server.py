@@ -82,11 +82,12 @@ ForwardHandler = Callable[
 class Handlers:
     """What the broker is handed for the kinds of call it cannot make up itself.
 
-    ``sql`` is the SQL kind's act (``broker.handle_sql``); ``connect`` and
-    ``forward`` are an :class:`EgressProxy`'s (whose calls then go stage by
-    stage), or a test's own. The file kinds are the broker's (``_files``):
-    ``read_object`` and ``write_object`` are kept for callers that name them,
-    and the socket does not call them."""
+    ``connect`` and ``forward`` are an :class:`EgressProxy`'s methods (its calls
+    then go stage by stage, with its resolver, tenant CAs and upstream trust), or
+    a test's own, called as the act of the whole call. The SQL and file kinds
+    are the broker's (``_connectors``, ``_files``): ``sql``, ``read_object`` and
+    ``write_object`` are kept for callers that name them; the socket does not
+    call them."""
 
     sql: SqlHandler
     read_object: ReadHandler

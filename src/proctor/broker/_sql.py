@@ -880,5 +880,8 @@ class SQLiteConnector:
     def revoke(self, location: str, tenant: str, deployment: str, dataset: str) -> bool:
         return False
 
+    def revoke_run(self, location: str, tenant: str, run_id: str, dataset: str) -> bool:
+        return False  # a SQLite dataset grants nothing per run
+
 
 SQLITE = SQLiteConnector()
