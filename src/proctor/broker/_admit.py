@@ -11,11 +11,10 @@ is refused 404 (no such endpoint) or 405 (a known path, the wrong method).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from proctor.broker._calls import ADMIT, KINDS, Call, CallKind
 from proctor.broker._http import IdleConnection, RequestHead, read_head
 from proctor.broker._scope import BadCall, BrokerError
+from proctor.broker._tokens import RunTokens
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Action
 from proctor.policy import Decision
@@ -30,14 +29,34 @@ class Unauthenticated(BrokerError):
     status = 401
 
 
-class Gate(Protocol):
-    """What the admit stage asks of the server: the run's token checked against the
-    socket's opening, and a silent connection counted."""
+class Gate:
+    """What a call's token is checked against: the broker's token key, and each open
+    run's artifact and *opening* (drawn when its socket opens, forgotten when it
+    closes: a token dies with its socket). Used on the broker's event loop."""
 
-    @property
-    def first_byte_timeout(self) -> float: ...
-    def token_problem(self, call: Call, token: str) -> str | None: ...
-    def count_idle(self, call: Call) -> None: ...
+    def __init__(self, tokens: RunTokens) -> None:
+        self.tokens = tokens
+        self._open: dict[str, tuple[str, str]] = {}  # run -> (artifact, opening)
+
+    def opened(self, run_id: str, artifact: str, opening: str) -> None:
+        self._open[run_id] = (artifact, opening)
+
+    def closed(self, run_id: str) -> None:
+        self._open.pop(run_id, None)
+
+    def problem(self, run_id: str, token: str) -> str | None:
+        """Why ``token`` does not admit a call of ``run_id``, or None."""
+        artifact, opening = self._open.get(run_id, ("", ""))
+        problem = self.tokens.check(token, run_id, artifact, opening)
+        if problem is None or token.count(".") != 3:
+            return problem
+        # Say so when it is the token of another open run (replayed here), which
+        # only that run's opening can show; an ended run's token reads as forged.
+        other = token.split(".")[1]
+        replayed = other != run_id and other in self._open
+        if replayed and self.tokens.check(token, other, *self._open[other]) is None:
+            return "token belongs to another run"
+        return problem
 
 
 def shown(text: str, limit: int) -> str:
@@ -47,15 +66,16 @@ def shown(text: str, limit: int) -> str:
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
-async def admit(call: Call, gate: Gate) -> CallKind | None:
+async def admit(call: Call, gate: Gate, first_byte: float) -> CallKind | None:
     """The call's kind, once the call is charged and its token checked; None when
-    nothing was asked (a clean end, or an idle connection counted)."""
+    nothing was asked (a clean end; or no byte within ``first_byte`` seconds,
+    ``call.idle``, for the server to count)."""
     scope = call.scope
     assert call.reader is not None
     try:
-        head = await read_head(call.reader, first_byte=gate.first_byte_timeout)
+        head = await read_head(call.reader, first_byte=first_byte)
     except IdleConnection:
-        gate.count_idle(call)
+        call.idle = True
         return None
     except BadCall:
         # A malformed request is a call: charged before its refusal is recorded.
@@ -67,7 +87,7 @@ async def admit(call: Call, gate: Gate) -> CallKind | None:
     scope.admit_call()
     call.passed(ADMIT)
     token = head.header(TOKEN_HEADER)
-    problem = gate.token_problem(call, token) if token else f"missing {TOKEN_HEADER} header"
+    problem = gate.problem(scope.run_id, token) if token else f"missing {TOKEN_HEADER} header"
     if problem is not None:
         await scope.record(
             Action.BROKER_AUTH,

@@ -55,6 +55,8 @@ class Call:
     proxy: EgressProxy | None = None
     #: The stages passed, in order (a stage passed twice in a row shows once).
     trace: tuple[str, ...] = ()
+    #: No byte came before the first-byte timeout: closed unread, for the server to count.
+    idle: bool = False
 
     def passed(self, stage: str) -> None:
         if not self.trace or self.trace[-1] != stage:

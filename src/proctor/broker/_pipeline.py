@@ -35,13 +35,13 @@ from proctor.broker._scope import REQUEST_EVENTS, BrokerError, RequestEvents, Ru
 log = logging.getLogger("proctor.broker")
 
 
-async def serve(call: Call, gate: Gate) -> None:
+async def serve(call: Call, gate: Gate, first_byte: float) -> None:
     """Serve one call on its connection; every answer has its event first."""
     # Counts what the stages record for this request (this task's context only).
     REQUEST_EVENTS.set(RequestEvents())
     CURRENT.set(call)
     try:
-        await _stages(call, gate)
+        await _stages(call, gate, first_byte)
     except BrokerError as exc:
         await refuse(call, exc)
     except (ConnectionError, asyncio.IncompleteReadError):
@@ -53,8 +53,8 @@ async def serve(call: Call, gate: Gate) -> None:
         await refuse(call, BrokerError("internal broker error"), status=500, always=True)
 
 
-async def _stages(call: Call, gate: Gate) -> None:
-    kind = await admit(call, gate)
+async def _stages(call: Call, gate: Gate, first_byte: float) -> None:
+    kind = await admit(call, gate, first_byte)
     if kind is None:
         return
     request = await kind.parse(call)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proctor.broker._admit import Gate
 from proctor.broker._calls import KINDS, Call
 from proctor.broker._http import BodyStream
 from proctor.broker._pipeline import serve
@@ -187,6 +188,7 @@ class Broker:
         self.max_connections = max_connections or max(256, raise_open_files_limit() // 4)
         self._open_connections = 0
         self._tokens = RunTokens(token_key)
+        self._gate = Gate(self._tokens)
         self.rate_limit = rate_limit or RateLimit()
         if isinstance(call_bound, bool) or not isinstance(call_bound, int) or call_bound < 1:
             raise BrokerError(f"a run's call bound must be a positive integer, not {call_bound!r}")
@@ -312,12 +314,14 @@ class Broker:
         # The guest's uid differs from ours; the 0700 directory is what guards the socket.
         os.chmod(path, 0o666)  # noqa: S103
         self._runs[scope.run_id] = _Run(scope, server, path, connections, opening)
+        self._gate.opened(scope.run_id, scope.artifact or "", opening)
         return path
 
     async def _close(self, run_id: str) -> None:
         run = self._runs.pop(run_id, None)
         if run is None:
             return
+        self._gate.closed(run_id)
         run.server.close()
         tasks = list(run.connections)
         for task in tasks:
@@ -414,39 +418,14 @@ class Broker:
     ) -> None:
         call = Call(scope, reader, writer, handlers=self._handlers)
         try:
-            await serve(call, self)
+            await serve(call, self._gate, FIRST_BYTE_TIMEOUT)
         finally:
             if call.kind is not None:
                 self.traces.append(CallTrace(scope.run_id, call.kind.name, call.trace))
-
-    # -- what the admit stage asks of the server (._admit.Gate) ---------------
-
-    @property
-    def first_byte_timeout(self) -> float:
-        return FIRST_BYTE_TIMEOUT
-
-    def count_idle(self, call: Call) -> None:
-        run = self._runs.get(call.scope.run_id)
-        if run is not None:
-            self._count_refused(run, "idle")
-
-    def token_problem(self, call: Call, token: str) -> str | None:
-        scope = call.scope
-        run = self._runs.get(scope.run_id)
-        problem = self._tokens.check(
-            token, scope.run_id, scope.artifact or "", run.opening if run is not None else ""
-        )
-        if problem is None or token.count(".") != 3:
-            return problem
-        # Say so when it is the token of another open run (replayed here), which
-        # only that run's opening can show; an ended run's token reads as forged.
-        other = self._runs.get(token.split(".")[1])
-        if other is not None and other is not run:
-            again = self._tokens.check(token, other.scope.run_id, other.scope.artifact or "",
-                                       other.opening)  # fmt: skip
-            if again is None:
-                return "token belongs to another run"
-        return problem
+        if call.idle:
+            run = self._runs.get(scope.run_id)
+            if run is not None:
+                self._count_refused(run, "idle")
 
 
 def wait_for_socket(path: Path, timeout: float = 5.0) -> None:
