@@ -22,7 +22,7 @@ from proctor.broker._calls import Acted, Ruling
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
-from proctor.ledger import LedgerObject, clip, lineage_object
+from proctor.ledger import Action, LedgerObject, clip, lineage_object
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, EntitySet, Request, decide
 
 #: Longest statement text accepted from a guest.
@@ -381,8 +381,10 @@ def decide_tables(
     scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
 ) -> list[Grant]:
     grants: list[Grant] = []
-    questions = [("sql.select", t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()]
-    questions += [("sql.write", t, c) for t, c in accesses.writes.items()]
+    questions = [
+        (Action.SQL_SELECT, t, c | accesses.plan_columns(t)) for t, c in accesses.reads.items()
+    ]
+    questions += [(Action.SQL_WRITE, t, c) for t, c in accesses.writes.items()]
     for action, table, cols in sorted(questions, key=lambda q: (q[1], q[0])):
         columns = tuple(sorted(c for c in cols if c))
         try:
@@ -399,7 +401,7 @@ def decide_tables(
         }
         decision = decide(scope.policies, Request(scope.principal, action, ref, context), entities)
         through_plan = False
-        if not decision.allowed and action == "sql.select" and accesses.plan_columns(table):
+        if not decision.allowed and action == Action.SQL_SELECT and accesses.plan_columns(table):
             # Would the columns the statement names alone be permitted? Then the
             # plan is why it is denied, and the refusal says how to avoid it.
             named = sorted(c for c in accesses.reads[table] if c)
@@ -426,7 +428,7 @@ def column_permitted(
         "columns": [column],
         "row_limit": scope.row_limit,
     }
-    request = Request(scope.principal, "sql.select", ref, context)
+    request = Request(scope.principal, Action.SQL_SELECT, ref, context)
     return decide(scope.policies, request, entities).allowed
 
 
@@ -495,7 +497,7 @@ async def rule(
     try:
         accesses, grants, read, lineage = await run_blocking(scope, analyse_decide_read)
     except Refused as exc:
-        refused = "sql.write" if exc.write else "sql.select"
+        refused = Action.SQL_WRITE if exc.write else Action.SQL_SELECT
         error: BrokerError = CallDenied(f"sql: refused: {exc.reason}")
         if exc.bad_call:
             message = f"{exc.reason}: {exc.detail}" if exc.detail else exc.reason
@@ -503,9 +505,9 @@ async def rule(
         return _refused(scope, refused, on, exc.reason, details, error)
     except TimedOut:
         error = StatementTimeout("sql: the statement was stopped at the time limit")
-        return _refused(scope, "sql.select", on, "timeout", details, error)
+        return _refused(scope, Action.SQL_SELECT, on, "timeout", details, error)
 
-    action = "sql.write" if accesses.is_write else "sql.select"
+    action = Action.SQL_WRITE if accesses.is_write else Action.SQL_SELECT
     tables = sorted({g.table for g in grants})
     resource = _resource(dataset, tables)
     details = {**details, **_grants_json(grants)}

@@ -164,7 +164,7 @@ class FileRead:
     """``GET /v1/files/<bucket>/<key>``: the object's bytes, read before the event
     (which carries their SHA-256) and held until it is durable."""
 
-    name: str = "file.read"
+    name: str = Action.FILE_READ
     method: str = "GET"
     path: str = "/v1/files/"
     records_first: bool = False
@@ -216,7 +216,7 @@ class FileWrite:
     before a byte of the body is read; streamed to a staged file, hashed; the event
     (SHA-256, size) durable before the object is renamed into place."""
 
-    name: str = "file.write"
+    name: str = Action.FILE_WRITE
     method: str = "PUT"
     path: str = "/v1/files/"
     records_first: bool = False

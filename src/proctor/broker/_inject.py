@@ -51,6 +51,7 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
+from proctor.ledger import Action
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
 SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
@@ -408,11 +409,11 @@ async def _record_tunnel_refusal(
     ``http.request`` denies; anything else (an upstream that failed) is recorded
     by the connection's completion event, written before the answer too."""
     if isinstance(exc, (_Misplaced, _Echoed)):
-        action, details = "secret.use", exc.details
+        action, details = Action.SECRET_USE, exc.details
     elif isinstance(exc, EgressDenied):
-        action, details = "secret.use", {"host": admitted.host.name, "port": admitted.port}
+        action, details = Action.SECRET_USE, {"host": admitted.host.name, "port": admitted.port}
     elif isinstance(exc, BadCall):
-        action, details = "http.request", {"method": method[:32], "status": exc.status}
+        action, details = Action.HTTP_REQUEST, {"method": method[:32], "status": exc.status}
     else:
         return exc
     try:

@@ -114,6 +114,7 @@ from proctor.broker._lineage import key_text
 from proctor.broker._pg_reads import Unaccounted, statement_reads, table_name
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
+from proctor.ledger import Action
 from proctor.store import redact, to_pg_sql
 
 log = logging.getLogger("proctor")
@@ -1493,7 +1494,7 @@ class PostgresConnector:
             check_statement(pg_sql)
         except (BadCall, CallDenied) as exc:
             resource = f"dataset/{call.dataset}"
-            await scope.record_refusal("sql.select", resource, exc.message, details=base)
+            await scope.record_refusal(Action.SQL_SELECT, resource, exc.message, details=base)
             raise
         details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
         stmt = _Statement(_pool(scope, binding), pg_sql, call.params, scope.statement_timeout)

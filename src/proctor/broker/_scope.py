@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from proctor.broker._calls import COMPLETE, DECIDE, RECORD, passed
 from proctor.errors import LedgerError, ProctorError, UsageError
 from proctor.ledger import (
+    Action,
     Actor,
     Appended,
     EventDraft,
@@ -78,7 +79,7 @@ RATE_LIMIT_RULE = "proctor:broker:rate-limit"
 STANDING_RULE = "proctor:broker:run-standing"
 #: Events that record what an admitted call did, not a new call: never refused
 #: for the run's standing (the evidence of what already happened must be kept).
-_COMPLETIONS = frozenset({"http.request.end"})
+_COMPLETIONS = frozenset({Action.HTTP_REQUEST_END})
 #: The rule named in a ``broker.whoami`` event: a run may always ask who it is.
 WHOAMI_RULE = "proctor:broker:whoami"
 #: The most calls a run makes in all, unless its manifest says (``limits.calls``);
@@ -623,7 +624,7 @@ class RunScope:
         refusal = self._bound_refusal
         if refusal is None or _failed(refusal):
             refusal = self._bound_refusal = self._record_once(
-                "broker.call_bound", f"run/{self.run_id}", why, CALL_BOUND_RULE,
+                Action.BROKER_CALL_BOUND, f"run/{self.run_id}", why, CALL_BOUND_RULE,
                 {"bound": bound, "calls": self.calls},
             )  # fmt: skip
         _name(refusal)
@@ -647,7 +648,7 @@ class RunScope:
                 await quota.noted(day, seq, reason)
 
             refusal = quota.refusal = self._record_once(
-                "broker.ledger_quota", f"tenant/{self.tenant}",
+                Action.BROKER_LEDGER_QUOTA, f"tenant/{self.tenant}",
                 f"{text}; the tenant's runs' calls are refused until 00:00 UTC",
                 LEDGER_QUOTA_RULE,
                 {"quota": quota.quota, "events": quota.events, "day": day},
@@ -723,7 +724,7 @@ class RunScope:
         limit = limiter.limit
         draft = EventDraft(
             self.actor,
-            "broker.rate_limited",
+            Action.BROKER_RATE_LIMITED,
             f"run/{self.run_id}",
             decision="deny",
             policies=(RATE_LIMIT_RULE,),

@@ -52,6 +52,7 @@ from proctor.broker._scope import (
     RunScope,
 )
 from proctor.broker._tokens import RunTokens
+from proctor.ledger import Action
 
 log = logging.getLogger("proctor.broker")
 
@@ -381,7 +382,7 @@ class Broker:
         )
         try:
             await scope.record_refusal(
-                "broker.connections.refused",
+                Action.BROKER_CONNECTIONS_REFUSED,
                 f"run/{scope.run_id}",
                 why,
                 policies=(CONNECTION_LIMIT_RULE,),
