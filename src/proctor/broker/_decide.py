@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from proctor.broker._calls import DECIDE, Call, CallKind, Ruling
 from proctor.policy import Decision, Entity, EntityRef
 
 if TYPE_CHECKING:
@@ -77,12 +76,3 @@ def decide(scope: RunScope, questions: Sequence[Question]) -> Verdict:
             reason = f"{question.label} {part.reason}" if question.label else part.reason
             break
     return Verdict(decision, reason, parts)
-
-
-async def decide_call(call: Call, kind: CallKind, request: Any) -> Ruling | None:
-    """The stage: the kind's ruling on its request (its questions asked through
-    :func:`decide`)."""
-    ruling = await kind.decide(call, request)
-    if ruling is not None:
-        call.passed(DECIDE)
-    return ruling

@@ -4,7 +4,7 @@
 
     admit   (_admit.py)   budget charged, token checked, the kind found
     parse   (the kind)    its request read from the head (and body)
-    decide  (_decide.py)  the kind's Cedar questions: one decision, one ruling
+    decide  (the kind, through _decide.py)  its Cedar questions: one decision, one ruling
     act     (_act.py)     carried out: held until recorded, or after it
     record  (_record.py)  the one decision event, durable before any answer
     answer  (_answer.py)  the result sent; a refusal answered naming its event
@@ -27,8 +27,7 @@ from proctor.broker import _connectors, _files, _proxy, _whoami  # noqa: F401 - 
 from proctor.broker._act import act, settle
 from proctor.broker._admit import Gate, admit
 from proctor.broker._answer import answer, refuse, send_error
-from proctor.broker._calls import CURRENT, PARSE, Acted, Call, CallKind
-from proctor.broker._decide import decide_call
+from proctor.broker._calls import CURRENT, DECIDE, PARSE, Acted, Call, CallKind
 from proctor.broker._record import record
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, RequestEvents, RunScope
 
@@ -67,7 +66,10 @@ async def _stages(call: Call, gate: Gate, first_byte: float) -> None:
 
 async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
     """Decide, act and record, in the kind's order; what is to be answered."""
-    ruling = await decide_call(call, kind, request)
+    # The kind's questions, asked through _decide: one ruling for the call.
+    ruling = await kind.decide(call, request)
+    if ruling is not None:
+        call.passed(DECIDE)
     if ruling is not None and (kind.records_first or ruling.refusal is not None):
         await record(call, ruling)  # a refusal is raised here, once on record
     acted = await act(call, kind, request, ruling)
