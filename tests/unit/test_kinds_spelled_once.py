@@ -35,14 +35,7 @@ DEFINED_IN: dict[str, tuple[str, ...]] = {
 #: Comparisons left in modules being rebuilt by other work, by file and how many
 #: names they spell (``in ("sandbox", "production")`` counts two).
 #: Each goes when its module is rebuilt; the count may shrink, never grow.
-LEFT: dict[str, int] = {
-    # The dataset kind, beside the connector Protocol: goes when the broker
-    # pipeline lands (a call kind registered once, issue 32 item 1).
-    "broker/_connectors.py": 1,
-    # The offline verifier's production runs and the environments it knows: go
-    # with the event format 2 work in progress in evidence/_verify.py.
-    "evidence/_verify.py": 3,
-}
+LEFT: dict[str, int] = {}
 
 
 def _names(node: ast.expr) -> list[str]:

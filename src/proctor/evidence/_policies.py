@@ -32,7 +32,7 @@ from typing import Any
 
 from proctor.errors import PolicyError, ProctorError, VerificationFailed
 from proctor.governance import Home, environment_forbid, role_policy
-from proctor.ledger import CUT_MARKER, read_objects
+from proctor.ledger import CUT_MARKER, Action, read_objects
 from proctor.policy import (
     CedarValue,
     CompiledPolicies,
@@ -62,7 +62,14 @@ UNDECIDABLE = "its request was not recorded whole"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CUT = CUT_MARKER.encode("utf-8")
 _REDECIDED = frozenset(
-    ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+    (
+        Action.SQL_SELECT,
+        Action.SQL_WRITE,
+        Action.HTTP_REQUEST,
+        Action.FILE_READ,
+        Action.FILE_WRITE,
+        Action.SECRET_USE,
+    )
 )
 
 
@@ -281,7 +288,7 @@ def _secret_asks(tenant: str, d: Mapping[str, Any]) -> list[_Ask]:
     out: list[_Ask] = []
     for item in d.get("inject") or []:
         ref = EntityRef.secret(tenant, str(item["secret"]))
-        out.append(("secret.use", ref, {"host": d["host"]}, [Entity.in_tenant(ref, tenant)]))
+        out.append((Action.SECRET_USE, ref, {"host": d["host"]}, [Entity.in_tenant(ref, tenant)]))
     return out
 
 
@@ -324,7 +331,7 @@ def redecide(
     context: dict[str, CedarValue]
     recorded = (str(ev["decision"]), sorted(ev.get("policies") or []))
     try:
-        if action in ("sql.select", "sql.write"):
+        if action in (Action.SQL_SELECT, Action.SQL_WRITE):
             dataset = str(d.get("dataset"))
             for t in d.get("tables") or []:
                 said = (str(t["decision"]), sorted(t.get("policies") or []))
@@ -339,7 +346,7 @@ def redecide(
                 context = {"dataset": dataset, "columns": list(t.get("columns") or []),
                            "row_limit": row_limit}  # fmt: skip
                 questions.append(([(str(t["action"]), table.uid, context, [table])], *said))
-        elif action == "http.request":
+        elif action == Action.HTTP_REQUEST:
             path = d.get("path")
             if isinstance(path, str) and len(path) >= _PATH_CUT:
                 return UNDECIDABLE
@@ -354,15 +361,15 @@ def redecide(
             # asked with it, one decision for the call.
             asks = [(action, host.uid, context, [host]), *_secret_asks(tenant, d)]
             questions.append((asks, *recorded))
-        elif action in ("file.read", "file.write"):
+        elif action in (Action.FILE_READ, Action.FILE_WRITE):
             ref = EntityRef.bucket(tenant, str(d["bucket"]))
             context = {"key": d["key"]}
-            if action == "file.write":
+            if action == Action.FILE_WRITE:
                 if "bytes" not in d:
                     return UNDECIDABLE
                 context["bytes"] = int(d["bytes"])
             questions.append(([(action, ref, context, [Entity.in_tenant(ref, tenant)])], *recorded))
-        elif action == "secret.use":
+        elif action == Action.SECRET_USE:
             ref = EntityRef.secret(tenant, str(d["secret"]))
             context = {"host": d["host"]}
             questions.append(([(action, ref, context, [Entity.in_tenant(ref, tenant)])], *recorded))

@@ -30,13 +30,16 @@ from proctor.evidence._retention import check_retention_record
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
 from proctor.governance import (
+    ENVIRONMENTS,
     capabilities_hash,
     covers,
     decision_problems,
     egress_entry,
+    is_production,
     submission_problems,
 )
 from proctor.ledger import (
+    Action,
     Checkpoint,
     ErasureCheck,
     Verifier,
@@ -134,7 +137,7 @@ def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
     """Why an allowed event falls outside ``caps``, or None when it is inside."""
     action = ev["action"]
     d = ev.get("details") or {}
-    if action in ("sql.select", "sql.write"):
+    if action in (Action.SQL_SELECT, Action.SQL_WRITE):
         dataset = str(d.get("dataset", ""))
         spec = (caps.get("datasets") or {}).get(dataset)
         if spec is None:
@@ -147,11 +150,11 @@ def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
             if extra:
                 return f"columns {', '.join(extra)} of {dataset}.{t.get('table')} are not approved"
             access = grant.get("access", "read")
-            need = "write" if t.get("action", action) == "sql.write" else "read"
+            need = "write" if t.get("action", action) == Action.SQL_WRITE else "read"
             if need not in str(access).split("-"):
                 return f"{need} access to {dataset}.{t.get('table')} is not approved ({access})"
         return None
-    if action == "http.request":
+    if action == Action.HTTP_REQUEST:
         host, port = host_port(ev)
         # Event format 2: the secrets injected into the request are in its event.
         for item in d.get("inject") or []:
@@ -165,14 +168,14 @@ def _caps_allow(caps: dict[str, Any], ev: dict[str, Any]) -> str | None:
             except ProctorError:
                 continue
         return f"egress to {host}:{port} is not in the approved capabilities"
-    if action in ("file.read", "file.write"):
+    if action in (Action.FILE_READ, Action.FILE_WRITE):
         bucket = str(d.get("bucket", ""))
         access = (caps.get("buckets") or {}).get(bucket)
         need = action.split(".")[1]
         if access is None or need not in str(access).split("-"):
             return f"{need} on bucket {bucket!r} is not approved"
         return None
-    if action == "secret.use":
+    if action == Action.SECRET_USE:
         name = str(ev["resource"]).removeprefix("secret/")
         if name not in (caps.get("secrets") or []):
             return f"secret {name!r} is not approved"
@@ -307,7 +310,14 @@ def _check_checkpoints(zf: zipfile.ZipFile, head: _Head) -> Checkpoint:
     return end_cp
 
 
-_DATA_ACTIONS = ("sql.select", "sql.write", "http.request", "file.read", "file.write", "secret.use")
+_DATA_ACTIONS = (
+    Action.SQL_SELECT,
+    Action.SQL_WRITE,
+    Action.HTTP_REQUEST,
+    Action.FILE_READ,
+    Action.FILE_WRITE,
+    Action.SECRET_USE,
+)
 
 
 @dataclass
@@ -468,22 +478,22 @@ class _Proven:
         submits = {
             str(e["artifact"]): e
             for e in ordered
-            if e["action"] == "artifact.submit" and e["decision"] == "allow"
+            if e["action"] == Action.ARTIFACT_SUBMIT and e["decision"] == "allow"
         }
         grants = {
             str((e.get("details") or {}).get("approval")): e
             for e in ordered
-            if e["action"] == "approval.grant" and e["decision"] == "allow"
+            if e["action"] == Action.APPROVAL_GRANT and e["decision"] == "allow"
         }
         revokes: dict[str, int] = {}
         for e in ordered:
-            if e["action"] == "approval.revoke" and e["decision"] == "allow":
+            if e["action"] == Action.APPROVAL_REVOKE and e["decision"] == "allow":
                 for a in e.get("approvals") or []:
                     revokes.setdefault(str(a), int(e["seq"]))
         runs = {
             str(e["run"]): e
             for e in ordered
-            if e["action"] == "run.start" and e["decision"] == "allow" and e.get("run")
+            if e["action"] == Action.RUN_START and e["decision"] == "allow" and e.get("run")
         }
         return cls(ordered, submits, grants, revokes, runs)
 
@@ -494,7 +504,7 @@ def _check_approvals(proven: _Proven) -> tuple[int, int]:
     production = 0
     for run_id, start in proven.runs.items():
         d = start.get("details") or {}
-        if d.get("environment") != "production":
+        if not is_production(str(d.get("environment"))):
             continue
         production += 1
         approvals_checked += _check_run_approvals(proven, run_id, start)
@@ -640,7 +650,7 @@ def _check_records(
             raise _fail(f"{where}: start time differs from its run.start event (seq {ev['seq']})")
     deployments = _load(zf, "governance/deployments.json")
     for ev in ordered:
-        if ev["action"] not in ("deployment.create", "deployment.rollback"):
+        if ev["action"] not in (Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK):
             continue
         d = ev.get("details") or {}
         match = [
@@ -707,7 +717,7 @@ def _check_erasures(
     events = {
         s: e
         for s, e in period.events.items()
-        if e["action"] == "erasure.request" and e["decision"] == "allow"
+        if e["action"] == Action.ERASURE_REQUEST and e["decision"] == "allow"
     }
     if "erasures/checkpoint.note" in names:
         events.update(_proven_erasures(zf, head, end_cp))
@@ -764,7 +774,7 @@ def _proven_erasures(
         seq = ev.get("seq")
         if type(seq) is not int or ev.get("tenant") != head.tenant:
             raise _fail(f"erasures/events.jsonl: event {seq!r}: bad seq or tenant")
-        if ev.get("action") != "erasure.request":
+        if ev.get("action") != Action.ERASURE_REQUEST:
             raise _fail(f"erasures/events.jsonl: event seq {seq} is not an erasure")
         raw = next(proofs, None)
         if raw is None:
@@ -800,7 +810,7 @@ def _check_policy_texts(zf: zipfile.ZipFile, proven: _Proven, scan: PolicyScan) 
     runs = {
         str(r.get("id")): str(r.get("environment"))
         for r in _load(zf, "governance/runs.json")
-        if r.get("environment") in ("sandbox", "production")
+        if r.get("environment") in ENVIRONMENTS
     }
     return scan.check(zf, proven.runs, environments, run_environments=runs)
 
