@@ -17,7 +17,8 @@ from proctor.governance._approvals import ApprovalRequired, Approvals
 from proctor.governance._control import ControlDenied, ControlPlane
 from proctor.governance._deployments import Deployments
 from proctor.governance._principals import AuthenticationFailed, Principals
-from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, utc_now
+from proctor.evidence import to_ocsf
+from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, read_objects, utc_now
 from tests.conftest import LedgerEnv
 
 OP = Actor("operator", "local-operator:test")
@@ -145,6 +146,14 @@ def test_quorum_approval_by_another_principal(gov: Gov) -> None:
     ev = gov.events("acme")[-1]
     assert (ev["action"], ev["decision"], ev["approvals"]) == ("approval.grant", "allow", [a.id])
     assert ev["actor"] == {"type": "user", "id": "acme/alice"}
+    # What allowed it, as a refusal of the same action names what refused it: the role
+    # policy's permit and the version of its text, which is stored with the event.
+    role = gov.control.role_policy_object("acme")
+    assert ev["policies"] and all(p.startswith("control:") for p in ev["policies"])
+    assert ev["details"]["policy_version"] == role.digest
+    assert read_objects(gov.env.store, "acme", [role.digest]) == {role.digest: role.data}
+    line = to_ocsf(ev, "test.local/tenant/acme")
+    assert line["policy"]["uid"] in ev["policies"] and line["policy"]["version"] == role.digest
 
 
 def test_self_approval_is_refused_by_policy_and_recorded(gov: Gov) -> None:

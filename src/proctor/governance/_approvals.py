@@ -181,7 +181,7 @@ class Approvals:
         # Recorded whole in the approval's event, which has a fixed bound.
         if len(canonical_json(comment)) > 2048:
             raise UsageError("the comment takes more than 2048 bytes as the audit log records it")
-        self._control.authorize(
+        allowed = self._control.authorize(
             principal,
             action,
             EntityRef.artifact(tenant, artifact.digest),
@@ -242,6 +242,9 @@ class Approvals:
                 action,
                 f"artifact/{artifact.digest}",
                 reason="approved" if decision == "approve" else "rejected",
+                # What allowed it: the role policy's permits and the version of its
+                # text, stored with the event, as a refusal of the same action has.
+                policies=allowed.policies,
                 artifact=artifact.digest,
                 approvals=(approval.id,),
                 details={
@@ -251,7 +254,9 @@ class Approvals:
                     "roles": list(approval.roles),
                     "expires_at": approval.expires_at,
                     "comment": comment,
+                    "policy_version": allowed.version,
                 },
+                objects=(self._control.role_policy_object(principal.tenant),),
             ),
             hook=insert,
         )

@@ -17,7 +17,7 @@ from proctor.errors import ControlDenied, NotFound
 from proctor.governance._policies import policy_object
 from proctor.governance._principals import ROLES, Principal
 from proctor.governance._runs import RunRecord
-from proctor.ledger import Action, EventDraft, Ledger
+from proctor.ledger import Action, EventDraft, Ledger, LedgerObject
 from proctor.policy import (
     CompiledPolicies,
     Decision,
@@ -114,6 +114,11 @@ class ControlPlane:
                 compiled = compile_policies(role_policy(tenant))
                 self._compiled[tenant] = compiled
             return compiled
+
+    def role_policy_object(self, tenant: str) -> LedgerObject:
+        """The role policy of ``tenant``'s principals as a ledger object named by the
+        version its decisions cite, stored with an event that cites it."""
+        return policy_object(self._policies(tenant))
 
     def decide(
         self,
