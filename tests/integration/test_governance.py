@@ -12,12 +12,12 @@ import pytest
 
 from proctor.broker import locate_dataset
 from proctor.errors import AlreadyExists, NotFound, UsageError
+from proctor.evidence import to_ocsf
 from proctor.governance import KeyRing, Lifecycle, Manifest, Resources, SyntheticOnly, Tenants
 from proctor.governance._approvals import ApprovalRequired, Approvals
 from proctor.governance._control import ControlDenied, ControlPlane
 from proctor.governance._deployments import Deployments
 from proctor.governance._principals import AuthenticationFailed, Principals
-from proctor.evidence import to_ocsf
 from proctor.ledger import SYSTEM_LOG, Actor, EventDraft, read_objects, utc_now
 from tests.conftest import LedgerEnv
 
