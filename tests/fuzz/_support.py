@@ -22,9 +22,6 @@ from proctor.broker import (
     EgressProxy,
     Handlers,
     RunScope,
-    handle_sql,
-    read_object,
-    write_object,
 )
 from proctor.ledger import Actor, EventDraft, Ledger, Signer
 from proctor.policy import capability_policies, compile_policies
@@ -114,13 +111,7 @@ def served_broker(
     errors: list[logging.LogRecord] = []
     handler = _Collect(errors)
     logging.getLogger("proctor.broker").addHandler(handler)
-    handlers = Handlers(
-        sql=handle_sql,
-        read_object=read_object,
-        write_object=write_object,
-        connect=proxy.handle_connect,
-        forward=proxy.handle_forward,
-    )
+    handlers = Handlers.for_proxy(proxy)
     try:
         with sqlite_ledger(tmp) as ledger, Broker(handlers, os.urandom(32)) as broker:
             run = RunScope(

@@ -37,9 +37,7 @@ async def _never(*args: Any) -> Any:
     raise AssertionError("this test makes no data-plane call")
 
 
-NO_CALLS = Handlers(
-    sql=_never, read_object=_never, write_object=_never, connect=_never, forward=_never
-)
+NO_CALLS = Handlers(connect=_never, forward=_never)
 
 
 def _scope(led: Ledger, run: str, **kw: Any) -> RunScope:

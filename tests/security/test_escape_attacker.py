@@ -135,9 +135,7 @@ async def _never(*args: Any) -> Any:
     raise AssertionError("this test makes no data-plane call")
 
 
-NO_CALLS = Handlers(
-    sql=_never, read_object=_never, write_object=_never, connect=_never, forward=_never
-)
+NO_CALLS = Handlers(connect=_never, forward=_never)
 ARTIFACT = "sha256:" + "ab" * 32
 
 
@@ -305,8 +303,7 @@ def _secret_upstream(
     upstream.RequestHandlerClass = type("NoDelay", (upstream.RequestHandlerClass,),
                                         {"disable_nagle_algorithm": True})  # fmt: skip
     proxy = EgressProxy(tmp_path / "ca", upstream_cafile=str(tmp_path / "up-ca.pem"))
-    handlers = Handlers(sql=_never, read_object=_never, write_object=_never,
-                        connect=proxy.handle_connect, forward=proxy.handle_forward)  # fmt: skip
+    handlers = Handlers.for_proxy(proxy)
     host = f"localhost:{upstream.port}"
     secret = SecretBinding("api", "value-" + os.urandom(8).hex(), (host,))
     policies = capability_policies("acme", "churn", {"egress": [host], "secrets": ["api"]})

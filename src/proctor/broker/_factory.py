@@ -12,7 +12,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from proctor.broker._files import read_object, write_object
 from proctor.broker._proxy import EgressProxy
 from proctor.broker._scope import BrokerError, RateLimit
 from proctor.broker._server import Broker, Handlers
@@ -47,16 +46,8 @@ def make_broker(
 ) -> Broker:
     """A broker with every real handler: SQL, buckets, and the egress proxy whose
     tenant CAs live under ``ca_dir``; ``token_key`` signs its runs' tokens."""
-    from proctor.broker import handle_sql  # the package's: wherever its module keeps it
-
     proxy = EgressProxy(ca_dir, upstream_cafile=upstream_cafile)
-    handlers = Handlers(
-        sql=handle_sql,
-        read_object=read_object,
-        write_object=write_object,
-        connect=proxy.handle_connect,
-        forward=proxy.handle_forward,
-    )
+    handlers = Handlers.for_proxy(proxy)
     root = broker_socket_root()
     for _ in range(3):
         # Sockets under this process's own directory: what a SIGKILL leaves

@@ -36,11 +36,10 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proctor.broker._admit import Gate
 from proctor.broker._calls import KINDS, Call
-from proctor.broker._http import BodyStream
 from proctor.broker._pipeline import serve
 from proctor.broker._scope import (
     DEFAULT_CALL_BOUND,
@@ -53,6 +52,9 @@ from proctor.broker._scope import (
 )
 from proctor.broker._tokens import RunTokens
 from proctor.ledger import Action
+
+if TYPE_CHECKING:
+    from proctor.broker._proxy import EgressProxy
 
 log = logging.getLogger("proctor.broker")
 
@@ -68,9 +70,6 @@ MAX_OBJECT = 64 * 1024 * 1024
 #: How long closing a run waits for its cancelled connections to finish writing.
 _CLOSE_GRACE = 10.0
 
-SqlHandler = Callable[[RunScope, dict[str, Any]], Awaitable[dict[str, Any]]]
-ReadHandler = Callable[[RunScope, str, str], Awaitable[bytes]]
-WriteHandler = Callable[[RunScope, str, str, bytes | BodyStream], Awaitable[dict[str, Any]]]
 ConnectHandler = Callable[
     [RunScope, str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 ]
@@ -82,20 +81,23 @@ ForwardHandler = Callable[
 
 @dataclass(frozen=True)
 class Handlers:
-    """What the broker is handed for the kinds of call it cannot make up itself.
+    """What the broker is handed for the kinds of call it cannot make up itself:
+    the egress calls (CONNECT, absolute-form HTTP).
 
-    ``connect`` and ``forward`` are an :class:`EgressProxy`'s methods (its calls
-    then go stage by stage, with its resolver, tenant CAs and upstream trust), or
-    a test's own, called as the act of the whole call. The SQL and file kinds
-    are the broker's (``_connectors``, ``_files``): ``sql``, ``read_object`` and
-    ``write_object`` are kept for callers that name them; the socket does not
-    call them."""
+    With ``proxy``, an :class:`EgressProxy` (:meth:`for_proxy`), its calls go
+    stage by stage, with its resolver, tenant CAs and upstream trust; without
+    one, ``connect`` and ``forward`` are a test's own, called as the act of the
+    whole call. The SQL and file kinds are the broker's (``_connectors``,
+    ``_files``), registered in :data:`._calls.KINDS`."""
 
-    sql: SqlHandler
-    read_object: ReadHandler
-    write_object: WriteHandler
     connect: ConnectHandler
     forward: ForwardHandler
+    proxy: EgressProxy | None = None
+
+    @classmethod
+    def for_proxy(cls, proxy: EgressProxy) -> Handlers:
+        """The egress calls served by ``proxy``'s stages."""
+        return cls(connect=proxy.handle_connect, forward=proxy.handle_forward, proxy=proxy)
 
 
 #: The dispatch table: everything the socket answers with 2xx, one registered call
@@ -417,7 +419,7 @@ class Broker:
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        call = Call(scope, reader, writer, handlers=self._handlers)
+        call = Call(scope, reader, writer, handlers=self._handlers, proxy=self._handlers.proxy)
         try:
             await serve(call, self._gate, FIRST_BYTE_TIMEOUT)
         finally:
