@@ -32,6 +32,7 @@ from proctor.governance import (
     Approvals,
     Artifacts,
     ControlPlane,
+    DatasetKind,
     Deployments,
     EgressRanges,
     KeyRing,
@@ -236,20 +237,20 @@ def store_outside(home: Path, url: str) -> str | None:
     return None
 
 
-def _locate_dataset(where: Path | str) -> tuple[str, str]:
+def _locate_dataset(where: Path | str) -> tuple[DatasetKind, str]:
     # The broker (and psycopg behind it) loads only when a dataset is registered.
     from proctor.broker import locate_dataset
 
     return locate_dataset(where)
 
 
-def _exposed_in_dataset(kind: str, location: str) -> list[str]:
+def _exposed_in_dataset(kind: DatasetKind, location: str) -> list[str]:
     from proctor.broker import exposed_in_dataset  # loaded at registration, as above
 
     return exposed_in_dataset(kind, location)
 
 
-def _missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> list[str]:
+def _missing_in_dataset(kind: DatasetKind, location: str, tables: Mapping[str, Any]) -> list[str]:
     from proctor.broker import missing_in_dataset  # loaded at deploy, as above
 
     return missing_in_dataset(kind, location, tables)

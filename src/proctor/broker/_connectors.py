@@ -1,6 +1,6 @@
 """The registry of dataset connectors, keyed by a dataset's kind.
 
-The only place that maps a kind ("sqlite", "postgresql") to code. Each
+The only place that maps a kind (:class:`~proctor.governance.DatasetKind`) to code. Each
 connector is imported when first used: the PostgreSQL one loads psycopg, which
 a tenant with only SQLite datasets never needs.
 """
@@ -24,6 +24,7 @@ from proctor.broker._datasets import (
 )
 from proctor.broker._http import read_body
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
+from proctor.governance import DatasetKind
 from proctor.ledger import Action
 
 MAX_SQL_BODY = 1024 * 1024
@@ -42,13 +43,13 @@ def _sqlite() -> DatasetConnector:
 
 
 # In the order a location is offered to them: SQLite takes any path, so it is last.
-_CONNECTORS: dict[str, Callable[[], DatasetConnector]] = {
-    "postgresql": _postgresql,
-    "sqlite": _sqlite,
+_CONNECTORS: dict[DatasetKind, Callable[[], DatasetConnector]] = {
+    DatasetKind.POSTGRESQL: _postgresql,
+    DatasetKind.SQLITE: _sqlite,
 }
 
 
-def dataset_connector(kind: str) -> DatasetConnector:
+def dataset_connector(kind: DatasetKind) -> DatasetConnector:
     """The connector for datasets of ``kind``; :class:`BadCall` if there is none."""
     load = _CONNECTORS.get(kind)
     if load is None:
@@ -56,7 +57,7 @@ def dataset_connector(kind: str) -> DatasetConnector:
     return load()
 
 
-def locate_dataset(where: Path | str) -> tuple[str, str]:
+def locate_dataset(where: Path | str) -> tuple[DatasetKind, str]:
     """(kind, location) of a dataset an operator names (a file path or a DSN),
     checked to be reachable before it is registered."""
     text = str(where)
@@ -67,7 +68,7 @@ def locate_dataset(where: Path | str) -> tuple[str, str]:
     raise AssertionError("the SQLite connector takes any path")  # pragma: no cover
 
 
-def missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> list[str]:
+def missing_in_dataset(kind: DatasetKind, location: str, tables: Mapping[str, Any]) -> list[str]:
     """What of a manifest's ``tables`` the dataset at ``location`` lacks (sentences).
     Raises :class:`~proctor.errors.UsageError` if it cannot be read."""
     load = _CONNECTORS.get(kind)
@@ -76,7 +77,9 @@ def missing_in_dataset(kind: str, location: str, tables: Mapping[str, Any]) -> l
     return load().missing(location, tables)
 
 
-def revoke_run_grants(datasets: Iterable[tuple[str, str, str]], tenant: str, run_id: str) -> None:
+def revoke_run_grants(
+    datasets: Iterable[tuple[DatasetKind, str, str]], tenant: str, run_id: str
+) -> None:
     """Take back what a run was granted outside Proctor, for a run whose owner is
     gone (the runtime's sweep of dead owners' runs): ``datasets`` are the
     tenant's (kind, location, name). PostgreSQL: the run's login roles; the

@@ -22,6 +22,7 @@ from proctor.broker._calls import Acted, Ruling
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
+from proctor.governance import DatasetKind
 from proctor.ledger import Action, LedgerObject, clip, lineage_object
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, EntitySet, Request, decide
 
@@ -234,7 +235,7 @@ class DatasetConnector(Protocol):
     """One kind of dataset. Implementations are registered in ``_connectors.py``."""
 
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> DatasetKind: ...
 
     def recognises(self, where: str) -> bool:
         """Whether ``where`` (what an operator registers) names a dataset of this kind."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proctor.errors import UsageError
+from proctor.governance import DatasetKind
 
 
 def _postgresql(location: str) -> list[str]:
@@ -27,10 +28,10 @@ def _postgresql(location: str) -> list[str]:
 
 #: By dataset kind, as the connectors are (``_connectors.py``). A SQLite file has no
 #: roles: the broker's authorizer is its only boundary, so nothing is exposed there.
-_EXPOSURE: dict[str, Callable[[str], list[str]]] = {"postgresql": _postgresql}
+_EXPOSURE: dict[DatasetKind, Callable[[str], list[str]]] = {DatasetKind.POSTGRESQL: _postgresql}
 
 
-def exposed_in_dataset(kind: str, location: str) -> list[str]:
+def exposed_in_dataset(kind: DatasetKind, location: str) -> list[str]:
     """The objects of the dataset at ``location`` that every role may read or run
     (at most 21, as sentences)."""
     find = _EXPOSURE.get(kind)

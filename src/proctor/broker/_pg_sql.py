@@ -114,6 +114,7 @@ from proctor.broker._lineage import key_text
 from proctor.broker._pg_reads import Unaccounted, statement_reads, table_name
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
+from proctor.governance import DatasetKind
 from proctor.ledger import Action
 from proctor.store import redact, to_pg_sql
 
@@ -1403,7 +1404,7 @@ class PostgresConnector:
     """PostgreSQL datasets: the database enforces the approved columns too, through
     a role per deployment and dataset that every guest statement runs as."""
 
-    kind = "postgresql"
+    kind = DatasetKind.POSTGRESQL
 
     def recognises(self, where: str) -> bool:
         return where.startswith(("postgresql://", "postgres://"))
@@ -1496,7 +1497,11 @@ class PostgresConnector:
             resource = f"dataset/{call.dataset}"
             await scope.record_refusal(Action.SQL_SELECT, resource, exc.message, details=base)
             raise
-        details: dict[str, Any] = {**base, "synthetic": binding.synthetic, "engine": "postgresql"}
+        details: dict[str, Any] = {
+            **base,
+            "synthetic": binding.synthetic,
+            "engine": DatasetKind.POSTGRESQL.value,
+        }
         stmt = _Statement(_pool(scope, binding), pg_sql, call.params, scope.statement_timeout)
         return stmt, details
 

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from proctor.broker._calls import COMPLETE, DECIDE, RECORD, passed
 from proctor.errors import LedgerError, ProctorError, UsageError
+from proctor.governance import DatasetKind
 from proctor.ledger import (
     Action,
     Actor,
@@ -390,7 +391,7 @@ class SecretBinding:
 @dataclass(frozen=True)
 class DatasetBinding:
     name: str
-    kind: str  # "sqlite" now, "postgresql" later
+    kind: DatasetKind
     location: str = field(repr=False)  # a path or DSN only the runtime holds
     synthetic: bool = False
 

@@ -64,6 +64,7 @@ from proctor.broker._fair import run_blocking
 from proctor.broker._lineage import key_text, keyed_variant, quote_name
 from proctor.broker._scope import DatasetBinding, RunScope
 from proctor.errors import UsageError
+from proctor.governance import DatasetKind
 
 #: Largest string or blob a statement may build (SQLITE_LIMIT_LENGTH).
 MAX_VALUE_LENGTH = 16 * 1024 * 1024
@@ -810,7 +811,7 @@ class SQLiteConnector:
     both what reports a statement's accesses and what enforces the decision, so
     nothing is granted or revoked outside Proctor."""
 
-    kind = "sqlite"
+    kind = DatasetKind.SQLITE
 
     def recognises(self, where: str) -> bool:
         # A path: whatever a connector with a URL scheme did not claim (tried last).

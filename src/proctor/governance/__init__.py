@@ -99,7 +99,7 @@ from proctor.governance._principals import (
     Principal,
     Principals,
 )
-from proctor.governance._resources import Dataset, Resources, Secret
+from proctor.governance._resources import Dataset, DatasetKind, Resources, Secret
 from proctor.governance._retention import (
     LEGAL_MINIMUM_DAYS,
     Hold,
@@ -142,6 +142,7 @@ __all__ = [
     "ControlDenied",
     "ControlPlane",
     "Dataset",
+    "DatasetKind",
     "Deployment",
     "Deployments",
     "EgressRanges",

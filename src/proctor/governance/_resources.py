@@ -13,10 +13,11 @@ import hashlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from proctor.errors import AlreadyExists, NotFound, UsageError
+from proctor.errors import AlreadyExists, NotFound, ProctorError, UsageError
 from proctor.governance._keys import KeyRing
 from proctor.governance._manifest import egress_entry
 from proctor.governance._objects import (
@@ -45,11 +46,28 @@ def _check_name(kind: str, name: str) -> None:
         )
 
 
+class DatasetKind(StrEnum):
+    """The kinds of dataset a tenant registers: the one place their names are spelled.
+    Each has its connector in the broker's registry (``broker._connectors``)."""
+
+    SQLITE = "sqlite"
+    POSTGRESQL = "postgresql"
+
+
+def _dataset_kind(name: str, kind: str) -> DatasetKind:
+    try:
+        return DatasetKind(kind)
+    except ValueError:
+        raise ProctorError(
+            f"dataset {name!r} is of an unknown kind {kind!r} in the store"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Dataset:
     tenant: str
     name: str
-    kind: str
+    kind: DatasetKind
     location: str
     synthetic: bool
     twin_of: str | None = None
@@ -74,13 +92,13 @@ SANDBOX_BUCKETS = ".sandbox"
 #: Which kind a location is, and how to reach it, is each dataset connector's to
 #: say; the broker sits above governance, so the runtime hands its registry in
 #: (``proctor.broker.locate_dataset``).
-LocateDataset = Callable[[Path | str], tuple[str, str]]
+LocateDataset = Callable[[Path | str], tuple[DatasetKind, str]]
 #: What of a manifest's tables a dataset (kind, location) lacks, as sentences
 #: (``proctor.broker.missing_in_dataset``); raises UsageError if it cannot be read.
-MissingInDataset = Callable[[str, str, Mapping[str, Any]], list[str]]
+MissingInDataset = Callable[[DatasetKind, str, Mapping[str, Any]], list[str]]
 #: The objects of a dataset (kind, location) every role may read or run, as
 #: sentences (``proctor.broker.exposed_in_dataset``).
-ExposedInDataset = Callable[[str, str], list[str]]
+ExposedInDataset = Callable[[DatasetKind, str], list[str]]
 
 
 class Resources:
@@ -195,7 +213,7 @@ class Resources:
                 (tenant,),
             )
         return [
-            Dataset(tenant, str(r[0]), str(r[1]), str(r[2]), bool(r[3]),
+            Dataset(tenant, str(r[0]), _dataset_kind(str(r[0]), str(r[1])), str(r[2]), bool(r[3]),
                     None if r[4] is None else str(r[4]))
             for r in rows
         ]  # fmt: skip
