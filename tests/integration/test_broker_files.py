@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,13 +13,19 @@ from typing import Any
 import pytest
 
 from proctor.broker import BadCall, BrokerError, CallDenied, CallRefused, RunScope
+from proctor.broker._act import act
+from proctor.broker._calls import CURRENT, Acted, Call
 from proctor.broker._files import (
+    FILE_READ,
+    FILE_WRITE,
+    FileRequest,
     ObjectNotFound,
     ObjectTooLarge,
     check_key,
     read_object,
     write_object,
 )
+from proctor.broker._http import BodyStream
 from tests.conftest import LedgerEnv
 from tests.integration.test_broker_sql import events, last_event, make_dataset, make_scope
 
@@ -226,3 +232,88 @@ def test_missing_bucket_directory(files: Files) -> None:
 def test_check_key_accepts_ordinary_keys() -> None:
     for key in ("a", "a.txt", "reports/2026-01/churn_v2.md", "A-Z/0-9/x.tar.gz", "a..b"):
         assert check_key(key) == key
+
+
+def _acted(
+    files: Files, kind: Any, make: Callable[[], FileRequest]
+) -> tuple[Acted, tuple[str, ...], int]:
+    """``kind``'s decide and act stages alone (no record stage) on the request
+    ``make`` builds: what the act returned, the stages passed and how many events
+    were appended meanwhile (a held write is discarded)."""
+    call = Call(files.scope, kind=kind)
+    before = len(events(files.ledger))
+
+    async def go() -> Acted:
+        token = CURRENT.set(call)
+        request = make()
+        try:
+            ruling = await kind.decide(call, request)
+            assert ruling.refusal is None
+            acted: Acted = await act(call, kind, request, ruling)
+        finally:
+            CURRENT.reset(token)
+        if acted.discard is not None:
+            await acted.discard()
+        return acted
+
+    acted = asyncio.run(go())
+    return acted, call.trace, len(events(files.ledger)) - before
+
+
+def test_a_refusal_found_acting_is_left_to_the_record_stage(files: Files) -> None:
+    """An object missing is found by the act, which records nothing itself: the
+    record stage writes the call's one event, the refusal (no second return into
+    the record stage from inside the act)."""
+    acted, trace, appended = _acted(files, FILE_READ, lambda: FileRequest("reports", "nope.txt"))
+    assert isinstance(acted.refusal, ObjectNotFound) and acted.answer is None
+    assert trace == ("decide", "act") and appended == 0
+    before = len(events(files.ledger))
+    with pytest.raises(ObjectNotFound):
+        files.read("reports", "nope.txt")
+    (ev,) = events(files.ledger)[before:]
+    assert ev["action"] == "file.read" and ev["decision"] == "deny"
+    assert ev["reason"] == "refused: no object 'nope.txt' in bucket 'reports'"
+    assert ev["details"]["bucket"] == "reports" and ev["details"]["key"] == "nope.txt"
+
+
+def _short_body(data: bytes, announced: int) -> BodyStream:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return BodyStream(reader, announced)
+
+
+def test_a_write_whose_body_ends_early_is_recorded_once_and_leaves_nothing(
+    files: Files,
+) -> None:
+    """The body ends before its announced length while it is being staged: one
+    refusal event, recorded by the record stage, and the staged file is removed."""
+    acted, _, appended = _acted(
+        files, FILE_WRITE, lambda: FileRequest("reports", "short.txt", _short_body(b"12345", 10))
+    )
+    assert isinstance(acted.refusal, BadCall) and appended == 0
+    assert acted.discard is not None
+    assert files.tree() == ["inbox", "inbox/brief.txt", "other", "reports"]
+    before = len(events(files.ledger))
+
+    async def write() -> Any:
+        return await write_object(files.scope, "reports", "short.txt", _short_body(b"12345", 10))
+
+    with pytest.raises(BadCall, match="ended early"):
+        asyncio.run(write())
+    (ev,) = events(files.ledger)[before:]
+    assert ev["action"] == "file.write" and ev["decision"] == "deny"
+    assert ev["reason"] == "refused: the request body ended early"
+    assert files.tree() == ["inbox", "inbox/brief.txt", "other", "reports"]
+
+
+def test_an_act_refusal_the_ledger_cannot_take_is_not_recorded_and_writes_nothing(
+    files: Files, tmp_path: Path
+) -> None:
+    (files.root / "reports" / "link.txt").symlink_to(tmp_path / "nowhere")
+    files.ledger.ledger.close()
+    with pytest.raises(CallRefused):
+        files.write("reports", "link.txt", b"x")
+    with pytest.raises(CallRefused):
+        files.read("reports", "nope.txt")
+    assert files.tree() == ["inbox", "inbox/brief.txt", "other", "reports", "reports/link.txt"]

@@ -100,7 +100,8 @@ class Acted:
     """What the act stage did: ``details`` join the call's event; ``answer`` is what
     the guest is sent (a JSON document, bytes, or None when the act answered
     itself, a tunnel); ``commit`` runs once the event is durable, ``discard`` if
-    it cannot be made so (a staged write made visible, or removed)."""
+    it cannot be made so or the act was refused (a staged write made visible,
+    or removed)."""
 
     answer: Any = None
     details: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +109,11 @@ class Acted:
     discard: Callable[[], Any] | None = None
     #: Objects the event references (a read's lineage: its rows' keyed hashes).
     objects: tuple[LedgerObject, ...] = ()
+    #: The act found the call cannot be carried out (an object missing, a link):
+    #: the record stage records this refusal (``why`` its reason) as the call's
+    #: event, and raises it; ``discard`` takes back what the act held.
+    refusal: BrokerError | None = None
+    why: str | None = None
 
 
 class CallKind(Protocol):

@@ -27,7 +27,7 @@ file 256 KiB at a time (a stalled sender holds one piece, not the object).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -36,7 +36,6 @@ from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._decide import Question, decide
 from proctor.broker._fair import run_blocking
 from proctor.broker._http import BodyStream, body_length
-from proctor.broker._record import refuse
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 from proctor.governance import (
     MAX_KEY_LENGTH,
@@ -125,12 +124,11 @@ def _refused(
     return Ruling(action, resource, denied, why, details, refusal=error)
 
 
-async def _refuse(
-    scope: RunScope, action: str, resource: str, error: BrokerError, details: Mapping[str, Any]
-) -> BrokerError:
-    """Record a refusal found acting (an object missing, a link); the error to raise."""
+def _failed(error: BrokerError, discard: Callable[[], Awaitable[None]] | None = None) -> Acted:
+    """A refusal found acting (an object missing, a link): the record stage records
+    it as the call's event; ``discard`` takes back what was staged."""
     why = error.message.removeprefix("files: ")
-    return await refuse(scope, action, resource, error, details, why=why)
+    return Acted(refusal=error, why=why, discard=discard)
 
 
 def _ruling(scope: RunScope, action: str, request: FileRequest, context: dict[str, Any]) -> Ruling:
@@ -181,22 +179,17 @@ class FileRead:
     async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
         assert ruling is not None
         scope, (bucket, key, root) = call.scope, ruling.found
-        action, resource, details = ruling.action, ruling.resource, ruling.details
         max_bytes = request.max_bytes
         try:
             data = await run_blocking(scope, _read, root, bucket, key, max_bytes)
         except _Missing:
-            error: BrokerError = ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(ObjectNotFound(f"files: no object {key!r} in bucket {bucket!r}"))
         except _Unsafe:
-            error = CallDenied("files: the key names a link, a directory or a special file")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(CallDenied("files: the key names a link, a directory or a special file"))
         except _TooLarge:
-            error = ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(ObjectTooLarge(f"files: the object is larger than {max_bytes} bytes"))
         except OSError as exc:
-            error = BrokerError(f"files: the object could not be read: {exc.strerror}")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(BrokerError(f"files: the object could not be read: {exc.strerror}"))
         facts = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         return Acted(answer=data, details=facts)
 
@@ -255,46 +248,41 @@ class FileWrite:
     async def act(self, call: Call, request: FileRequest, ruling: Ruling | None) -> Acted:
         assert ruling is not None
         scope, (bucket, key, root) = call.scope, ruling.found
-        action, resource, details = ruling.action, ruling.resource, ruling.details
-        error: BrokerError
         try:
             staged = await run_blocking(scope, _stage, root, bucket, key)
         except _Missing:
-            error = ObjectNotFound(f"files: no bucket {bucket!r}")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(ObjectNotFound(f"files: no bucket {bucket!r}"))
         except _Unsafe:
-            error = CallDenied("files: the key runs through or names a link or a non-file")
-            raise await _refuse(scope, action, resource, error, details) from None
+            return _failed(CallDenied("files: the key runs through or names a link or a non-file"))
         except OSError as exc:
-            error = BrokerError(f"files: the object could not be written: {exc.strerror}")
-            raise await _refuse(scope, action, resource, error, details) from None
-        untrusted: object = request.data  # the caller's: bytes-like or a stream
-        data = bytes(untrusted) if isinstance(untrusted, bytearray | memoryview) else untrusted
-        assert isinstance(data, bytes | BodyStream)
-        hasher = hashlib.sha256()
-        written = 0
-        try:
-            try:
-                async for piece in _pieces(data):
-                    hasher.update(piece)
-                    written += len(piece)
-                    await run_blocking(scope, staged.write, piece)
-                await run_blocking(scope, staged.finish)
-            except BadCall as exc:  # the body stalled or ended early
-                raise await _refuse(scope, action, resource, exc, details) from None
-            except OSError as exc:
-                error = BrokerError(f"files: the object could not be written: {exc.strerror}")
-                raise await _refuse(scope, action, resource, error, details) from None
-        except BaseException:
-            await run_blocking(scope, staged.discard)
-            raise
-        digest = hasher.hexdigest()
+            return _failed(BrokerError(f"files: the object could not be written: {exc.strerror}"))
 
         async def commit() -> None:
             await run_blocking(scope, staged.commit)
 
         async def discard() -> None:
             await run_blocking(scope, staged.discard)
+
+        untrusted: object = request.data  # the caller's: bytes-like or a stream
+        data = bytes(untrusted) if isinstance(untrusted, bytearray | memoryview) else untrusted
+        assert isinstance(data, bytes | BodyStream)
+        hasher = hashlib.sha256()
+        written = 0
+        try:
+            async for piece in _pieces(data):
+                hasher.update(piece)
+                written += len(piece)
+                await run_blocking(scope, staged.write, piece)
+            await run_blocking(scope, staged.finish)
+        except BadCall as exc:  # the body stalled or ended early
+            return _failed(exc, discard)
+        except OSError as exc:
+            error = BrokerError(f"files: the object could not be written: {exc.strerror}")
+            return _failed(error, discard)
+        except BaseException:
+            await discard()
+            raise
+        digest = hasher.hexdigest()
 
         return Acted(
             answer={"sha256": digest, "bytes": written},

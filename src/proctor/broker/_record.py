@@ -8,7 +8,8 @@ ruling that refuses is raised once its event is durable.
 
 Two more records belong to this stage: a refusal of a call before or instead
 of its decision (:func:`refuse`: a malformed request, an object missing, a
-broker rule; :func:`refuse_request`, the server's safety net for a refusal
+broker rule; an act's refusal, an object missing, comes here through
+:func:`record`; :func:`refuse_request`, the server's safety net for a refusal
 nothing recorded yet), and the completion record of a call whose act outlives
 its decision (:func:`complete`: an egress connection's bytes, duration and how
 it ended), written before any answer still owed.
@@ -34,7 +35,11 @@ _SHOWN_REASON = 160
 
 async def record(call: Call, ruling: Ruling, acted: Acted | None = None) -> None:
     """Append the call's decision event (with ``acted.details``); raise the ruling's
-    refusal once it is durable."""
+    refusal once it is durable, or the act's (``acted.refusal``: recorded as the
+    call's refusal, with the ruling's details)."""
+    if acted is not None and acted.refusal is not None:
+        raise await refuse(call.scope, ruling.action, ruling.resource, acted.refusal,
+                           ruling.details, why=acted.why)  # fmt: skip
     details = ruling.details if acted is None else {**ruling.details, **acted.details}
     appended = await call.scope.record(
         ruling.action, ruling.resource, ruling.decision, reason=ruling.reason, details=details,
