@@ -8,6 +8,7 @@ tunnels and raw sockets; upstreams count the connections they accept.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import datetime
 import http.client
@@ -761,3 +762,18 @@ def test_a_502_after_admission_is_in_the_completion_event(env: Env) -> None:
     assert status == 502
     _, end = env.events()
     assert end["details"]["answered"] == 502
+
+
+def test_the_acts_leave_their_records_to_the_record_stage() -> None:
+    """The file kinds' and the injected tunnel's acts do not call back into the
+    record stage: a refusal found acting is the pipeline's to record (``Acted.refusal``),
+    and an injected tunnel's completion record is written by ``_proxy._carry`` (the
+    act's caller), its owed answer sent inside TLS by the answer stage."""
+    import proctor.broker._files as files
+    import proctor.broker._inject as inject
+
+    for module in (files, inject):
+        assert module.__file__ is not None
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert "proctor.broker._record" not in imported, module.__name__

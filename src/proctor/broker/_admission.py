@@ -31,7 +31,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proctor.broker._calls import Ruling
 from proctor.broker._decide import Question, Verdict, decide
@@ -48,6 +48,9 @@ from proctor.broker._fair import run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope, SecretBinding
 from proctor.ledger import Action
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
+
+if TYPE_CHECKING:
+    from proctor.broker._mitm import TlsStream
 
 log = logging.getLogger("proctor.broker.egress")
 
@@ -109,6 +112,9 @@ class Outcome:
     answer: BrokerError | None = None  # the error still to answer, after the event
     answered: int | None = None  # the status of the proxy's own answer, if it gave one
     completed: bool = False
+    #: The guest's TLS, when the act ended it to inject a secret: what is still owed
+    #: is answered inside it, after the completion record (the answer stage).
+    inside: TlsStream | None = None
 
 
 async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) -> list[IPAddress]:

@@ -2,7 +2,9 @@
 
 A call's answer (:func:`answer`: a JSON document, or an object's bytes) is
 sent only after its event is durable; a kind whose act answers as it goes (a
-tunnel, a relayed response) has sent it already. A refusal (:func:`refuse`)
+tunnel, a relayed response) has sent it already, and one whose act ended the
+guest's TLS (a secret injected) is answered inside it, after its completion
+record, what is still owed (a refusal) and TLS's close. A refusal (:func:`refuse`)
 is answered with its error, naming its event (``seq`` and ``reason``); one no
 stage recorded is recorded first (``_record.refuse_request``), and if it
 cannot be, the answer is 503 ``not_recorded`` whatever it would have been.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from typing import TYPE_CHECKING
 
 from proctor.broker._admit import Unauthenticated
 from proctor.broker._calls import ANSWER, Acted, Call
@@ -21,9 +25,15 @@ from proctor.broker._http import error_bytes, respond, respond_json
 from proctor.broker._record import recorded_any, refuse_request
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, Exhausted, RateLimited
 
+if TYPE_CHECKING:
+    from proctor.broker._mitm import TlsStream
+
 
 async def answer(call: Call, acted: Acted) -> None:
     """Send the call's answer (its event is durable)."""
+    if acted.inside is not None:
+        await _answer_inside(call, acted.inside, acted.answer)
+        return
     writer = call.writer
     assert writer is not None
     if isinstance(acted.answer, BrokerError):
@@ -35,6 +45,16 @@ async def answer(call: Call, acted: Acted) -> None:
         await respond(writer, 200, acted.answer, "application/octet-stream")
     elif acted.answer is not None:
         await respond_json(writer, 200, acted.answer)
+    call.passed(ANSWER)
+
+
+async def _answer_inside(call: Call, stream: TlsStream, owed: object) -> None:
+    """The answer of a call its act moved inside TLS (a secret injected): an error
+    still owed sent there, after the completion record; then TLS closed."""
+    if isinstance(owed, BrokerError):
+        with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
+            await stream.write(error_bytes(owed))
+    await stream.close()
     call.passed(ANSWER)
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 if TYPE_CHECKING:
     from proctor.broker._http import RequestHead
+    from proctor.broker._mitm import TlsStream
     from proctor.broker._proxy import EgressProxy
     from proctor.broker._scope import BrokerError, RunScope
     from proctor.broker._server import Handlers
@@ -114,6 +115,9 @@ class Acted:
     #: event, and raises it; ``discard`` takes back what the act held.
     refusal: BrokerError | None = None
     why: str | None = None
+    #: The guest's TLS, when the act ended it (a secret injected): the answer stage
+    #: sends what is owed inside it, then closes it.
+    inside: TlsStream | None = None
 
 
 class CallKind(Protocol):

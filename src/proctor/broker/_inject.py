@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -32,7 +31,6 @@ from proctor.broker._http import (
     Framing,
     Source,
     connection_named,
-    error_bytes,
     parse_request_head,
     parse_response_head,
     request_framing,
@@ -42,7 +40,6 @@ from proctor.broker._http import (
     walk_body,
 )
 from proctor.broker._mitm import CAError, TlsStream
-from proctor.broker._record import complete
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
@@ -118,11 +115,9 @@ class Injector:
             first[1].transport.abort()
             return
         outcome.answer = await self._loop(scope, admitted, bindings, guest, first, outcome)
-        # Inside TLS, the answer is sent here, after the completion event that records it.
-        answer = await complete(scope, admitted, outcome)
-        if answer is not None:
-            await _send_error_tls(guest, answer)
-        await guest.close()
+        # What is still owed is answered inside TLS by the answer stage, after the
+        # completion record (the record stage's) that records it.
+        outcome.inside = guest
 
     async def _loop(
         self,
@@ -653,8 +648,3 @@ async def _relay_injected(
         outcome.bytes_down += 5
         await guest.write(b"0\r\n\r\n")
     return framing.kind != "eof"
-
-
-async def _send_error_tls(stream: TlsStream, exc: BrokerError) -> None:
-    with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
-        await stream.write(error_bytes(exc))

@@ -419,7 +419,7 @@ async def _carry(
         await act(admitted, outcome)
     finally:
         owed = await complete(call.scope, admitted, outcome)
-    return Acted(answer=owed)
+    return Acted(answer=owed, inside=outcome.inside)
 
 
 @dataclass(frozen=True)
