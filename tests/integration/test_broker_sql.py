@@ -387,3 +387,30 @@ def test_unknown_dataset_is_denied(env: Env) -> None:
         sql(env.scope, "SELECT 1", dataset="hr")
     ev = last_event(env.ledger)
     assert ev["decision"] == "deny" and ev["resource"] == "dataset/hr"
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        ({"dataset": "crm", "sql": ""}, BadCall),
+        ({"dataset": "hr", "sql": "SELECT 1"}, CallDenied),
+    ],
+)
+def test_a_refusal_found_parsing_is_left_to_the_record_stage(
+    env: Env, request_: dict[str, Any], error: type[Exception]
+) -> None:
+    """A call refused before its statement is analysed (malformed, a dataset not
+    bound) is not recorded from inside the parse: ``prepare`` appends nothing and
+    hands the refusal on; the record stage writes it as the call's one event."""
+    from proctor.broker._connectors import SqlRefused, prepare
+
+    before = len(events(env.ledger))
+    refused = asyncio.run(prepare(env.scope, request_))
+    assert isinstance(refused, SqlRefused) and isinstance(refused.ruling.refusal, error)
+    assert len(events(env.ledger)) == before
+    with pytest.raises(error):
+        asyncio.run(handle_sql(env.scope, request_))
+    (ev,) = events(env.ledger)[before:]
+    assert (ev["action"], ev["decision"]) == ("sql.select", "deny")
+    assert ev["reason"] == "refused: " + refused.ruling.refusal.message
+    assert ev["resource"] == f"dataset/{request_['dataset']}" and ev["policies"] == []

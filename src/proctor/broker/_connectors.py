@@ -26,6 +26,7 @@ from proctor.broker._http import read_body
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.governance import DatasetKind
 from proctor.ledger import Action
+from proctor.policy import Decision
 
 MAX_SQL_BODY = 1024 * 1024
 
@@ -102,10 +103,25 @@ class SqlRequest:
     details: dict[str, Any]
 
 
-async def prepare(scope: RunScope, request: Mapping[str, Any]) -> SqlRequest:
+@dataclass(frozen=True)
+class SqlRefused:
+    """A SQL call refused before its statement is analysed: malformed, on a dataset
+    not bound to the run, or a statement its engine refuses. Its ruling is the
+    refusal the record stage records as the call's event (nothing is acted)."""
+
+    ruling: Ruling
+
+
+def _refused(scope: RunScope, resource: str, exc: BrokerError, base: dict[str, Any]) -> SqlRefused:
+    denied = Decision(False, (), scope.policies.version)
+    return SqlRefused(Ruling(Action.SQL_SELECT, resource, denied, f"refused: {exc.message}",
+                             base, refusal=exc))  # fmt: skip
+
+
+async def prepare(scope: RunScope, request: Mapping[str, Any]) -> SqlRequest | SqlRefused:
     """A guest's ``{"dataset", "sql", "params"}`` made a statement of the dataset's
-    engine; a malformed call, or one on a dataset not bound to the run, recorded
-    and refused."""
+    engine; a malformed call, one on a dataset not bound to the run, or a statement
+    the engine refuses, a refusal for the record stage to record."""
     untrusted: object = request  # decoded JSON from the guest: any shape
     if not isinstance(untrusted, Mapping):
         untrusted = {}
@@ -118,11 +134,11 @@ async def prepare(scope: RunScope, request: Mapping[str, Any]) -> SqlRequest:
             raise CallDenied(f"sql: no dataset {call.dataset!r} is bound to this run")
         connector = dataset_connector(binding.kind)
     except BrokerError as exc:
-        await scope.record_refusal(
-            Action.SQL_SELECT, f"dataset/{base['dataset']}", exc.message, details=base
-        )
-        raise
-    stmt, details = await connector.prepare(scope, binding, call, base)
+        return _refused(scope, f"dataset/{base['dataset']}", exc, base)
+    try:
+        stmt, details = await connector.prepare(scope, binding, call, base)
+    except (BadCall, CallDenied) as exc:  # the engine's own checks refused it
+        return _refused(scope, f"dataset/{call.dataset}", exc, base)
     return SqlRequest(connector, binding, call.dataset, stmt, details)
 
 
@@ -152,7 +168,7 @@ class Sql:
     path: str = "/v1/sql"
     records_first: bool = False
 
-    async def parse(self, call: Call) -> SqlRequest:
+    async def parse(self, call: Call) -> SqlRequest | SqlRefused:
         assert call.reader is not None and call.head is not None
         body = await read_body(call.reader, call.head, MAX_SQL_BODY)
         try:
@@ -163,7 +179,9 @@ class Sql:
             raise BadCall("the body must be a JSON object")
         return await prepare(call.scope, request)
 
-    async def decide(self, call: Call, request: SqlRequest) -> Ruling:
+    async def decide(self, call: Call, request: SqlRequest | SqlRefused) -> Ruling:
+        if isinstance(request, SqlRefused):
+            return request.ruling
         return await rule(call.scope, request.stmt, request.dataset, request.binding,
                           request.details)  # fmt: skip
 
@@ -171,8 +189,9 @@ class Sql:
         assert ruling is not None
         return await act(call.scope, request.stmt, ruling)
 
-    async def done(self, call: Call, request: SqlRequest) -> None:
-        await request.connector.close(call.scope, request.stmt)
+    async def done(self, call: Call, request: SqlRequest | SqlRefused) -> None:
+        if isinstance(request, SqlRequest):
+            await request.connector.close(call.scope, request.stmt)
 
 
 SQL = register(Sql())

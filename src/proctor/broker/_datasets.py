@@ -263,8 +263,9 @@ class DatasetConnector(Protocol):
         self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
     ) -> tuple[Statement, dict[str, Any]]:
         """The call's statement, checked as far as the engine checks before it is
-        analysed (a refusal recorded, then raised), and the details its events carry
-        (``base`` and the engine's own)."""
+        analysed (a refusal raised as BadCall or CallDenied, recorded as the call's
+        by the record stage), and the details its events carry (``base`` and the
+        engine's own)."""
         ...
 
     async def close(self, scope: RunScope, stmt: Statement) -> None:

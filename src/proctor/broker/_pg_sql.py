@@ -115,7 +115,6 @@ from proctor.broker._pg_reads import Unaccounted, statement_reads, table_name
 from proctor.broker._scope import BadCall, CallDenied, DatasetBinding, RunScope
 from proctor.errors import ProctorError, StoreError, UsageError
 from proctor.governance import DatasetKind
-from proctor.ledger import Action
 from proctor.store import redact, to_pg_sql
 
 log = logging.getLogger("proctor")
@@ -1481,22 +1480,16 @@ class PostgresConnector:
     async def prepare(
         self, scope: RunScope, binding: DatasetBinding, call: SqlCall, base: dict[str, Any]
     ) -> tuple[Statement, dict[str, Any]]:
+        # A refusal here is recorded as the call's by the record stage (_connectors.prepare).
+        if not isinstance(call.params, tuple):
+            raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
         try:
-            if not isinstance(call.params, tuple):
-                raise BadCall("sql: PostgreSQL datasets take positional parameters (?) only")
-            try:
-                pg_sql = to_pg_sql(call.sql)
-            except StoreError as exc:
-                raise BadCall(f"sql: {exc.message}") from None
-            if _first_word(call.sql) not in _READ_WORDS:
-                raise CallDenied(
-                    "sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets"
-                )
-            check_statement(pg_sql)
-        except (BadCall, CallDenied) as exc:
-            resource = f"dataset/{call.dataset}"
-            await scope.record_refusal(Action.SQL_SELECT, resource, exc.message, details=base)
-            raise
+            pg_sql = to_pg_sql(call.sql)
+        except StoreError as exc:
+            raise BadCall(f"sql: {exc.message}") from None
+        if _first_word(call.sql) not in _READ_WORDS:
+            raise CallDenied("sql: refused: only reads (SELECT) are allowed on PostgreSQL datasets")
+        check_statement(pg_sql)
         details: dict[str, Any] = {
             **base,
             "synthetic": binding.synthetic,
