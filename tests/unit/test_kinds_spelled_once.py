@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from proctor.errors import UsageError
 from proctor.broker import _connectors, _exposure
+from proctor.errors import UsageError
 from proctor.governance import ENVIRONMENTS, DatasetKind, Environment, environment_of
 from proctor.store import Engine
 
