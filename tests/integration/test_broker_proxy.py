@@ -777,3 +777,38 @@ def test_the_acts_leave_their_records_to_the_record_stage() -> None:
         tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert "proctor.broker._record" not in imported, module.__name__
+
+
+def test_an_egress_refusal_found_parsing_is_left_to_the_record_stage(env: Env) -> None:
+    """A malformed CONNECT target and a placeholder in a forwarded head are refused
+    in the parse, which appends nothing: the refusal goes on as a ruling, recorded by
+    the record stage as the call's one event."""
+    from proctor.broker._calls import Call
+    from proctor.broker._http import RequestHead
+    from proctor.broker._proxy import CONNECT, FORWARD, EgressRefused
+
+    scope = env.scope(
+        [f"127.0.0.1:{env.http.port}"], secrets=["crm_token"], bindings=[_binding("127.0.0.1")]
+    )
+    url = f"http://127.0.0.1:{env.http.port}/"
+    heads = [
+        (CONNECT, RequestHead("CONNECT", "[::1", "HTTP/1.1", [])),
+        (FORWARD, RequestHead("GET", url, "HTTP/1.1", [("Authorization", PLACEHOLDER)])),
+    ]
+    for kind, head in heads:
+        parsed = asyncio.run(kind.parse(Call(scope, head=head, proxy=env.proxy)))
+        assert isinstance(parsed, EgressRefused) and parsed.ruling.refusal is not None
+    assert env.events() == []
+    status, _, body = env.raw(b"CONNECT [::1 HTTP/1.1\r\n\r\n")
+    assert status == 400
+    status, _, body = env.raw(
+        f"GET {url} HTTP/1.1\r\nAuthorization: {PLACEHOLDER}\r\n\r\n".encode()
+    )
+    assert status == 403 and "only inside TLS" in json.loads(body)["message"]
+    bad, placeholder = env.events()
+    assert (bad["action"], bad["decision"]) == ("http.request", "deny")
+    assert bad["details"]["target"] == "[::1" and bad["reason"].startswith("refused: ")
+    assert (placeholder["action"], placeholder["decision"]) == ("secret.use", "deny")
+    assert placeholder["policies"] == [SECRET_BINDING_RULE]
+    assert placeholder["details"]["secret"] == "crm_token" and placeholder["details"]["where"]
+    assert env.http.connections == 0

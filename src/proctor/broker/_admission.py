@@ -164,10 +164,8 @@ async def rule(
     try:
         entities = (Entity.host(host.name),)
         ref = EntityRef.host(host.name)
-    except Exception as exc:  # PolicyError: a name Cedar's side refuses
-        bad = BadCall(f"invalid host {host.name!r}")
-        await record_bad(scope, method, host.name, bad)
-        raise bad from exc
+    except Exception:  # PolicyError: a name Cedar's side refuses
+        return bad_request(scope, method, host.name, BadCall(f"invalid host {host.name!r}"))
     if bindings:
         details["inject"] = [{"secret": b.name, "header": b.header} for b in bindings]
     questions = [Question(Action.HTTP_REQUEST, ref, context, entities),
@@ -246,15 +244,26 @@ def resource_of(host: Host, port: int) -> str:
     return f"host/{host.display}:{port}"
 
 
-async def record_bad(scope: RunScope, method: str, target: str, exc: BadCall) -> None:
-    """A malformed request is recorded too; raises CallRefused if it cannot be."""
+def refused(
+    scope: RunScope,
+    action: str,
+    resource: str,
+    exc: BrokerError,
+    details: Mapping[str, Any],
+    rule: str | None = None,
+) -> Ruling:
+    """A call refused before or instead of its Cedar decision (``rule`` the broker's
+    rule named): the ruling the record stage records as its event, then raises."""
+    denied = Decision(False, (rule,) if rule is not None else (), scope.policies.version)
+    return Ruling(action, resource, denied, f"refused: {exc.message}", dict(details),
+                  refusal=exc)  # fmt: skip
+
+
+def bad_request(scope: RunScope, method: str, target: str, exc: BadCall) -> Ruling:
+    """A malformed request is recorded too (by the record stage, from this ruling)."""
     shown = target[:256].encode("ascii", "backslashreplace").decode()
-    await scope.record_refusal(
-        Action.HTTP_REQUEST,
-        f"host/{shown}",
-        exc.message,
-        details={"method": method[:32], "target": shown},
-    )
+    details = {"method": method[:32], "target": shown}
+    return refused(scope, Action.HTTP_REQUEST, f"host/{shown}", exc, details)
 
 
 async def record_refusal(

@@ -27,8 +27,9 @@ from proctor.broker._admission import (
     Outcome,
     RelayState,
     Resolver,
-    record_bad,
+    bad_request,
     record_refusal,
+    refused,
     resource_of,
     rule,
     system_resolver,
@@ -391,6 +392,14 @@ class ConnectRequest:
 
 
 @dataclass(frozen=True)
+class EgressRefused:
+    """An egress call refused in its parse (a malformed target, a placeholder in the
+    head): its ruling is recorded by the record stage, then raised."""
+
+    ruling: Ruling
+
+
+@dataclass(frozen=True)
 class ForwardRequest:
     method: str
     host: Host
@@ -431,7 +440,7 @@ class Connect:
     path: str = "authority"
     records_first: bool = True
 
-    async def parse(self, call: Call) -> ConnectRequest | None:
+    async def parse(self, call: Call) -> ConnectRequest | EgressRefused | None:
         assert call.head is not None
         if _proxy_of(call) is None:
             return None  # a handler of the broker's own (tests) does it all
@@ -440,12 +449,15 @@ class Connect:
             host_text, port = split_authority(target, None)
             host = parse_host(host_text)
         except BadCall as exc:
-            await record_bad(scope, "CONNECT", target, exc)
-            raise
+            return EgressRefused(bad_request(scope, "CONNECT", target, exc))
         return ConnectRequest(host, port, bindings_for(scope, host, port))
 
-    async def decide(self, call: Call, request: ConnectRequest | None) -> Ruling | None:
+    async def decide(
+        self, call: Call, request: ConnectRequest | EgressRefused | None
+    ) -> Ruling | None:
         proxy = _proxy_of(call)
+        if isinstance(request, EgressRefused):
+            return request.ruling
         if request is None or proxy is None:
             return None
         return await rule(call.scope, proxy.resolver, request.host, request.port,
@@ -477,7 +489,7 @@ class Forward:
     path: str = "absolute-form"
     records_first: bool = True
 
-    async def parse(self, call: Call) -> ForwardRequest | None:
+    async def parse(self, call: Call) -> ForwardRequest | EgressRefused | None:
         assert call.head is not None
         if _proxy_of(call) is None:
             return None
@@ -491,22 +503,24 @@ class Forward:
                 raise BadCall(f"invalid method {method!r}")
             framing = request_framing(headers, method)
         except BadCall as exc:
-            await record_bad(scope, method, url, exc)
-            raise
+            return EgressRefused(bad_request(scope, method, url, exc))
         # Placeholders in the head are refused before anything is decided
         # or dialed; injection happens only inside TLS (CONNECT).
         found = misplaced(scope.secrets.values(), [], method, url, headers)
         if found is not None:
             refusal = placeholder_refusal(scope, found[0], host, port, plain=True)
-            await record_refusal(
-                scope, Action.SECRET_USE, resource_of(host, port), refusal, SECRET_BINDING_RULE,
-                {"secret": found[0], "where": found[1]},
-            )  # fmt: skip
-            raise refusal
+            return EgressRefused(refused(
+                scope, Action.SECRET_USE, resource_of(host, port), refusal,
+                {"secret": found[0], "where": found[1]}, SECRET_BINDING_RULE,
+            ))  # fmt: skip
         return ForwardRequest(method, host, port, origin, authority, headers, framing)
 
-    async def decide(self, call: Call, request: ForwardRequest | None) -> Ruling | None:
+    async def decide(
+        self, call: Call, request: ForwardRequest | EgressRefused | None
+    ) -> Ruling | None:
         proxy = _proxy_of(call)
+        if isinstance(request, EgressRefused):
+            return request.ruling
         if request is None or proxy is None:
             return None
         path = request.origin.split("?", 1)[0]
