@@ -60,9 +60,14 @@ def test_control_plane_actions_say_who_decided_and_where_from(api: ApiEnv, tmp_p
         ("audit.read", "default-deny"),
     ]
 
-    # The actions' own events cite no policy, and their lines name none.
+    # A submission's own event cites no policy, and its line names none; an approval's
+    # records the role policy's permit and its text's version, and its line names both.
     own = [(e, o) for e, o in pairs if e["action"] in ("artifact.submit", "approval.grant")]
-    granted = [o for e, o in own if e["decision"] == "allow"]
-    assert len(granted) == 2
-    assert all("policy" not in o and o["action"] == "Allowed" for o in granted)
-    assert all(o["src_endpoint"]["type"] == "Unknown" for o in granted)
+    granted = [(e, o) for e, o in own if e["decision"] == "allow"]
+    assert [e["action"] for e, _ in granted] == ["artifact.submit", "approval.grant"]
+    (_, submitted), (approval, approved) = granted
+    assert "policy" not in submitted and submitted["action"] == "Allowed"
+    assert approved["action"] == "Allowed" and approval["policies"][0].startswith("control:")
+    assert approved["policy"]["uid"] == approval["policies"][0]
+    assert approved["policy"]["version"] == approval["details"]["policy_version"]
+    assert all(o["src_endpoint"]["type"] == "Unknown" for _, o in granted)
