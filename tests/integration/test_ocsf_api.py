@@ -1,11 +1,12 @@
 """Control-plane actions through the real API (uvicorn on loopback), as OCSF (issue 31, item 8).
 
 Every request the API decides is an ``api.request`` event naming the role policy
-that decided it and the client's address; the action's own event (``artifact.submit``,
-``approval.grant``) cites no policy. The lines: valid against the vendored schema,
-the API's record with the client as ``src_endpoint.ip`` and its role policy, the
-actions' own lines naming no policy (not the default deny), refusals by the role
-policy's default deny or its forbid.
+that decided it and the client's address; a submission's own event cites no
+policy, an approval's cites the role policy's permit and its version. The lines:
+valid against the vendored schema, the API's record with the client as
+``src_endpoint.ip`` and its role policy, a submission's line naming no policy (not
+the default deny), an approval's naming its permit, refusals by the role policy's
+default deny or its forbid.
 """
 
 from __future__ import annotations
