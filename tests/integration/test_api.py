@@ -23,7 +23,13 @@ from proctor.client import Client
 from proctor.errors import LedgerError, NotFound, NotReady, ProctorError, UsageError
 from proctor.governance import ApprovalRequired, AuthenticationFailed, ControlDenied
 from proctor.ledger import Actor, EventDraft, open_checkpoint, root_from_inclusion
-from tests.integration.test_api_support import ApiEnv, api_env, artifact_dir, build_env
+from tests.integration.test_api_support import (
+    ApiEnv,
+    api_env,
+    artifact_dir,
+    build_env,
+    self_signed,
+)
 from tests.sandbox_conftest_helpers import any_backend
 
 __all__ = ["api_env"]
@@ -326,28 +332,7 @@ def test_principals_and_tokens_over_api(api_env: ApiEnv) -> None:
 
 
 def test_tls(tmp_path: Path) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                        serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    certfile, keyfile = self_signed(tmp_path)
     env = build_env(tmp_path, certfile=certfile, keyfile=keyfile)
     try:
         assert env.url.startswith("https://")

@@ -28,7 +28,7 @@ async def _never(*args: Any) -> Any:
 NO_CALLS = Handlers(connect=_never, forward=_never)
 
 
-def _scope(ledger: Ledger, run: str) -> RunScope:
+def _scope(ledger: Ledger, run: str, **kw: Any) -> RunScope:
     return RunScope(
         tenant="acme",
         run_id=run,
@@ -39,6 +39,7 @@ def _scope(ledger: Ledger, run: str) -> RunScope:
         environment="sandbox",
         policies=compile_policies(""),
         ledger=ledger,
+        **kw,
     )
 
 

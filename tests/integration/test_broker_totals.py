@@ -21,38 +21,16 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import Broker, BrokerError, Handlers, RunScope
+from proctor.broker import Broker, BrokerError, RunScope
 from proctor.broker._scope import CALL_BOUND_RULE, DEFAULT_CALL_BOUND, LEDGER_QUOTA_RULE
 from proctor.errors import UsageError
 from proctor.governance import Tenants
 from proctor.governance._manifest import DEFAULT_CALLS
 from proctor.governance._tenants import DEFAULT_LEDGER_QUOTA, MAX_LEDGER_QUOTA
 from proctor.ledger import SYSTEM_LOG, Ledger
-from proctor.policy import compile_policies
 from tests.conftest import OPERATOR, LedgerEnv, draft
 from tests.e2e.conftest_gov import Gov, build_gov
-
-
-async def _never(*args: Any) -> Any:
-    raise AssertionError("this test makes no data-plane call")
-
-
-NO_CALLS = Handlers(connect=_never, forward=_never)
-
-
-def _scope(led: Ledger, run: str, **kw: Any) -> RunScope:
-    return RunScope(
-        tenant="acme",
-        run_id=run,
-        workload=f"spiffe://test.local/tenant/acme/deployment/churn/run/{run}",
-        deployment="churn",
-        artifact="sha256:" + "ab" * 32,
-        approvals=(),
-        environment="sandbox",
-        policies=compile_policies(""),
-        ledger=led,
-        **kw,
-    )
+from tests.integration.test_broker_core import NO_CALLS, _scope
 
 
 def _call(path: Path, token: str) -> tuple[int, dict[str, str], dict[str, Any]]:
