@@ -56,6 +56,11 @@ async def _stages(call: Call, gate: Gate, first_byte: float) -> None:
     kind = await admit(call, gate, first_byte)
     if kind is None:
         return
+    await _parsed_and_served(call, kind)
+
+
+async def _parsed_and_served(call: Call, kind: CallKind) -> None:
+    """From parse to answer, whoever admitted the call."""
     request = await kind.parse(call)
     call.passed(PARSE)
     try:
@@ -104,12 +109,7 @@ async def serve_kind(call: Call, kind: CallKind) -> None:
     token = CURRENT.set(call)
     call.kind = kind
     try:
-        request = await kind.parse(call)
-        call.passed(PARSE)
-        try:
-            await answer(call, await _decided(call, kind, request))
-        finally:
-            await kind.done(call, request)
+        await _parsed_and_served(call, kind)
     except BrokerError as exc:
         # Every refusal of an egress kind is recorded where it is found (or is
         # not_recorded): answered as it is, by whoever's server this is.

@@ -61,7 +61,9 @@ _VERSION_RE = re.compile(rb'"policy_version":"(sha256:[0-9a-f]{64})"')
 UNDECIDABLE = "its request was not recorded whole"
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CUT = CUT_MARKER.encode("utf-8")
-_REDECIDED = frozenset(
+#: The data-plane calls: the ones a pack decides again here, and holds to the approved
+#: capabilities (``_verify.py``).
+DATA_ACTIONS = frozenset(
     (
         Action.SQL_SELECT,
         Action.SQL_WRITE,
@@ -184,7 +186,8 @@ class PolicyScan:
                 return
             self.cited.setdefault(version, int(ev["seq"]))
             self._last = version
-        if ev.get("action") not in _REDECIDED or str(ev.get("reason", "")).startswith("refused: "):
+        refused_before = str(ev.get("reason", "")).startswith("refused: ")
+        if ev.get("action") not in DATA_ACTIONS or refused_before:
             return
         self.candidates += 1
         if (

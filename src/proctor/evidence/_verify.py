@@ -25,7 +25,7 @@ from typing import Any
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.evidence._ocsf import ocsf_line
 from proctor.evidence._pack import PACK_FORMAT, iter_lines, lineage_name
-from proctor.evidence._policies import PolicyCheck, PolicyScan
+from proctor.evidence._policies import DATA_ACTIONS, PolicyCheck, PolicyScan
 from proctor.evidence._retention import check_retention_record
 from proctor.evidence._summary import Summary, host_port
 from proctor.evidence._tree import RangeTree, decode_hashes
@@ -310,16 +310,6 @@ def _check_checkpoints(zf: zipfile.ZipFile, head: _Head) -> Checkpoint:
     return end_cp
 
 
-_DATA_ACTIONS = (
-    Action.SQL_SELECT,
-    Action.SQL_WRITE,
-    Action.HTTP_REQUEST,
-    Action.FILE_READ,
-    Action.FILE_WRITE,
-    Action.SECRET_USE,
-)
-
-
 @dataclass
 class _Period:
     summary: Summary = field(default_factory=Summary)
@@ -370,7 +360,7 @@ def _check_period(zf: zipfile.ZipFile, head: _Head, end_cp: Checkpoint) -> _Peri
         period.summary.add(ev)
         period.policies.add(seq - first, ev, data)
         action = ev["action"]
-        if action in _DATA_ACTIONS:
+        if action in DATA_ACTIONS:
             if ev["decision"] == "allow":
                 period.data_events.append(ev)
         elif not action.startswith("http."):
