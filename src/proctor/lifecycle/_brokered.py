@@ -14,6 +14,7 @@ from pathlib import Path
 import proctor.guest
 from proctor.broker import Broker, RunChannel, RunScope
 from proctor.guest.protocol import RUN_ENV, SOCKET_ENV, SOCKET_PATH, TOKEN_ENV
+from proctor.lifecycle._truststore import java_options, java_truststore
 from proctor.sandbox import Limits, SandboxDriver, SandboxResult, SandboxSpec, Sink
 
 GUEST_SOCKET = SOCKET_PATH
@@ -47,8 +48,20 @@ def brokered_spec(
         # The trust bundle: the system's roots plus the tenant's CA, for hosts whose
         # credentials the broker injects (it terminates TLS for those).
         ro_dirs[ca_dir] = GUEST_CA
-        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        # Node adds NODE_EXTRA_CA_CERTS to its own roots; the whole bundle is fine there.
+        for name in (
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "CURL_CA_BUNDLE",
+            "NODE_EXTRA_CA_CERTS",
+        ):
             guest_env[name] = f"{GUEST_CA}/bundle.pem"
+        truststore = java_truststore(ca_dir)
+        if truststore is not None:
+            # Appended: a caller's own JVM options stay, and a later -D wins in Java.
+            opts = java_options(truststore, GUEST_CA)
+            given = guest_env.get("JAVA_TOOL_OPTIONS", "").strip()
+            guest_env["JAVA_TOOL_OPTIONS"] = f"{given} {opts}" if given else opts
     return SandboxSpec(
         argv=("python3", "-m", "proctor_guest.shim", "--", *argv),
         code_dir=code_dir,
