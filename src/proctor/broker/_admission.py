@@ -50,7 +50,7 @@ from proctor.ledger import Action
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
 
 if TYPE_CHECKING:
-    from proctor.broker._mitm import TlsStream
+    from proctor.broker._mitm import TlsStream, UpstreamTrust
 
 log = logging.getLogger("proctor.broker.egress")
 
@@ -99,6 +99,10 @@ class Admitted:
     seq: int
     resource: str
     started: float = field(default_factory=time.monotonic)
+    #: What the upstream's certificate is verified against when the broker ends TLS
+    #: (set by the act before it dials: a CA the tenant registered for the host, or
+    #: the default trust); None for a connection the broker does not verify.
+    trust: UpstreamTrust | None = None
 
 
 @dataclass
@@ -115,6 +119,9 @@ class Outcome:
     #: The guest's TLS, when the act ended it to inject a secret: what is still owed
     #: is answered inside it, after the completion record (the answer stage).
     inside: TlsStream | None = None
+    #: The trust anchor that verified the upstream's certificate (``system``,
+    #: ``upstream-cafile``, ``tenant-ca:<sha256>``), where the broker verified one.
+    trust: str | None = None
 
 
 async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) -> list[IPAddress]:

@@ -25,6 +25,7 @@ from urllib.parse import quote, quote_plus
 
 from proctor.broker._admission import Admitted, Outcome, RelayState
 from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, host_matches
+from proctor.broker._fair import run_blocking
 from proctor.broker._http import (
     HOP_BY_HOP,
     MAX_HEAD,
@@ -39,7 +40,7 @@ from proctor.broker._http import (
     serialize_head,
     walk_body,
 )
-from proctor.broker._mitm import CAError, TlsStream
+from proctor.broker._mitm import CAError, TlsStream, UpstreamTrust
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
@@ -48,6 +49,7 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
+from proctor.errors import ProctorError
 from proctor.ledger import Action
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
@@ -55,17 +57,23 @@ SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, no
 #: The rule named when an upstream's response carries an injected secret's value back.
 ECHO_RULE = "proctor:secret:echo"
 
-#: Connects to an admitted address; with TLS verified for the name, if one is given.
+#: Connects to an admitted address; with TLS verified for the name, if one is given
+#: (against ``Admitted.trust``).
 Dial = Callable[
     [Admitted, str | None], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
 ]
+#: ``(tenant, host)`` -> what the host's certificate is verified against: the CA
+#: certificates the tenant registered for it alone, else the default trust.
+TrustOf = Callable[[str, str], UpstreamTrust]
 
 
 class Injector:
     """TLS termination with secret injection, for the CONNECTs of hosts a secret is
     bound to. ``dial`` connects to an admitted address (TLS verified for the name
     it is given); ``server_context(tenant, host)`` is the guest-facing TLS context,
-    with a leaf certificate of the tenant's CA."""
+    with a leaf certificate of the tenant's CA; ``trust(tenant, host)`` what the
+    upstream's certificate is verified against (read from the store: a job of the
+    run's share of the fair pool). None: the dial's default trust, unnamed."""
 
     def __init__(
         self,
@@ -74,9 +82,11 @@ class Injector:
         *,
         connect_timeout: float,
         response_timeout: float,
+        trust: TrustOf | None = None,
     ) -> None:
         self._dial = dial
         self._server_context = server_context
+        self._trust = trust
         self._connect_timeout = connect_timeout
         self._response_timeout = response_timeout
 
@@ -96,13 +106,19 @@ class Injector:
                 server_ctx = self._server_context(scope.tenant, host.name)
             except CAError as exc:
                 raise UpstreamFailed(f"the tenant CA cannot be used: {exc.message}") from exc
+            admitted.trust = await self._trust_of(scope, host.name)
             # The first upstream connection is made before the guest is answered, so
             # that an unreachable host or a certificate that does not verify is a 502
             # to the CONNECT itself. It carries the first request and no other.
-            first = await self._dial(admitted, host.name)
+            first = await self._dial_trusted(admitted)
         except BrokerError as exc:
             outcome.answer = exc
             return
+        if admitted.trust is not None:
+            # Every later connection is verified against the same trust (``admitted``).
+            tls = first[1].get_extra_info("ssl_object")
+            peer = tls.getpeercert(binary_form=True) if tls is not None else None
+            outcome.trust = admitted.trust.verified_by(peer)
         outcome.injected = tuple(b.name for b in bindings)
         writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         guest = TlsStream(reader, writer, server_ctx, server_side=True)
@@ -118,6 +134,35 @@ class Injector:
         # What is still owed is answered inside TLS by the answer stage, after the
         # completion record (the record stage's) that records it.
         outcome.inside = guest
+
+    async def _trust_of(self, scope: RunScope, host: str) -> UpstreamTrust | None:
+        """What ``host``'s certificate is verified against; a lookup that fails is a
+        502 (fail closed: never the system's bundle in place of a registered CA)."""
+        if self._trust is None:
+            return None
+        try:
+            return await run_blocking(scope, self._trust, scope.tenant, host)
+        except ProctorError as exc:
+            raise UpstreamFailed(
+                f"the trusted CAs of {host} cannot be read: {exc.message}"
+            ) from exc
+
+    async def _dial_trusted(
+        self, admitted: Admitted
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await self._dial(admitted, admitted.host.name)
+        except UpstreamFailed as exc:
+            trust = admitted.trust
+            if trust is None or not trust.anchors:
+                raise
+            # Say what it was held to: a private upstream is verified against its
+            # registered CAs only, so "self-signed" may mean "another CA".
+            shown = ", ".join(f"sha256:{fp[:16]}..." for fp, _ in trust.anchors)
+            raise UpstreamFailed(
+                f"{exc.message} (verified against the CA certificates registered for "
+                f"{admitted.host.name} only: {shown})"
+            ) from exc
 
     async def _loop(
         self,
@@ -166,7 +211,7 @@ class Injector:
                     return await _record_tunnel_refusal(scope, admitted, exc, method)
                 if upstream is None:
                     try:
-                        upstream = await self._dial(admitted, host.name)
+                        upstream = await self._dial_trusted(admitted)
                     except UpstreamFailed as exc:
                         return exc
                 conn, upstream = upstream, None

@@ -22,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -266,12 +269,82 @@ def name_constraints(hosts: Iterable[str]) -> x509.NameConstraints:
     return x509.NameConstraints(permitted_subtrees=permitted, excluded_subtrees=excluded or None)
 
 
-def upstream_context(cafile: str | None) -> ssl.SSLContext:
-    """Client-side TLS that verifies the real upstream (system bundle unless ``cafile``)."""
-    ctx = ssl.create_default_context(cafile=cafile)
+def upstream_context(cafile: str | None, cadata: str | None = None) -> ssl.SSLContext:
+    """Client-side TLS that verifies the real upstream (system bundle unless ``cafile``
+    or ``cadata``: then those certificates alone)."""
+    ctx = ssl.create_default_context(cafile=cafile, cadata=cadata)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
+
+
+#: ``(tenant, host)`` -> the PEM of the CA certificates the tenant registered for
+#: ``host`` (``proctor egress ca add``), or None: the host keeps the default trust.
+TrustLookup = Callable[[str, str], bytes | None]
+
+#: The trust anchor named when the system's bundle verified an upstream.
+SYSTEM_TRUST = "system"
+#: ... and when the proxy's ``upstream_cafile`` did.
+CAFILE_TRUST = "upstream-cafile"
+_MAX_TRUST_CONTEXTS = 256
+
+
+@dataclass(frozen=True)
+class UpstreamTrust:
+    """What an upstream's certificate is verified against: the TLS context, and the
+    name of its trust anchor for the completion event. ``anchors`` (the CA
+    certificates a tenant registered for the host, by SHA-256 fingerprint) is
+    empty for the default trust, which ``label`` names."""
+
+    context: ssl.SSLContext
+    label: str
+    anchors: tuple[tuple[str, x509.Certificate], ...] = ()
+
+    def verified_by(self, peer_der: bytes | None) -> str:
+        """The trust anchor that verified the upstream whose leaf is ``peer_der``:
+        ``label`` for the default trust; for a host's registered CAs
+        ``tenant-ca:<sha256>`` of the one that issued the leaf (Python 3.11 cannot
+        give the verified chain, so the issuer is found by its signature), or of the
+        only one registered; with several and a chain through an intermediate, all
+        of them, joined by ``,``."""
+        if not self.anchors:
+            return self.label
+        if peer_der is not None:
+            with contextlib.suppress(ValueError):
+                leaf = x509.load_der_x509_certificate(peer_der)
+                for fingerprint, ca in self.anchors:
+                    try:
+                        leaf.verify_directly_issued_by(ca)
+                    except (ValueError, TypeError, InvalidSignature):
+                        continue
+                    return f"tenant-ca:{fingerprint}"
+        return ",".join(f"tenant-ca:{fingerprint}" for fingerprint, _ in self.anchors)
+
+
+_trust_lock = threading.Lock()
+_trust_cache: dict[bytes, UpstreamTrust] = {}
+
+
+def registered_trust(pem: bytes) -> UpstreamTrust:
+    """The trust of a host whose tenant registered ``pem`` (CA certificates): those
+    certificates and nothing else, not the system's bundle. Cached by content."""
+    key = hashlib.sha256(pem).digest()
+    with _trust_lock:
+        cached = _trust_cache.get(key)
+    if cached is not None:
+        return cached
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+        ctx = upstream_context(None, cadata=pem.decode("ascii"))
+    except (ValueError, ssl.SSLError) as exc:
+        raise CAError(f"the CA certificates registered for the host cannot be used: {exc}") from exc
+    anchors = tuple((cert.fingerprint(hashes.SHA256()).hex(), cert) for cert in certs)
+    trust = UpstreamTrust(ctx, "tenant-ca", anchors)
+    with _trust_lock:
+        if len(_trust_cache) >= _MAX_TRUST_CONTEXTS:
+            _trust_cache.pop(next(iter(_trust_cache)))
+        _trust_cache[key] = trust
+    return trust
 
 
 class TlsStream:

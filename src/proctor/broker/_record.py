@@ -11,8 +11,9 @@ of its decision (:func:`refuse`: a malformed request, an object missing, a
 broker rule; an act's refusal, an object missing, comes here through
 :func:`record`; :func:`refuse_request`, the server's safety net for a refusal
 nothing recorded yet), and the completion record of a call whose act outlives
-its decision (:func:`complete`: an egress connection's bytes, duration and how
-it ended), written before any answer still owed.
+its decision (:func:`complete`: an egress connection's bytes, duration, how
+it ended, and the trust anchor that verified the upstream where the broker ended
+TLS), written before any answer still owed.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> 
         details["status"] = outcome.status
     if outcome.injected:
         details["secrets"] = list(outcome.injected)
+    if outcome.trust is not None:
+        details["trust"] = outcome.trust
     if outcome.error is not None:
         details["error"] = outcome.error
     if outcome.answered is not None:
