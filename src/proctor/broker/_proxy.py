@@ -59,7 +59,15 @@ from proctor.broker._inject import (
     placeholder_refusal,
     walk_scanned,
 )
-from proctor.broker._mitm import TenantCA, upstream_context
+from proctor.broker._mitm import (
+    CAFILE_TRUST,
+    SYSTEM_TRUST,
+    TenantCA,
+    TrustLookup,
+    UpstreamTrust,
+    registered_trust,
+    upstream_context,
+)
 from proctor.broker._record import complete
 from proctor.broker._scope import BadCall, CallRefused, RunScope, SecretBinding
 from proctor.guest.protocol import TOKEN_HEADER
@@ -78,7 +86,9 @@ class EgressProxy:
     ``ca_root`` holds one directory per tenant with that tenant's CA (needed
     only for credential injection). ``upstream_cafile`` is the bundle real
     upstreams are verified against when TLS is terminated (default: the
-    system's). ``resolver`` exists for tests; production uses getaddrinfo.
+    system's), except for a host whose tenant registered CA certificates for it
+    (``upstream_trust``, ``(tenant, host)`` -> PEM or None): those alone.
+    ``resolver`` exists for tests; production uses getaddrinfo.
     """
 
     def __init__(
@@ -86,12 +96,14 @@ class EgressProxy:
         ca_root: Path | None = None,
         *,
         upstream_cafile: str | None = None,
+        upstream_trust: TrustLookup | None = None,
         resolver: Resolver | None = None,
         connect_timeout: float = 10.0,
         response_timeout: float = 300.0,
     ) -> None:
         self.ca_root = ca_root
         self.upstream_cafile = upstream_cafile
+        self.upstream_trust = upstream_trust
         self.resolver: Resolver = resolver or system_resolver
         self.connect_timeout = connect_timeout
         self.response_timeout = response_timeout
@@ -102,6 +114,7 @@ class EgressProxy:
             lambda tenant, host: self.tenant_ca(tenant).server_context(host),
             connect_timeout=connect_timeout,
             response_timeout=response_timeout,
+            trust=self._trust_for,
         )
 
     def tenant_ca(self, tenant: str) -> TenantCA:
@@ -118,6 +131,13 @@ class EgressProxy:
         if self._upstream_ctx is None:
             self._upstream_ctx = upstream_context(self.upstream_cafile)
         return self._upstream_ctx
+
+    def _trust_for(self, tenant: str, host: str) -> UpstreamTrust:
+        pem = None if self.upstream_trust is None else self.upstream_trust(tenant, host)
+        if pem is not None:
+            return registered_trust(pem)
+        label = SYSTEM_TRUST if self.upstream_cafile is None else CAFILE_TRUST
+        return UpstreamTrust(self._upstream_tls(), label)
 
     async def handle_connect(
         self,
@@ -274,7 +294,7 @@ class EgressProxy:
                 asyncio.open_connection(
                     str(admitted.address),
                     admitted.port,
-                    ssl=self._upstream_tls(),
+                    ssl=self._upstream_tls() if admitted.trust is None else admitted.trust.context,
                     server_hostname=tls_name,
                 ),
                 self.connect_timeout,
