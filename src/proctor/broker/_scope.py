@@ -58,6 +58,7 @@ from proctor.ledger import (
 from proctor.policy import (
     CompiledPolicies,
     Decision,
+    EgressRule,
     Entity,
     EntityRef,
     EntitySet,
@@ -388,6 +389,15 @@ class SecretBinding:
         return f"proctor-secret:{self.name}"
 
 
+@dataclass
+class EgressTotals:
+    """The body bytes a run's calls under one egress rule sent and received, in all
+    (``_rules.Meter`` charges them; the run's rules bound them)."""
+
+    request: int = 0
+    response: int = 0
+
+
 @dataclass(frozen=True)
 class DatasetBinding:
     name: str
@@ -419,6 +429,10 @@ class RunScope:
     # range; tests use this to reach their own loopback servers.
     allowed_ranges: tuple[str, ...] = ()
     extra_entities: tuple[Entity, ...] = ()
+    # The approved request rules of egress hosts, keyed by their egress entry
+    # (``host:port``, ``*.domain:port``): a host with rules has its TLS ended by the
+    # broker and each request checked (``_rules.py``).
+    egress_rules: Mapping[str, EgressRule] = field(default_factory=dict)
     # None: the broker's default (Broker.rate_limit) applies when the run opens.
     rate_limit: RateLimit | None = None
     # The most calls the run makes in all (the manifest's limits.calls); None: the
@@ -434,6 +448,9 @@ class RunScope:
     calls: int = field(default=0, init=False)
     refused_over_bound: int = field(default=0, init=False)
     refused_over_quota: int = field(default=0, init=False)
+    #: Body bytes sent and received under each egress rule so far (by entry): the
+    #: rules' totals per run are held against these, across all the run's connections.
+    egress_totals: dict[str, EgressTotals] = field(default_factory=dict, init=False)
     # Why the run may no longer make calls (None: it may), read in the transaction
     # that appends each allowed call's event; set by the supervisor.
     standing: Callable[[Conn], str | None] | None = field(default=None, repr=False)

@@ -2,7 +2,8 @@
 
 The manifest is the part of an artifact an approver signs off: the
 entrypoint, the purpose of processing (GDPR Art. 5(1)(b)), the capabilities
-(datasets, tables and columns, egress hosts, secrets, buckets), the resource
+(datasets, tables and columns, egress hosts and their request rules, secrets,
+buckets), the resource
 limits and the lifecycle. It is parsed strictly: an unknown key, a wrong
 type or an empty purpose is refused with a message naming the key, because a
 key this parser silently dropped would be a capability nobody reviewed.
@@ -27,7 +28,14 @@ from typing import Any
 
 from proctor.errors import PolicyError, UsageError
 from proctor.ledger import canonical_json
-from proctor.policy import DEFAULT_PORT, capability_policies, normalize_host, split_host_port
+from proctor.policy import (
+    DEFAULT_PORT,
+    RULE_KEYS,
+    EgressRule,
+    capability_policies,
+    normalize_host,
+    split_host_port,
+)
 
 MANIFEST_FILE = "proctor.toml"
 
@@ -215,12 +223,16 @@ def parse_manifest(source: bytes | str) -> Manifest:
     name = _parse_name(artifact.get("name"))
     entrypoint = _parse_entrypoint(artifact.get("entrypoint"))
     purpose = _parse_purpose(artifact.get("purpose"))
-    capabilities = {
+    hosts, rules = _parse_egress(data.get("egress"))
+    capabilities: dict[str, Any] = {
         "datasets": _parse_datasets(data.get("datasets")),
-        "egress": _parse_egress(data.get("egress")),
+        "egress": hosts,
         "secrets": _parse_secrets(data.get("secrets")),
         "buckets": _parse_buckets(data.get("buckets")),
     }
+    if rules:
+        # Only when there are any, so a manifest without rules keeps the digest it had.
+        capabilities["egress_rules"] = rules
     _check_with_policy(capabilities)
     _check_recorded_size(name, entrypoint, purpose, capabilities)
     return Manifest(
@@ -427,13 +439,51 @@ def _parse_datasets(value: Any) -> dict[str, Any]:
     return out
 
 
-def _parse_egress(value: Any) -> list[str]:
+def _parse_egress(value: Any) -> tuple[list[str], dict[str, Any]]:
+    """``egress.hosts`` normalized, and ``egress.rules`` keyed by the normalized entry."""
     egress = _table("egress", value)
-    _known("egress", egress, ("hosts",))
-    if "hosts" not in egress:
-        return []
-    entries = _string_list("egress.hosts", egress["hosts"])
-    return sorted({_egress_entry(e) for e in entries})
+    _known("egress", egress, ("hosts", "rules"))
+    hosts: list[str] = []
+    if "hosts" in egress:
+        entries = _string_list("egress.hosts", egress["hosts"])
+        hosts = sorted({_egress_entry(e) for e in entries})
+    rules: dict[str, Any] = {}
+    for key, raw in _table("egress.rules", egress.get("rules")).items():
+        where = f"egress.rules.{_toml_key(key)}"
+        entry = _egress_entry(key, where)
+        if entry not in hosts:
+            raise UsageError(
+                f"{where}: {entry} is not one of egress.hosts",
+                hint="rules apply to a host the code may call: add it to egress.hosts",
+            )
+        if entry in rules:
+            raise UsageError(f"{where}: {entry} has rules already (two spellings of one host)")
+        rules[entry] = _parse_rules(where, entry, _table(where, raw))
+    return hosts, rules
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else '"' + key.replace('"', '\\"') + '"'
+
+
+def _parse_rules(where: str, entry: str, table: dict[str, Any]) -> dict[str, Any]:
+    """One host's request rules, in the form the capabilities carry (sizes in bytes)."""
+    _known(where, table, RULE_KEYS)
+    doc: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in ("methods", "paths"):
+            doc[key] = _string_list(f"{where}.{key}", value)
+        elif key == "body_digests":
+            if not isinstance(value, bool):
+                raise UsageError(f"{where}.body_digests must be true or false, not {value!r}")
+            doc[key] = value
+        else:
+            doc[key] = _parse_size(f"{where}.{key}", value)
+    try:
+        return EgressRule.from_json(entry, doc).to_json()
+    except PolicyError as exc:
+        message = exc.message.replace(f"egress rules of {entry}", where, 1)
+        raise UsageError(message, hint=exc.hint) from exc
 
 
 def _egress_entry(entry: str, field: str = "egress.hosts") -> str:
@@ -608,12 +658,15 @@ def _parse_lifecycle(value: Any) -> Lifecycle:
 
 
 def _normalize_capabilities(capabilities: dict[str, Any]) -> dict[str, Any]:
-    return {
+    out = {
         "datasets": capabilities.get("datasets", {}),
         "egress": list(capabilities.get("egress", [])),
         "secrets": list(capabilities.get("secrets", [])),
         "buckets": capabilities.get("buckets", {}),
     }
+    if capabilities.get("egress_rules"):
+        out["egress_rules"] = capabilities["egress_rules"]
+    return out
 
 
 def egress_entry(entry: str, field: str) -> str:

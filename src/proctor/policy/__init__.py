@@ -14,12 +14,21 @@ is private and may change without notice.
 - :func:`capability_policies` turns an approved capability set into the
   permits of one deployment's workloads.
 - :func:`evaluate_request` is what ``proctor policy test`` runs.
+- :class:`EgressRule` and :func:`egress_rules`: the request rules an egress host
+  may carry in approved capabilities (methods, paths, byte bounds, body digests).
 
 Identifiers are namespaced: entity types ``Proctor::Table``, actions
 ``Proctor::Action::"sql.select"``. See docs/policy.md.
 """
 
 from proctor.policy._capabilities import CAPABILITY_KEYS, capability_policies
+from proctor.policy._egress_rules import (
+    RULE_KEYS,
+    RULE_PREFIX,
+    EgressRule,
+    check_pattern,
+    egress_rules,
+)
 from proctor.policy._engine import (
     CompiledPolicies,
     Decision,
@@ -48,17 +57,22 @@ __all__ = [
     "DEFAULT_PORT",
     "ENTITY_TYPES",
     "NAMESPACE",
+    "RULE_KEYS",
+    "RULE_PREFIX",
     "CedarValue",
     "CompiledPolicies",
     "Decision",
+    "EgressRule",
     "Entity",
     "EntityRef",
     "EntitySet",
     "IpAddr",
     "Request",
     "capability_policies",
+    "check_pattern",
     "compile_policies",
     "decide",
+    "egress_rules",
     "evaluate_request",
     "normalize_host",
     "normalize_text",

@@ -12,11 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from proctor.errors import PolicyError
+from proctor.policy._egress_rules import egress_rules
 from proctor.policy._hosts import DEFAULT_PORT, normalize_host, split_host_port
 from proctor.policy._model import EntityRef
 from proctor.policy._schema import action_literal, cedar_string
 
-CAPABILITY_KEYS = frozenset({"datasets", "egress", "secrets", "buckets"})
+#: ``egress_rules`` (request rules per egress entry) makes no permit of its own: the
+#: broker enforces the rules and names them in refusals, and Cedar sees them as the
+#: ``rules`` record of ``http.request``'s context (``_egress_rules.py``).
+CAPABILITY_KEYS = frozenset({"datasets", "egress", "egress_rules", "secrets", "buckets"})
 _ACCESS = {
     "read": ("read",),
     "write": ("write",),
@@ -34,6 +38,8 @@ def capability_policies(tenant: str, deployment: str, capabilities: Mapping[str,
         {"datasets": {"crm": {"tables": {"customers":
              {"columns": ["id", "country"], "access": "read"}}}},
          "egress": ["api.example.com:443", "*.example.org"],
+         "egress_rules": {"api.example.com:443": {"methods": ["GET"],
+                                                  "paths": ["/v1/customers/*"]}},
          "secrets": ["crm_token"],
          "buckets": {"reports": "write"}}
 
@@ -52,6 +58,8 @@ def capability_policies(tenant: str, deployment: str, capabilities: Mapping[str,
             f"unknown capability keys: {', '.join(sorted(unknown))}",
             hint="known: " + ", ".join(sorted(CAPABILITY_KEYS)),
         )
+    # Checked here too: rules that could not be enforced are refused at submit.
+    egress_rules(capabilities)
     principal = f"principal in {EntityRef.deployment(tenant, deployment)}"
     prefix = f"deploy:{deployment}"
     policies: list[str] = []
