@@ -5,6 +5,7 @@ request that round-trips or a clean 4xx refusal out; anything else is an Asserti
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 
 from proctor.broker._http import MAX_HEAD, RequestHead, read_body, read_head
@@ -102,7 +103,9 @@ def check(
     # reinterpreted that a second parser (the proxy, an upstream) would read otherwise.
     again = parse(serialize(head))
     assert again.head == head, (again.head, head)
-    if out.body is not None:
+    if any(k.lower() == "transfer-encoding" for k, _ in head.headers):
+        _check_chunked(head, data[end + 4 :], out, eof)
+    elif out.body is not None:
         lengths = {v for k, v in head.headers if k.lower() == "content-length"}
         expected = int(lengths.pop()) if lengths else 0
         assert len(out.body) == expected <= BODY_LIMIT
@@ -113,3 +116,98 @@ def check(
         digits = lengths.pop().lstrip("0")
         assert len(digits) > len(str(BODY_LIMIT)) or int(digits) > BODY_LIMIT
     return out
+
+
+# -- chunked bodies: a reference decoder, written from RFC 9112 7.1, not from _http.py --
+
+_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;[^\x00-\x08\x0a-\x1f\x7f]*)?")
+_TRAILER = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00\r\n]*")
+_LINE_MAX = 8193  # a chunk or trailer line, CRLF included
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a strict chunked reader makes of the bytes after a head: the content
+    (``body``), a refusal (``status``), or neither because the bytes ran out first."""
+
+    body: bytes | None = None
+    status: int | None = None
+
+    @property
+    def short(self) -> bool:
+        return self.body is None and self.status is None
+
+
+def _line(rest: bytes, at: int) -> tuple[bytes | None, int, bool]:
+    """(the line at ``at`` without its CRLF, where the next starts, malformed?)."""
+    nl = rest.find(b"\n", at)
+    cr = rest.find(b"\r", at)
+    window = rest[at : at + _LINE_MAX]
+    if nl < 0:
+        # No end yet: malformed already if the line is past the bound, or if a CR
+        # has two bytes after it (so neither of them ended the line). A CR with one
+        # byte after it is not known bad until the next byte arrives.
+        bad = (0 <= cr <= len(rest) - 3) or len(window) >= _LINE_MAX
+        return None, at, bad
+    if nl == at or rest[nl - 1 : nl] != b"\r" or rest.find(b"\r", at, nl - 1) >= 0:
+        return None, at, True  # a bare LF, or a CR not right before the LF
+    if nl + 1 - at > _LINE_MAX:
+        return None, at, True
+    return rest[at : nl - 1], nl + 1, False
+
+
+def reference_chunked(head: RequestHead, rest: bytes, limit: int) -> Reference:
+    """The outcome RFC 9112 gives a chunked body in ``rest``, with the broker's rules:
+    no Content-Length beside it, the one coding ``chunked``, HTTP/1.1 only, at most
+    ``limit`` bytes of content (refused on the size line that passes it)."""
+    te = [v for k, v in head.headers if k.lower() == "transfer-encoding"]
+    cl = [v for k, v in head.headers if k.lower() == "content-length"]
+    if cl or len(te) != 1 or te[0].lower() != "chunked" or head.version != "HTTP/1.1":
+        return Reference(status=400)
+    at, body = 0, bytearray()
+    while True:
+        line, at, bad = _line(rest, at)
+        if bad:
+            return Reference(status=400)
+        if line is None:
+            return Reference()
+        match = _SIZE_LINE.fullmatch(line)
+        if match is None:
+            return Reference(status=400)
+        size = int(match.group(1), 16)
+        if len(body) + size > limit:
+            return Reference(status=413)
+        if size == 0:
+            break
+        if len(rest) < at + size + 2:
+            return Reference()
+        body += rest[at : at + size]
+        if rest[at + size : at + size + 2] != b"\r\n":
+            return Reference(status=400)
+        at += size + 2
+    for _ in range(101):
+        line, at, bad = _line(rest, at)
+        if bad:
+            return Reference(status=400)
+        if line is None:
+            return Reference()
+        if line == b"":
+            return Reference(body=bytes(body))
+        if not _TRAILER.fullmatch(line):
+            return Reference(status=400)
+    return Reference(status=400)
+
+
+def _check_chunked(head: RequestHead, rest: bytes, out: Parsed, eof: bool) -> None:
+    ref = reference_chunked(head, rest, BODY_LIMIT)
+    got = out.refusal.status if out.refusal is not None else None
+    if ref.body is not None:
+        assert out.body == ref.body, (out.body, ref.body, got)
+    elif ref.status is not None:
+        # 413 is answered on the size line that passes the limit, before its data
+        # (none of which need have arrived): never a wait for more.
+        assert got == ref.status, (got, ref.status, out.refusal)
+    else:
+        # The bytes ran out before a verdict: an early end, or (no EOF) a stall;
+        # without EOF, a malformed line may be seen before its end arrives.
+        assert got in ((400,) if eof else (400, 408)), (got, out.refusal)

@@ -21,21 +21,24 @@ is removed: readers never see an object whose write is not in the ledger.
 An upload through the run's socket is decided on its head alone (bucket, key,
 announced length) before a byte of its body is read: a refused upload is never
 read and its connection closes. A permitted one is streamed to the temporary
-file 256 KiB at a time (a stalled sender holds one piece, not the object).
+file 256 KiB at a time (a stalled sender holds one piece, not the object). A
+chunked upload (Node's default) is decided without a length, streamed the same
+way, refused (413) on the chunk line that takes it past the cap, and hashed and
+recorded exactly as the same bytes sent with a Content-Length.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote
 
 from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._decide import Question, decide
 from proctor.broker._fair import run_blocking
-from proctor.broker._http import BodyStream, body_length
+from proctor.broker._http import BodyStream
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, RunScope
 from proctor.governance import (
     MAX_KEY_LENGTH,
@@ -219,13 +222,19 @@ class FileWrite:
         assert call.head is not None and call.reader is not None
         # Not read here: decided from the head first (a refused upload is never
         # read; the connection closes), then streamed to disk.
-        body = BodyStream(call.reader, body_length(call.head, MAX_OBJECT_BYTES))
+        body = BodyStream.of(call.reader, call.head, MAX_OBJECT_BYTES)
         return FileRequest(bucket, key, body)
 
     async def decide(self, call: Call, request: FileRequest) -> Ruling:
         scope, action = call.scope, Action.FILE_WRITE
         untrusted: object = request.data
         if isinstance(untrusted, BodyStream):
+            if untrusted.length is None:
+                # Chunked: its size is known only once read, so Cedar is asked
+                # without one (a policy that reads context.bytes refuses it: an
+                # evaluation error denies), and the stream refuses it past
+                # max_bytes (413) on the chunk line that passes it.
+                return _ruling(scope, action, request, {})
             size = untrusted.length
         elif isinstance(untrusted, bytes | bytearray | memoryview):
             size = len(untrusted)
@@ -266,6 +275,8 @@ class FileWrite:
         untrusted: object = request.data  # the caller's: bytes-like or a stream
         data = bytes(untrusted) if isinstance(untrusted, bytearray | memoryview) else untrusted
         assert isinstance(data, bytes | BodyStream)
+        if isinstance(data, BodyStream) and data.length is None:
+            data = replace(data, limit=min(data.limit, request.max_bytes))
         hasher = hashlib.sha256()
         written = 0
         try:
@@ -274,8 +285,9 @@ class FileWrite:
                 written += len(piece)
                 await run_blocking(scope, staged.write, piece)
             await run_blocking(scope, staged.finish)
-        except BadCall as exc:  # the body stalled or ended early
-            return _failed(exc, discard)
+        except BadCall as exc:  # the body stalled, ended early, was misframed or too large
+            too_big = f"files: the object is larger than {request.max_bytes} bytes"
+            return _failed(ObjectTooLarge(too_big) if exc.status == 413 else exc, discard)
         except OSError as exc:
             error = BrokerError(f"files: the object could not be written: {exc.strerror}")
             return _failed(error, discard)

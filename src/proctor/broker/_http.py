@@ -8,7 +8,9 @@ two broker paths can read the same bytes as two different requests. Bodies the
 proxy passes on are framed strictly (:func:`request_framing`,
 :func:`walk_body`): the bytes go on as they came, so anything another parser
 could frame another way is refused before a byte of it is passed on. Bodies
-the socket's own endpoints take are read by :func:`read_body`, to a limit.
+the socket's own endpoints take are read by :func:`read_body` or streamed by
+:class:`BodyStream`, to a limit, by Content-Length or chunked (the same chunk-line
+parser and rules as the proxy's).
 """
 
 from __future__ import annotations
@@ -179,11 +181,23 @@ async def read_head(
     return parse_request_head(raw)
 
 
-def body_length(head: RequestHead, limit: int) -> int:
+def body_length(head: RequestHead, limit: int) -> int | None:
     """The length ``head`` announces for its body, checked against ``limit`` before a
-    byte of the body is read (413 over it); chunked bodies are refused."""
-    if head.header("Transfer-Encoding") is not None:
-        raise BadCall("send a Content-Length body; chunked requests are not accepted here")
+    byte of the body is read (413 over it); None for a chunked body, whose size is
+    known only once read (:class:`BodyStream` counts it against ``limit`` as it comes).
+
+    Framed strictly, as the proxy frames what it passes on: Transfer-Encoding with
+    Content-Length, a coding other than ``chunked``, or chunked on HTTP/1.0 is
+    refused, never read one way or the other."""
+    te = [v for k, v in head.headers if k.lower() == "transfer-encoding"]
+    if te:
+        if head.header("Content-Length") is not None:
+            raise BadCall("both Transfer-Encoding and Content-Length")
+        if len(te) != 1 or te[0].lower() != "chunked":
+            raise BadCall("only Transfer-Encoding: chunked is supported")
+        if head.version != "HTTP/1.1":
+            raise BadCall("a chunked body needs HTTP/1.1")
+        return None
     lengths = {v for k, v in head.headers if k.lower() == "content-length"}
     if len(lengths) > 1:
         raise BadCall("conflicting Content-Length headers")
@@ -194,25 +208,83 @@ def body_length(head: RequestHead, limit: int) -> int:
         raise BadCall("malformed Content-Length")
     # Compared by length first: int() refuses strings of over 4300 digits.
     if len(length_s.lstrip("0")) > len(str(limit)) or int(length_s) > limit:
-        err = BadCall(f"the request body is larger than the {limit} bytes allowed")
-        err.status = 413
-        raise err
+        raise too_large(limit)
     return int(length_s)
+
+
+def too_large(limit: int) -> BadCall:
+    err = BadCall(f"the request body is larger than the {limit} bytes allowed")
+    err.status = 413
+    return err
+
+
+#: What a chunked body's framing (chunk lines, extensions, trailers) may cost beyond
+#: its content: this much, plus this many bytes per byte of content. A body of one
+#: byte per chunk costs 5 per byte; a few bytes each carrying an 8 KiB extension
+#: would make the broker read without end for a body inside its limit.
+_FRAMING_FREE = 64 * 1024
+_FRAMING_PER_BYTE = 8
+
+
+@dataclass
+class _Idle:
+    """A reader whose every read is refused (408) after ``idle`` seconds without a
+    byte, and whose early end is a refusal: the chunked framing reads through it."""
+
+    reader: asyncio.StreamReader
+    idle: float
+
+    def _stalled(self) -> BadCall:
+        err = BadCall(f"no byte of the request body for {self.idle:g} s")
+        err.status = 408
+        return err
+
+    async def read(self, n: int = -1) -> bytes:
+        try:
+            async with asyncio.timeout(self.idle):
+                return await self.reader.read(n)
+        except TimeoutError as exc:
+            raise self._stalled() from exc
+
+    async def readexactly(self, n: int) -> bytes:
+        try:
+            async with asyncio.timeout(self.idle):
+                return await self.reader.readexactly(n)
+        except TimeoutError as exc:
+            raise self._stalled() from exc
+        except asyncio.IncompleteReadError as exc:
+            raise BadCall("the request body ended early") from exc
 
 
 @dataclass
 class BodyStream:
     """A request body not read yet: ``length`` bytes (checked against its limit),
-    handed to a handler that decides the call first and only then reads it, a
-    chunk at a time, so a refused or stalled body is never held in memory."""
+    or chunked (``length`` None: each chunk counted against ``limit`` as its size
+    line arrives), handed to a handler that decides the call first and only then
+    reads it, a chunk at a time, so a refused or stalled body is never held in
+    memory. Either framing yields the same content, in the same pieces."""
 
     reader: asyncio.StreamReader
-    length: int
+    length: int | None
     idle: float = 30.0
+    limit: int = 0
+
+    @classmethod
+    def of(
+        cls, reader: asyncio.StreamReader, head: RequestHead, limit: int, idle: float = 30.0
+    ) -> BodyStream:
+        """The body ``head`` announces, framed and checked by :func:`body_length`."""
+        return cls(reader, body_length(head, limit), idle, limit)
 
     async def chunks(self, size: int = 1 << 20) -> AsyncIterator[bytes]:
         """The body in pieces of at most ``size`` bytes; refused (408) if ``idle``
-        seconds pass with no byte of it, or if it ends early."""
+        seconds pass with no byte of it, or if it ends early; a chunked one also
+        if its framing is malformed (400) or its content passes ``limit`` (413,
+        on the size line that passes it, before the chunk is read)."""
+        if self.length is None:
+            async for content in self._chunked(size):
+                yield content
+            return
         left = self.length
         while left:
             piece = bytearray()
@@ -231,13 +303,57 @@ class BodyStream:
                 left -= len(chunk)
             yield bytes(piece)
 
+    async def _chunked(self, size: int) -> AsyncIterator[bytes]:
+        # The proxy's chunk-line parser and rules (walk_body): one reading of
+        # chunked framing in the broker, whoever the body is for.
+        src = _Idle(self.reader, self.idle)
+        total = framing = 0
+        piece = bytearray()
+        while True:
+            line = await _readline(src)
+            chunk = _chunk_size(line)
+            framing += len(line) + (2 if chunk else 0)
+            total += chunk
+            if total > self.limit:
+                raise too_large(self.limit)
+            if framing > _FRAMING_FREE + _FRAMING_PER_BYTE * total:
+                raise BadCall("the chunked framing is too large for the body it carries")
+            if chunk == 0:
+                break
+            left = chunk
+            while left:
+                data = await src.read(min(left, size - len(piece), CHUNK))
+                if not data:
+                    raise BadCall("the request body ended early")
+                piece += data
+                left -= len(data)
+                if len(piece) == size:
+                    yield bytes(piece)
+                    piece.clear()
+            if await src.readexactly(2) != b"\r\n":
+                raise BadCall("chunk data not followed by CRLF")
+        for _ in range(_MAX_TRAILERS + 1):  # trailers, up to the empty line
+            trailer = await _readline(src)
+            if trailer == b"\r\n":
+                # The last piece only once the body is whole: a refusal in its
+                # trailers refuses the body, as a length body ended early is.
+                if piece:
+                    yield bytes(piece)
+                return
+            _check_trailer(trailer)
+            framing += len(trailer)
+            if framing > _FRAMING_FREE + _FRAMING_PER_BYTE * total:
+                raise BadCall("the chunked framing is too large for the body it carries")
+        raise BadCall(f"more than {_MAX_TRAILERS} trailer fields")
+
 
 async def read_body(
     reader: asyncio.StreamReader, head: RequestHead, limit: int, idle: float = 30.0
 ) -> bytes:
-    """The body ``head`` announces, at most ``limit`` bytes; refused if ``idle``
-    seconds pass with no byte of it arriving (a stalled sender holds nothing)."""
-    stream = BodyStream(reader, body_length(head, limit), idle)
+    """The body ``head`` announces (by length or chunked), at most ``limit`` bytes;
+    refused if ``idle`` seconds pass with no byte of it arriving (a stalled sender
+    holds nothing)."""
+    stream = BodyStream.of(reader, head, limit, idle)
     return b"".join([chunk async for chunk in stream.chunks()])
 
 
