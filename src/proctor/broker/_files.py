@@ -22,9 +22,10 @@ An upload through the run's socket is decided on its head alone (bucket, key,
 announced length) before a byte of its body is read: a refused upload is never
 read and its connection closes. A permitted one is streamed to the temporary
 file 256 KiB at a time (a stalled sender holds one piece, not the object). A
-chunked upload (Node's default) is decided without a length, streamed the same
-way, refused (413) on the chunk line that takes it past the cap, and hashed and
-recorded exactly as the same bytes sent with a Content-Length.
+chunked upload (Node's default) is decided as large as the cap (its length is
+not known before it is read), streamed the same way, refused (413) on the chunk
+line that takes it past the cap, and hashed and recorded exactly as the same
+bytes sent with a Content-Length.
 """
 
 from __future__ import annotations
@@ -229,13 +230,12 @@ class FileWrite:
         scope, action = call.scope, Action.FILE_WRITE
         untrusted: object = request.data
         if isinstance(untrusted, BodyStream):
-            if untrusted.length is None:
-                # Chunked: its size is known only once read, so Cedar is asked
-                # without one (a policy that reads context.bytes refuses it: an
-                # evaluation error denies), and the stream refuses it past
-                # max_bytes (413) on the chunk line that passes it.
-                return _ruling(scope, action, request, {})
-            size = untrusted.length
+            # Chunked: its size is known only once read, so it is decided as large
+            # as it may grow (a tenant's "no upload over N" forbid refuses it, a
+            # permit "under N" does not take it: chunking is no way around a size
+            # rule), and the stream refuses it past that (413) on the chunk line
+            # that passes it.
+            size = request.max_bytes if untrusted.length is None else untrusted.length
         elif isinstance(untrusted, bytes | bytearray | memoryview):
             size = len(untrusted)
         else:
