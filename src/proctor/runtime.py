@@ -34,7 +34,9 @@ from proctor.governance import (
     ControlPlane,
     DatasetKind,
     Deployments,
+    EgressCAs,
     EgressRanges,
+    HostCAs,
     KeyRing,
     Policies,
     Principals,
@@ -278,6 +280,7 @@ class Runtime:
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
         self.subprocessors = Subprocessors(store, self.ledger)
         self.egress = EgressRanges(store, self.ledger)
+        self.egress_cas = EgressCAs(store, self.ledger, self.keys.derive("proctor/egress-cas/v1"))
         self._broker_root: Path | None = None
         #: The store, named for people, when it lies outside the home: every error a
         #: command meets through this runtime names it (``__exit__``).
@@ -429,6 +432,23 @@ class Runtime:
     def allow_egress_range(self, tenant: str, cidr: str, actor: Actor) -> tuple[str, ...]:
         return self.egress.allow(tenant, cidr, actor)
 
+    def host_cas(self, tenant: str) -> list[HostCAs]:
+        """The CA certificates the tenant registered for named hosts (private upstreams,
+        see ``proctor.governance.EgressCAs``)."""
+        self.tenants.get(tenant)
+        return self.egress_cas.list(tenant)
+
+    def add_host_ca(self, tenant: str, host: str, pem: bytes, actor: Actor,
+                    source: str = "the file") -> HostCAs:  # fmt: skip
+        """Register CA certificates for ``host``: the broker verifies it against them alone."""
+        self.tenants.get(tenant)
+        return self.egress_cas.add(tenant, host, pem, actor, source)
+
+    def remove_host_ca(self, tenant: str, host: str, actor: Actor,
+                       fingerprint: str | None = None) -> HostCAs:  # fmt: skip
+        self.tenants.get(tenant)
+        return self.egress_cas.remove(tenant, host, actor, fingerprint)
+
     def egress_ca_pem(self, tenant: str, hosts: list[str] | None = None) -> bytes:
         """The tenant CA's certificate; with ``hosts``, constrained to those names."""
         from proctor.broker import TenantCA
@@ -438,13 +458,15 @@ class Runtime:
     def make_broker(
         self, upstream_cafile: str | None = None, rate_limit: RateLimit | None = None
     ) -> Broker:
-        """The broker for this runtime's runs, with every real handler."""
+        """The broker for this runtime's runs, with every real handler; a host whose
+        tenant registered CA certificates for it is verified against those alone."""
         from proctor.broker import broker_socket_root, make_broker
 
         # Released at close, when empty: what a SIGKILL leaves is reaped by owner.
         self._broker_root = broker_socket_root()
         return make_broker(self.home / "ca", self.keys.derive("proctor/broker-tokens/v1"),
-                           upstream_cafile=upstream_cafile, rate_limit=rate_limit)  # fmt: skip
+                           upstream_cafile=upstream_cafile, rate_limit=rate_limit,
+                           upstream_trust=self.egress_cas.pem_for)  # fmt: skip
 
     def supervisor(self, broker: Broker, backend: str | None = None) -> Supervisor:
         """The supervisor of this runtime's runs, over ``broker`` (from

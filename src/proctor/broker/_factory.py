@@ -12,6 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from proctor.broker._mitm import TrustLookup
 from proctor.broker._proxy import EgressProxy
 from proctor.broker._scope import BrokerError, RateLimit
 from proctor.broker._server import Broker, Handlers
@@ -43,10 +44,13 @@ def make_broker(
     *,
     upstream_cafile: str | None = None,
     rate_limit: RateLimit | None = None,
+    upstream_trust: TrustLookup | None = None,
 ) -> Broker:
     """A broker with every real handler: SQL, buckets, and the egress proxy whose
-    tenant CAs live under ``ca_dir``; ``token_key`` signs its runs' tokens."""
-    proxy = EgressProxy(ca_dir, upstream_cafile=upstream_cafile)
+    tenant CAs live under ``ca_dir``; ``token_key`` signs its runs' tokens.
+    ``upstream_trust(tenant, host)``: the CA certificates a tenant registered for a
+    host (PEM, or None), which alone verify that host where the broker ends TLS."""
+    proxy = EgressProxy(ca_dir, upstream_cafile=upstream_cafile, upstream_trust=upstream_trust)
     handlers = Handlers.for_proxy(proxy)
     root = broker_socket_root()
     for _ in range(3):

@@ -74,6 +74,8 @@ class Action(StrEnum):
     BUCKET_READ = "bucket.read"
     BUCKET_WRITE = "bucket.write"
     EGRESS_RANGE_ALLOW = "egress.range.allow"
+    EGRESS_CA_ADD = "egress.ca.add"
+    EGRESS_CA_REMOVE = "egress.ca.remove"
     EGRESS_SANDBOX_ALLOW = "egress.sandbox.allow"
     SUBPROCESSOR_ADD = "subprocessor.add"
     SUBPROCESSOR_REMOVE = "subprocessor.remove"
