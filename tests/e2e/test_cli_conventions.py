@@ -78,6 +78,8 @@ ARGS: dict[str, list[str]] = {
     "deployment stop": ["-t", "acme", "job2"],
     "deployment versions": ["-t", "acme", "job"],
     "egress allow-range": ["-t", "acme", "127.0.0.1/32"],
+    "egress ca add": ["-t", "acme", "private.walk.test", "--ca-file", "{TMP}/ca.pem"],
+    "egress ca remove": ["-t", "acme", "private.walk.test"],
     "egress sandbox-allow": ["-t", "acme", "mock.test:8443"],
     "erase": ["-t", "acme", "--dataset", "crm", "--key", "7", "--request-ref", "DSR-walk"],
     "evidence export": ["-t", "acme", "--from", "2000-01-01", "--to", "2100-01-01",
@@ -251,6 +253,9 @@ def walk_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gov, d
         "context": {"dataset": "crm", "columns": ["id"]},
     }))  # fmt: skip
     (tmp / "k.txt").write_text("hello\n")
+    from tests.e2e.test_egress_ca_cli import make_cert  # egress ca add
+
+    (tmp / "ca.pem").write_bytes(make_cert("walk CA")[0])
     rt.resources.put_object("acme", "reports", "in/k.txt", b"hello\n", op)
     from proctor.witness import TenantWitnesses, Witness  # witness add-log, show and remove
 

@@ -15,7 +15,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proctor import __version__
-from proctor.api import _artifact_routes, _log, _operator_routes, _retention_routes, _routes
+from proctor.api import (
+    _artifact_routes,
+    _egress_routes,
+    _log,
+    _operator_routes,
+    _retention_routes,
+    _routes,
+)
 from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
@@ -225,6 +232,7 @@ def create_app(
     app.include_router(_log.router)
     app.include_router(_operator_routes.router)
     app.include_router(_retention_routes.router)
+    app.include_router(_egress_routes.router)
     app.add_middleware(_Guard, limits=limits)
 
     return app

@@ -791,6 +791,125 @@ def egress_sandbox_hosts(
         console.print(entry)
 
 
+# -- private upstreams: CA certificates registered for hosts ------------------------
+
+ca_app = typer.Typer(
+    help="CA certificates a tenant registers for hosts with private certificates: where "
+    "the broker ends TLS (a secret injected) it verifies such a host against them alone.",
+    no_args_is_help=True,
+)
+egress_app.add_typer(ca_app, name="ca")
+
+CaHostArg = Annotated[
+    str, typer.Argument(help="The upstream's DNS name, as its certificate names it")
+]
+
+
+def _print_host_cas(entries: list[dict[str, Any]], wide: bool = False) -> None:
+    table = make_table("host", "sha256", "subject", "expires", "added by",
+                       ids=("host", "sha256"))  # fmt: skip
+    for entry in entries:
+        for ca in entry["cas"]:
+            table.add_row(entry["host"], ca["fingerprint"], ca["subject"],
+                          ca["not_after"][:10], ca["added_by"])  # fmt: skip
+    print_table(table, wide)
+
+
+@ca_app.command("add")
+def egress_ca_add(
+    tenant: TenantOpt,
+    host: CaHostArg,
+    ca_file: Annotated[
+        Path,
+        typer.Option(
+            "--ca-file",
+            help="PEM file of the CA certificate(s) that issue the "
+            "host's certificate (CA:TRUE; no key)",
+        ),
+    ],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Trust a CA for one host: its certificate is verified against it (and any other
+    registered for it), not the system's roots."""
+    try:
+        pem = ca_file.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {ca_file}: {exc.strerror or exc}") from exc
+    if (client := remote(token)) is not None:
+        doc = dict(client.add_egress_ca(tenant, host, pem.decode("ascii", "replace")))
+    else:
+        with open_runtime(home) as rt:
+            actor, principal = acting(rt, token)
+            rt.tenants.get(tenant)
+            _authorize(rt, principal, Action.POLICY_SET, EntityRef.tenant(tenant), tenant,
+                       f"egress-ca/{host[:253]}")  # fmt: skip
+            doc = rt.add_host_ca(tenant, host, pem, actor, str(ca_file)).to_json()
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"{doc['host']} is verified against {len(doc['cas'])} CA certificate(s) "
+                  f"of {tenant} only")  # fmt: skip
+    _print_host_cas([doc])
+
+
+@ca_app.command("list")
+def egress_ca_list(
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """The hosts with CA certificates registered, and those certificates."""
+    if (client := remote(token)) is not None:
+        entries = [dict(e) for e in client.egress_cas(tenant)]
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, Action.TENANT_READ)
+            entries = [h.to_json() for h in rt.host_cas(tenant)]
+    if as_json:
+        emit_json(entries)
+        return
+    if not entries:
+        console.print(f"no host of {tenant} has a CA certificate registered")
+        return
+    _print_host_cas(entries, wide)
+
+
+@ca_app.command("remove")
+def egress_ca_remove(
+    tenant: TenantOpt,
+    host: CaHostArg,
+    fingerprint: Annotated[
+        str | None,
+        typer.Option(help="Remove only this certificate (its SHA-256, as `ca list` shows)"),
+    ] = None,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Stop trusting a host's registered CA certificates (all, or one): with none left
+    the host is verified against the system's roots again."""
+    if (client := remote(token)) is not None:
+        doc = dict(client.remove_egress_ca(tenant, host, fingerprint))
+    else:
+        with open_runtime(home) as rt:
+            actor, principal = acting(rt, token)
+            rt.tenants.get(tenant)
+            _authorize(rt, principal, Action.POLICY_SET, EntityRef.tenant(tenant), tenant,
+                       f"egress-ca/{host[:253]}")  # fmt: skip
+            doc = rt.remove_host_ca(tenant, host, actor, fingerprint).to_json()
+    if as_json:
+        emit_json(doc)
+        return
+    left = len(doc["cas"])
+    console.print(f"{doc['host']}: {left} CA certificate(s) left" if left else
+                  f"{doc['host']} has no CA certificate registered: verified against the "
+                  "system's roots")  # fmt: skip
+
+
 def history(
     tenant: TenantOpt,
     at: Annotated[str, typer.Option(help="ISO 8601 time")],

@@ -235,6 +235,24 @@ class Client:
     def buckets(self, tenant: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/buckets")
 
+    # -- private upstreams: CA certificates registered for hosts -------------------
+
+    def egress_cas(self, tenant: str) -> Json:
+        """``[{host, cas: [{fingerprint, subject, not_after, added_at, added_by}]}]``."""
+        return self._json("GET", f"{self._t(tenant)}/egress/cas")
+
+    def add_egress_ca(self, tenant: str, host: str, pem: str | bytes) -> Json:
+        """Register PEM CA certificate(s) for ``host``: the broker verifies the host
+        against them alone. The host's registrations after the change."""
+        text = pem.decode("ascii", "replace") if isinstance(pem, bytes) else pem
+        return self._json("POST", f"{self._t(tenant)}/egress/cas/{_seg(host)}",
+                          json={"pem": text})  # fmt: skip
+
+    def remove_egress_ca(self, tenant: str, host: str, fingerprint: str | None = None) -> Json:
+        """Remove ``host``'s CA certificates (only ``fingerprint``'s, if given); what is left."""
+        params = {} if fingerprint is None else {"fingerprint": fingerprint}
+        return self._json("DELETE", f"{self._t(tenant)}/egress/cas/{_seg(host)}", params=params)
+
     def _object_path(self, tenant: str, bucket: str, key: str) -> str:
         # Every '/' and '.' escaped: the key reaches the server as given (a '..' in it
         # is refused there), never resolved away by URL normalisation on the way.
