@@ -69,6 +69,7 @@ from proctor.broker._mitm import (
     upstream_context,
 )
 from proctor.broker._record import complete
+from proctor.broker._rules import rules_for
 from proctor.broker._scope import BadCall, CallRefused, RunScope, SecretBinding
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Action
@@ -158,7 +159,9 @@ class EgressProxy:
     ) -> None:
         """The act of an admitted CONNECT: a tunnel, or TLS ended with a secret injected."""
         assert call.reader is not None and call.writer is not None
-        if request.bindings:
+        # TLS is ended where a secret is injected or the host has request rules
+        # (each request inside is then checked against them, ``_inject``).
+        if request.bindings or rules_for(call.scope.egress_rules, admitted.host, admitted.port):
             await self._injector.run(
                 call.scope, admitted, request.bindings, call.reader, call.writer, outcome
             )
