@@ -45,6 +45,14 @@ from proctor.broker._egress import (
     unmap,
 )
 from proctor.broker._fair import run_blocking
+from proctor.broker._rules import (
+    BodyDigests,
+    Breach,
+    RuleRefused,
+    check_request,
+    rules_context,
+    rules_for,
+)
 from proctor.broker._scope import BadCall, BrokerError, CallRefused, RunScope, SecretBinding
 from proctor.ledger import Action
 from proctor.policy import CedarValue, Decision, Entity, EntityRef, IpAddr
@@ -122,6 +130,9 @@ class Outcome:
     #: The trust anchor that verified the upstream's certificate (``system``,
     #: ``upstream-cafile``, ``tenant-ca:<sha256>``), where the broker verified one.
     trust: str | None = None
+    #: The digests of each request's and response's body, where a rule of the host
+    #: asks for them (``body_digests``): named in the completion record.
+    bodies: BodyDigests | None = None
 
 
 async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) -> list[IPAddress]:
@@ -175,11 +186,12 @@ async def rule(
         return bad_request(scope, method, host.name, BadCall(f"invalid host {host.name!r}"))
     if bindings:
         details["inject"] = [{"secret": b.name, "header": b.header} for b in bindings]
+    breach = _with_rules(scope, host, port, method, path, context, details)
     questions = [Question(Action.HTTP_REQUEST, ref, context, entities),
                  *_secret_questions(scope, host, bindings)]  # fmt: skip
     verdict = decide(scope, questions)
-    if not verdict.allowed:
-        return _denied(resource, verdict, details)
+    if not verdict.allowed or breach is not None:
+        return _refused_first(scope, resource, verdict, details, breach)
     if host.address is not None:
         addresses = [host.address]
     else:
@@ -214,6 +226,45 @@ async def rule(
             return _denied(resource, verdict, details)
     return Ruling(Action.HTTP_REQUEST, resource, verdict.decision, verdict.reason, details,
                   found=(host, port, address))  # fmt: skip
+
+
+def _with_rules(
+    scope: RunScope,
+    host: Host,
+    port: int,
+    method: str,
+    path: str | None,
+    context: dict[str, CedarValue],
+    details: dict[str, Any],
+) -> Breach | None:
+    """Put the host's request rules into the context and the event: Cedar sees them (a
+    tenant may require some), and the verifier decides the event again with them.
+    For plain HTTP (a path known now) the rule the request breaks, if any: refused
+    before any lookup. Inside TLS the broker checks each request (``_inject``)."""
+    rules = rules_for(scope.egress_rules, host, port)
+    cedar_rules = rules_context(rules)
+    if cedar_rules is None:
+        return None
+    context["rules"] = cedar_rules
+    details["rules"] = cedar_rules
+    if method == "CONNECT" or path is None:
+        return None
+    return check_request(rules, method, path)
+
+
+def _refused_first(
+    scope: RunScope,
+    resource: str,
+    verdict: Verdict,
+    details: dict[str, Any],
+    breach: Breach | None,
+) -> Ruling:
+    """Cedar's refusal if it refused, else the refusal of the rule ``breach`` names."""
+    if not verdict.allowed or breach is None:
+        return _denied(resource, verdict, details)
+    error = RuleRefused(breach, {})
+    return refused(scope, Action.HTTP_REQUEST, resource, error,
+                   {**details, **breach.details()}, breach.rule)  # fmt: skip
 
 
 def _denied(resource: str, verdict: Verdict, details: dict[str, Any]) -> Ruling:

@@ -20,7 +20,7 @@ import base64
 import json
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, quote_plus
 
 from proctor.broker._admission import Admitted, Outcome, RelayState
@@ -41,6 +41,15 @@ from proctor.broker._http import (
     walk_body,
 )
 from proctor.broker._mitm import CAError, TlsStream, UpstreamTrust
+from proctor.broker._rules import (
+    BodyDigests,
+    Meter,
+    ResponseCut,
+    RuleRefused,
+    check_request,
+    rules_for,
+    wants_digests,
+)
 from proctor.broker._scope import (
     BadCall,
     BrokerError,
@@ -51,6 +60,9 @@ from proctor.broker._scope import (
 )
 from proctor.errors import ProctorError
 from proctor.ledger import Action
+from proctor.policy import EgressRule
+
+_T = TypeVar("_T")
 
 #: The rule named when a secret's placeholder is sent where the secret is not bound.
 SECRET_BINDING_RULE = "proctor:secret:bound-hosts"  # noqa: S105 - a rule id, not a secret
@@ -120,6 +132,8 @@ class Injector:
             peer = tls.getpeercert(binary_form=True) if tls is not None else None
             outcome.trust = admitted.trust.verified_by(peer)
         outcome.injected = tuple(b.name for b in bindings)
+        if wants_digests(rules_for(scope.egress_rules, host, admitted.port)):
+            outcome.bodies = BodyDigests()
         writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         guest = TlsStream(reader, writer, server_ctx, server_side=True)
         try:
@@ -184,6 +198,7 @@ class Injector:
         host = admitted.host
         authority = {host.display, f"{host.display}:{admitted.port}"}
         needles = _echo_needles(bindings)
+        rules = rules_for(scope.egress_rules, host, admitted.port)
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = first
         try:
             while True:
@@ -203,8 +218,9 @@ class Injector:
                     parsed = parse_request_head(head)
                     method, target, headers = parsed.method, parsed.target, parsed.headers
                     framing = _check_injected_head(
-                        scope, admitted, bindings, authority, method, target, headers
+                        scope, admitted, bindings, authority, method, target, headers, rules
                     )
+                    meter = _metered(scope, admitted, rules, method, target, framing)
                 except RateLimited as exc:
                     return exc  # counted, recorded in the run's broker.rate_limited events
                 except BrokerError as exc:
@@ -215,10 +231,10 @@ class Injector:
                     except UpstreamFailed as exc:
                         return exc
                 conn, upstream = upstream, None
-                answer, more = await self._exchange(
+                answer, more = await _digested(outcome, method, self._exchange(
                     scope, admitted, bindings, needles, guest, conn,
-                    (method, target, headers, framing), outcome,
-                )  # fmt: skip
+                    (method, target, headers, framing, meter), outcome,
+                ))  # fmt: skip
                 if answer is not None or not more:
                     return answer
         finally:
@@ -233,23 +249,25 @@ class Injector:
         needles: list[tuple[bytes, str]],
         guest: TlsStream,
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-        request: tuple[str, str, list[tuple[str, str]], Framing],
+        request: tuple[str, str, list[tuple[str, str]], Framing, Meter],
         outcome: Outcome,
     ) -> tuple[BrokerError | None, bool]:
         """One injected request and its response: (the error to answer, whether the
         guest's connection may carry another request)."""
         up_reader, up_writer = conn
-        method, target, headers, framing = request
+        method, target, headers, framing, meter = request
         relay = RelayState()
         head = serialize_head(f"{method} {target} HTTP/1.1", _inject_headers(headers, bindings))
         up_writer.write(head)
         outcome.requests += 1
         outcome.bytes_up += len(head)
         placeholders = {b.placeholder: b.name for b in scope.secrets.values()}
-        body = asyncio.create_task(_send_body(guest, up_writer, framing, placeholders, outcome))
+        body = asyncio.create_task(
+            _send_body(guest, up_writer, framing, placeholders, outcome, meter)
+        )
         response = asyncio.create_task(
             _relay_injected(up_reader, guest, method, needles, outcome, relay,
-                            self._response_timeout)
+                            self._response_timeout, meter)
         )  # fmt: skip
         try:
             pending: set[asyncio.Task[Any]] = {body, response}
@@ -280,7 +298,12 @@ class Injector:
                     answer = await _record_tunnel_refusal(scope, admitted, error, method)
                     if not relay.started:
                         return answer, False
-                outcome.error = f"upstream failed: {type(error).__name__}"
+                # A response a rule cut: the guest has part of it, and no answer.
+                outcome.error = (
+                    error.message
+                    if isinstance(error, ResponseCut)
+                    else f"upstream failed: {type(error).__name__}"
+                )
                 return None, False
             # Whatever of the body the upstream did not take before answering is
             # still in the guest's stream: the next request would start inside it.
@@ -291,6 +314,19 @@ class Injector:
                 task.cancel()
             await asyncio.gather(body, response, return_exceptions=True)
             up_writer.close()
+
+
+async def _digested(outcome: Outcome, method: str, exchange: Awaitable[_T]) -> _T:
+    """Run one exchange; where a rule asks for the bodies' digests, record its own."""
+    bodies = outcome.bodies
+    if bodies is None:
+        return await exchange
+    bodies.start()
+    outcome.status = None  # this exchange's, for its digests
+    try:
+        return await exchange
+    finally:
+        bodies.finish(method, outcome.status)
 
 
 # -- the secret rules ---------------------------------------------------------
@@ -365,26 +401,61 @@ def _check_injected_head(
     method: str,
     target: str,
     headers: list[tuple[str, str]],
+    rules: tuple[EgressRule, ...] = (),
 ) -> Framing:
-    """Everything a request in an injected tunnel must be, before a byte goes upstream."""
+    """Everything a request in a tunnel whose TLS the broker ended (a secret injected,
+    request rules) must be, before a byte goes upstream."""
     host = admitted.host
     if not target.startswith("/") and not (method == "OPTIONS" and target == "*"):
         raise BadCall("only origin-form requests may follow CONNECT")
     if "upgrade" in {k.lower() for k, _ in headers}:
-        raise BadCall("protocol upgrades are not supported where a secret is injected")
+        raise BadCall("protocol upgrades are not supported where the broker ends TLS")
     hosts = [v.strip().lower() for k, v in headers if k.lower() == "host"]
     # The Host header picks the virtual host behind the address we verified; a
     # different one would carry the secret elsewhere on a shared front end
-    # (domain fronting).
+    # (domain fronting), or take the request out from under the host's rules.
     if len(hosts) != 1 or hosts[0] not in authority:
+        if bindings or not rules:
+            raise EgressDenied(
+                f"the Host header must name {host.display}, the host the secret is bound to",
+                policies=(SECRET_BINDING_RULE,),
+            )
         raise EgressDenied(
-            f"the Host header must name {host.display}, the host the secret is bound to",
-            policies=(SECRET_BINDING_RULE,),
+            f"the Host header must name {host.display}, the host whose rules apply",
+            policies=(rules[0].rule_id("host"),),
         )
     found = misplaced(scope.secrets.values(), bindings, method, target, headers)
     if found is not None:
         raise _misplaced_refusal(scope, admitted, bindings, *found)
-    return request_framing(headers, method)
+    framing = request_framing(headers, method)
+    breach = check_request(rules, method, target)
+    if breach is not None:
+        raise RuleRefused(breach, _where(admitted, method, target))
+    return framing
+
+
+def _where(admitted: Admitted, method: str, target: str) -> dict[str, Any]:
+    """What a rule's refusal records of the request it refused."""
+    return {"host": admitted.host.name, "port": admitted.port, "method": method[:32],
+            "path": target.split("?", 1)[0][:512]}  # fmt: skip
+
+
+def _metered(
+    scope: RunScope,
+    admitted: Admitted,
+    rules: tuple[EgressRule, ...],
+    method: str,
+    target: str,
+    framing: Framing,
+) -> Meter:
+    """The request's meter; a body whose announced length a rule refuses is refused
+    (and nothing of it charged) before a byte goes upstream."""
+    meter = Meter(rules, scope.egress_totals, _where(admitted, method, target))
+    if framing.kind == "length":
+        breach = meter.announce_request(framing.length)
+        if breach is not None:
+            raise meter.refused(breach)
+    return meter
 
 
 class _Misplaced(EgressDenied):
@@ -450,6 +521,8 @@ async def _record_tunnel_refusal(
     by the connection's completion event, written before the answer too."""
     if isinstance(exc, (_Misplaced, _Echoed)):
         action, details = Action.SECRET_USE, exc.details
+    elif isinstance(exc, (RuleRefused, ResponseCut)):
+        action, details = Action.HTTP_REQUEST, exc.details
     elif isinstance(exc, EgressDenied):
         action, details = Action.SECRET_USE, {"host": admitted.host.name, "port": admitted.port}
     elif isinstance(exc, BadCall):
@@ -577,16 +650,26 @@ async def _send_body(
     framing: Framing,
     placeholders: Mapping[str, str],
     outcome: Outcome,
+    meter: Meter | None = None,
 ) -> None:
     """Stream the request body upstream; a placeholder anywhere in it (the data, a
-    chunk extension, a trailer) stops it before the upstream has a whole request."""
+    chunk extension, a trailer), or a byte over a rule's bound, stops it before the
+    upstream has a whole request."""
 
     async def put(data: bytes) -> None:
         outcome.bytes_up += len(data)
         up_writer.write(data)
         await up_writer.drain()
 
-    await walk_scanned(guest, framing, placeholders, put)
+    async def count(data: bytes) -> None:
+        if meter is not None:
+            breach = meter.request(len(data))
+            if breach is not None:
+                raise meter.refused(breach)
+        if outcome.bodies is not None:
+            outcome.bodies.request(data)
+
+    await walk_scanned(guest, framing, placeholders, put, also=count)
 
 
 async def walk_scanned(
@@ -594,10 +677,13 @@ async def walk_scanned(
     framing: Framing,
     placeholders: Mapping[str, str],
     put: Callable[[bytes], Awaitable[None]],
+    *,
+    also: Callable[[bytes], Awaitable[None]] | None = None,
 ) -> None:
     """:func:`walk_body` with every byte searched for placeholders before it is passed
     on: the raw stream (framing included), and the payload alone, so that one split
-    across two chunks is found too."""
+    across two chunks is found too. ``also`` sees each piece of the payload, after
+    the search and before it is passed on (a rule's byte count, a digest)."""
     raw = _Scanner(placeholders)
     payload = _Scanner(placeholders)
 
@@ -605,6 +691,8 @@ async def walk_scanned(
         found = payload.scan(data)
         if found is not None:
             raise PlaceholderFound(found)
+        if also is not None:
+            await also(data)
 
     async def scan_and_put(data: bytes) -> None:
         found = raw.scan(data)
@@ -623,9 +711,11 @@ async def _relay_injected(
     outcome: Outcome,
     relay: RelayState,
     timeout: float,
+    meter: Meter | None = None,
 ) -> bool:
-    """Relay one response to an injected request, checked for the secret's value;
-    True if the guest's connection may carry another request."""
+    """Relay one response to an injected request, checked for the secret's value and
+    held to the host's rules (withheld, or cut, past a bound); True if the guest's
+    connection may carry another request."""
     while True:
         try:
             head = await asyncio.wait_for(up.readuntil(b"\r\n\r\n"), timeout)
@@ -649,7 +739,12 @@ async def _relay_injected(
         break
     outcome.status = status
     framing = response_framing(method, status, headers)
-    if framing.kind != "none":
+    announced = framing.kind == "length" and meter is not None
+    if announced and meter is not None:
+        breach = meter.announce_response(framing.length)
+        if breach is not None:
+            raise meter.cut(breach, status)
+    if needles and framing.kind != "none":
         coded = [
             v.strip().lower()
             for k, v in headers
@@ -682,7 +777,16 @@ async def _relay_injected(
         await guest.write(out)
 
     async def payload(piece: bytes) -> None:
+        breach = None
+        if meter is not None:
+            passed, breach = meter.response(len(piece), announced)
+            piece = piece[:passed]
+        if outcome.bodies is not None:
+            outcome.bodies.response(piece)
         await send(guard.feed(piece))
+        if breach is not None and meter is not None:
+            # Cut: the guest has the bytes the bound allows, and no end of the body.
+            raise meter.cut(breach, status)
 
     async def ignore(_: bytes) -> None:
         pass

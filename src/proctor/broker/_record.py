@@ -12,8 +12,9 @@ broker rule; an act's refusal, an object missing, comes here through
 :func:`record`; :func:`refuse_request`, the server's safety net for a refusal
 nothing recorded yet), and the completion record of a call whose act outlives
 its decision (:func:`complete`: an egress connection's bytes, duration, how
-it ended, and the trust anchor that verified the upstream where the broker ended
-TLS), written before any answer still owed.
+it ended, the trust anchor that verified the upstream where the broker ended
+TLS, and the bodies' digests where a request rule asks for them), written before
+any answer still owed.
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> 
         details["secrets"] = list(outcome.injected)
     if outcome.trust is not None:
         details["trust"] = outcome.trust
+    if outcome.bodies is not None:
+        details.update(outcome.bodies.to_json())
     if outcome.error is not None:
         details["error"] = outcome.error
     if outcome.answered is not None:

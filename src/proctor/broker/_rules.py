@@ -34,7 +34,7 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import unquote
 
-from proctor.broker._egress import Host, host_matches
+from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, host_matches
 from proctor.broker._scope import EgressTotals
 from proctor.policy import EgressRule
 
@@ -53,6 +53,23 @@ class Breach:
 
     def details(self) -> dict[str, Any]:
         return {"rule": self.rule, "key": self.key}
+
+
+class RuleRefused(EgressDenied):
+    """A request a rule refuses (403), recorded as an ``http.request`` deny naming it."""
+
+    def __init__(self, breach: Breach, details: Mapping[str, Any]) -> None:
+        super().__init__(breach.message, policies=(breach.rule,))
+        self.details = {**details, **breach.details()}
+
+
+class ResponseCut(UpstreamFailed):
+    """A response a rule withheld or cut (502 if nothing of it was sent), recorded as
+    an ``http.request`` deny naming the rule."""
+
+    def __init__(self, breach: Breach, details: Mapping[str, Any]) -> None:
+        super().__init__(breach.message, policies=(breach.rule,))
+        self.details = {**details, **breach.details()}
 
 
 def rules_for(rules: Mapping[str, EgressRule], host: Host, port: int) -> tuple[EgressRule, ...]:
@@ -164,9 +181,14 @@ class Meter:
     """
 
     def __init__(
-        self, rules: Sequence[EgressRule], totals: MutableMapping[str, EgressTotals]
+        self,
+        rules: Sequence[EgressRule],
+        totals: MutableMapping[str, EgressTotals],
+        where: Mapping[str, Any] | None = None,
     ) -> None:
         self.rules = tuple(rules)
+        #: What a refusal records of the request (host, port, method, path).
+        self.where = dict(where or {})
         self._totals = [totals.setdefault(r.entry, EgressTotals()) for r in self.rules]
         self.up = 0  # request body bytes of this call, announced or sent
         self.down = 0  # response body bytes of this call, passed on
@@ -182,6 +204,14 @@ class Meter:
             or r.run_response_bytes is not None
             for r in self.rules
         )
+
+    def refused(self, breach: Breach) -> RuleRefused:
+        """The refusal of the request ``breach`` stops."""
+        return RuleRefused(breach, self.where)
+
+    def cut(self, breach: Breach, status: int) -> ResponseCut:
+        """The refusal of the response ``breach`` withholds or cuts."""
+        return ResponseCut(breach, {**self.where, "status": status, "response_bytes": self.down})
 
     def announce_request(self, length: int) -> Breach | None:
         """A request body of ``length`` bytes (``Content-Length``): refused whole before
