@@ -84,3 +84,19 @@ def test_without_a_jre_no_truststore_is_made_and_java_is_not_told_of_one(
 def test_without_a_bundle_dir_nothing_of_trust_is_set(tmp_path: Path) -> None:
     env = brokered_spec(_channel(tmp_path), ("true",)).env
     assert not {"SSL_CERT_FILE", "NODE_EXTRA_CA_CERTS", "JAVA_TOOL_OPTIONS"} & set(env)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="no JRE on this host")
+def test_the_jre_home_is_named_and_its_configuration_outside_usr_is_bound(tmp_path: Path) -> None:
+    """Debian's JRE keeps java.security in /etc/java-NN-openjdk: without it bound, a
+    JVM in the sandbox cannot start its security providers (no TLS at all)."""
+    spec = brokered_spec(_channel(tmp_path), ("true",))
+    home = Path(spec.env["JAVA_HOME"])
+    assert (home / "bin" / "java").is_file()
+    real = (home / "conf" / "security" / "java.security").resolve()
+    if real.is_relative_to("/usr"):
+        assert set(spec.ro_dirs.values()) == {"/opt/proctor/proctor_guest"}
+    else:
+        conf = real.parent.parent
+        assert spec.ro_dirs[conf] == str(conf)
+        assert conf != Path("/etc") and conf.name.startswith("java")

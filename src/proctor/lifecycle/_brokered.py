@@ -2,7 +2,9 @@
 
 The sandbox gets the run's broker socket at ``/run/proctor/broker.sock``, the
 guest library mounted read-only as ``proctor_guest``, loopback-only TCP for the
-shim's proxy, and the entrypoint started by the shim. Nothing else of the host.
+shim's proxy, and the entrypoint started by the shim; with a CA bundle, that
+bundle (and a Java truststore of it); with a host JRE, the JRE's configuration
+directory. Nothing else of the host.
 """
 
 from __future__ import annotations
@@ -14,8 +16,16 @@ from pathlib import Path
 import proctor.guest
 from proctor.broker import Broker, RunChannel, RunScope
 from proctor.guest.protocol import RUN_ENV, SOCKET_ENV, SOCKET_PATH, TOKEN_ENV
-from proctor.lifecycle._truststore import java_options, java_truststore
-from proctor.sandbox import Limits, SandboxDriver, SandboxResult, SandboxSpec, Sink
+from proctor.lifecycle._truststore import java_conf_dir, java_home, java_options, java_truststore
+from proctor.sandbox import (
+    GuestNetwork,
+    Limits,
+    SandboxDriver,
+    SandboxResult,
+    SandboxSpec,
+    Sink,
+    network_available,
+)
 
 GUEST_SOCKET = SOCKET_PATH
 GUEST_LIB_PARENT = "/opt/proctor"
@@ -32,8 +42,13 @@ def brokered_spec(
     limits: Limits | None = None,
     env: Mapping[str, str] | None = None,
     ca_dir: Path | None = None,
+    network: GuestNetwork | None = None,
 ) -> SandboxSpec:
-    """The sandbox spec of a brokered run: the shim first, then the entrypoint."""
+    """The sandbox spec of a brokered run: the shim first, then the entrypoint.
+
+    With ``network`` (transparent egress) every connection the guest opens reaches
+    the broker whatever the program; the shim's proxy keeps serving clients that
+    use ``HTTP(S)_PROXY``."""
     guest_env = dict(env or {})
     guest_env.update(
         {
@@ -44,6 +59,15 @@ def brokered_spec(
         }
     )
     ro_dirs = {GUEST_DIR: GUEST_LIB}
+    home = java_home()
+    if home is not None:
+        # A JRE in the sandbox: its home named (``java`` on PATH is a link through
+        # /etc/alternatives, which the sandbox does not see), and its configuration
+        # kept outside /usr (Debian's /etc/java-NN-openjdk) bound read-only.
+        guest_env.setdefault("JAVA_HOME", str(home))
+        conf = java_conf_dir(home)
+        if conf is not None:
+            ro_dirs[conf] = str(conf)
     if ca_dir is not None:
         # The trust bundle: the system's roots plus the tenant's CA, for hosts whose
         # credentials the broker injects (it terminates TLS for those).
@@ -70,6 +94,7 @@ def brokered_spec(
         sockets={channel.socket: GUEST_SOCKET},
         ro_dirs=ro_dirs,
         loopback_tcp=True,
+        network=network,
         cwd="/code" if code_dir is not None else None,
     )
 
@@ -87,14 +112,26 @@ def run_brokered(
     on_stdout: Sink | None = None,
     on_stderr: Sink | None = None,
     cancel: threading.Event | None = None,
+    transparent: bool | None = None,
 ) -> SandboxResult:
-    """Open the run's socket, run the sandbox, and close the socket whatever happens."""
+    """Open the run's socket (and network), run the sandbox, and close them whatever
+    happens. ``transparent``: give the run a network whose every connection the
+    broker decides (None: wherever the host can, :func:`network_available`)."""
     limits = limits or Limits()
+    if transparent is None:
+        transparent = network_available() and broker.serves_networks
     channel = broker.open_run(scope, ttl=limits.wall_seconds + 60)
+    network = None
     try:
+        if transparent:
+            network = GuestNetwork.create()
+            broker.attach_network(scope.run_id, network)
         spec = brokered_spec(
-            channel, argv, code_dir=code_dir, limits=limits, env=env, ca_dir=ca_dir
-        )
+            channel, argv, code_dir=code_dir, limits=limits, env=env, ca_dir=ca_dir,
+            network=network,
+        )  # fmt: skip
         return driver.run(spec, on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel)
     finally:
         broker.close_run(scope.run_id)
+        if network is not None:
+            network.close()

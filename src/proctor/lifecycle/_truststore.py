@@ -39,6 +39,36 @@ def jre_present() -> bool:
     return shutil.which("java") is not None or shutil.which("keytool") is not None
 
 
+def java_home() -> Path | None:
+    """The host JRE's home (``/usr/lib/jvm/...``), found through ``java`` on PATH."""
+    java = shutil.which("java")
+    if java is None:
+        return None
+    home = Path(java).resolve().parent.parent
+    return home if (home / "lib").is_dir() else None
+
+
+def java_conf_dir(home: Path) -> Path | None:
+    """Where the JRE's configuration really lives, when that is outside ``/usr``.
+
+    Debian's JREs link ``conf/security/java.security`` (and ``jvm.cfg``, the
+    policy files) into ``/etc/java-NN-openjdk``, which the sandbox does not see:
+    without it a JVM cannot load its security providers, so no TLS, no digest,
+    no SecureRandom. Only that one directory of configuration is named, never
+    ``/etc`` itself."""
+    master = home / "conf" / "security" / "java.security"
+    try:
+        real = master.resolve(strict=True)
+    except OSError:
+        return None
+    if real.is_relative_to(home) or real.is_relative_to("/usr"):
+        return None  # inside the JRE's home: the sandbox already sees it
+    root = real.parent.parent
+    if not root.name.startswith("java") or root.parent in (root, Path("/")):
+        return None
+    return root
+
+
 def java_truststore(ca_dir: Path) -> Path | None:
     """The PKCS12 truststore for the bundle in ``ca_dir``, made if missing; None
     when the host has no JRE or ``ca_dir`` holds no bundle."""
