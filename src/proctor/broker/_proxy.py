@@ -55,8 +55,11 @@ from proctor.broker._inject import (
     Injector,
     PlaceholderFound,
     bindings_for,
+    counting,
+    forward_meter,
     misplaced,
     placeholder_refusal,
+    record_rule_refusal,
     walk_scanned,
 )
 from proctor.broker._mitm import (
@@ -69,7 +72,7 @@ from proctor.broker._mitm import (
     upstream_context,
 )
 from proctor.broker._record import complete
-from proctor.broker._rules import rules_for
+from proctor.broker._rules import Meter, ResponseCut, RuleRefused, rules_for
 from proctor.broker._scope import BadCall, CallRefused, RunScope, SecretBinding
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Action
@@ -229,6 +232,7 @@ class EgressProxy:
     ) -> None:
         """Send the request and relay the response; an error still to answer (after
         the completion event) is left in ``outcome.answer``."""
+        meter = forward_meter(scope, admitted, method, origin)
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
@@ -256,7 +260,7 @@ class EgressProxy:
                 await up_writer.drain()
 
             try:
-                await walk_scanned(reader, framing, placeholders, put)
+                await walk_scanned(reader, framing, placeholders, put, also=counting(meter))
             except PlaceholderFound as exc:
                 up_writer.transport.abort()
                 refusal = placeholder_refusal(
@@ -269,8 +273,13 @@ class EgressProxy:
                 outcome.answer = refusal
                 return
             await up_writer.drain()
-            status, down = await _relay_response(up_reader, writer, method, relay)
+            status, down = await _relay_response(up_reader, writer, method, relay, meter)
             outcome.status, outcome.bytes_down = status, down
+        except (RuleRefused, ResponseCut) as exc:  # a bound of the host's request rules
+            up_writer.transport.abort()  # the upstream has no whole request, or no more
+            answer = await record_rule_refusal(scope, admitted, exc)
+            outcome.error = exc.message if relay.started else None
+            outcome.answer = None if relay.started else answer
         except (BadCall, UpstreamFailed) as exc:
             if relay.started:
                 outcome.error = exc.message  # the guest has part of a response: no answer
@@ -341,9 +350,15 @@ def _parse_url(url: str) -> tuple[Host, int, str, str]:
 
 
 async def _relay_response(
-    up: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str, relay: RelayState
+    up: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    method: str,
+    relay: RelayState,
+    meter: Meter | None = None,
 ) -> tuple[int, int]:
-    """Relay the upstream's response (interim ones too); (final status, bytes relayed)."""
+    """Relay the upstream's response (interim ones too); (final status, bytes relayed).
+    Held to ``meter``: a body announced over its bound is withheld before its head, one
+    that grows past it is cut before the piece that would pass it."""
     total = 0
     while True:
         try:
@@ -352,6 +367,9 @@ async def _relay_response(
             raise UpstreamFailed("the upstream sent no valid response head") from exc
         first, status, headers = parse_response_head(head)
         framing = response_framing(method, status, headers)
+        announced = framing.kind == "length" and status >= 200
+        if meter is not None and announced and (cut := meter.announce_response(framing.length)):
+            raise meter.cut(cut, status)
         out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP - {"upgrade"}]
         if status >= 200:
             out.append(("Connection", "close"))
@@ -368,7 +386,13 @@ async def _relay_response(
             writer.write(chunk)
             await writer.drain()
 
-        await walk_body(up, framing, put)
+        async def count(chunk: bytes, announced: bool = announced, status: int = status) -> None:
+            assert meter is not None
+            breach = meter.response(len(chunk), announced)[1]
+            if breach is not None:
+                raise meter.cut(breach, status)
+
+        await walk_body(up, framing, put, payload=count if meter is not None else None)
         await writer.drain()
         return status, total
 
