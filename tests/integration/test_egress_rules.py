@@ -333,3 +333,32 @@ def test_a_guest_that_does_not_trust_the_tenant_ca_gets_nothing(env: Env, crm: A
     with pytest.raises(urllib.error.URLError):
         env.opener().open(f"https://api.test:{crm.port}/v1/customers/1", timeout=10)
     assert crm.seen == []
+
+
+def test_plain_http_bodies_are_held_to_the_byte_bounds(env: Env) -> None:
+    entry = f"127.0.0.1:{env.http.port}"
+    base = f"http://127.0.0.1:{env.http.port}"
+    _scope(env, entry, {"request_bytes": 10, "response_bytes": 8})
+    # A response announced over the bound: withheld, 502 naming the rule.
+    status, _, body = env.raw(f"GET {base}/v1/x HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert status == 502
+    assert json.loads(body)["policies"] == [f"proctor:egress:rule:{entry}:response_bytes"]
+    # A chunked one ("first " then "second"): cut before the piece that passes the bound.
+    conn = http.client.HTTPConnection("127.0.0.1", env.harness.port, timeout=10)
+    conn.request("GET", f"{base}/chunked")
+    resp = conn.getresponse()
+    with pytest.raises(http.client.IncompleteRead) as info:
+        resp.read()
+    assert info.value.partial == b"first "
+    conn.close()
+    # A request body over the bound: the upstream never has a whole request.
+    status, _, body = env.raw(
+        f"POST {base}/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\n0123456789A".encode()
+    )
+    assert status == 403
+    assert json.loads(body)["policies"] == [f"proctor:egress:rule:{entry}:request_bytes"]
+    assert [s["method"] for s in env.http.seen] == ["GET", "GET"]
+    denies = [e for e in env.events() if e["decision"] == "deny"]
+    assert [d["policies"][0].rsplit(":", 1)[1] for d in denies] == [
+        "response_bytes", "response_bytes", "request_bytes"
+    ]  # fmt: skip

@@ -510,6 +510,36 @@ def placeholder_refusal(
     return EgressDenied(message, policies=(SECRET_BINDING_RULE,))
 
 
+def forward_meter(scope: RunScope, admitted: Admitted, method: str, origin: str) -> Meter | None:
+    """A plain-HTTP request's meter where its host has request rules (None: no rules).
+    Its body is counted as it streams (:func:`counting`): the piece that would pass a
+    bound is not sent, so the upstream never has a whole request. Its method and path
+    were held to the rules at its decision."""
+    rules = rules_for(scope.egress_rules, admitted.host, admitted.port)
+    return Meter(rules, scope.egress_totals, _where(admitted, method, origin)) if rules else None
+
+
+def counting(meter: Meter | None) -> Callable[[bytes], Awaitable[None]] | None:
+    """``walk_scanned``'s ``also`` for a plain-HTTP request body held to ``meter``."""
+    if meter is None:
+        return None
+
+    async def count(data: bytes) -> None:
+        breach = meter.request(len(data))
+        if breach is not None:
+            raise meter.refused(breach)
+
+    return count
+
+
+async def record_rule_refusal(
+    scope: RunScope, admitted: Admitted, exc: RuleRefused | ResponseCut
+) -> BrokerError:
+    """Record a rule's refusal of a plain-HTTP request or response (an ``http.request``
+    deny naming the rule); the error to answer (``not_recorded`` if it could not be)."""
+    return await _record_tunnel_refusal(scope, admitted, exc, str(exc.details.get("method")))
+
+
 async def _record_tunnel_refusal(
     scope: RunScope, admitted: Admitted, exc: BrokerError, method: str
 ) -> BrokerError:
