@@ -8,6 +8,9 @@ need_pkgs=()
 command -v runsc >/dev/null 2>&1 || need_pkgs+=(runsc)
 command -v bwrap >/dev/null 2>&1 || need_pkgs+=(bubblewrap)
 command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
+# A run's network (transparent egress): nft sends every guest connection to the broker.
+command -v nft >/dev/null 2>&1 || need_pkgs+=(nftables)
+command -v nsenter >/dev/null 2>&1 || need_pkgs+=(util-linux)
 [ -e /usr/lib/x86_64-linux-gnu/libseccomp.so.2 ] || [ -e /lib/x86_64-linux-gnu/libseccomp.so.2 ] \
   || ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 || need_pkgs+=(libseccomp2)
 command -v python3 >/dev/null 2>&1 || need_pkgs+=(python3)

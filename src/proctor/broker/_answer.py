@@ -105,7 +105,7 @@ async def send_error(
     extra: list[tuple[str, str]] | None = None,
 ) -> None:
     writer = call.writer
-    if writer is None or writer.is_closing():
+    if writer is None or writer.is_closing() or not call.speaks_http:
         return
     with contextlib.suppress(ConnectionError, OSError, RuntimeError):
         writer.write(error_bytes(exc, status, extra or ()))

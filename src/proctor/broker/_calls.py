@@ -58,6 +58,13 @@ class Call:
     trace: tuple[str, ...] = ()
     #: No byte came before the first-byte timeout: closed unread, for the server to count.
     idle: bool = False
+    #: The guest spoke HTTP to the broker: a refusal is answered with an HTTP error.
+    #: False for a redirected TLS or raw connection (transparent egress), which a
+    #: refusal closes unanswered: HTTP written into a TLS stream helps no one.
+    speaks_http: bool = True
+    #: A redirected connection's original destination and first bytes
+    #: (:class:`._transparent.Origin`); None on the socket and the proxy.
+    origin: Any = None
 
     def passed(self, stage: str) -> None:
         if not self.trace or self.trace[-1] != stage:

@@ -23,7 +23,7 @@ import logging
 import ssl
 from typing import Any
 
-from proctor.broker import _connectors, _files, _proxy, _whoami  # noqa: F401 - registers the kinds
+from proctor.broker import _connectors, _files, _proxy, _transparent, _whoami  # noqa: F401 - registers the kinds
 from proctor.broker._act import act, settle
 from proctor.broker._admit import Gate, admit
 from proctor.broker._answer import answer, refuse, send_error

@@ -51,10 +51,12 @@ from proctor.broker._scope import (
     RunScope,
 )
 from proctor.broker._tokens import RunTokens
+from proctor.broker._transparent import TransparentEgress
 from proctor.ledger import Action
 
 if TYPE_CHECKING:
     from proctor.broker._proxy import EgressProxy
+    from proctor.sandbox import GuestNetwork
 
 log = logging.getLogger("proctor.broker")
 
@@ -166,6 +168,8 @@ class _Run:
     connections: set[asyncio.Task[None]]
     opening: str
     refused: _Refused = field(default_factory=_Refused)
+    #: The run's transparent egress, once its network is attached.
+    transparent: TransparentEgress | None = None
 
 
 class Broker:
@@ -239,6 +243,30 @@ class Broker:
         """Where ``run_id``'s socket is on the host while the run is open, else None."""
         run = self._runs.get(run_id)
         return run.socket if run is not None else None
+
+    @property
+    def serves_networks(self) -> bool:
+        """Whether runs may be given a network (it takes the broker's egress proxy)."""
+        return self._handlers is not None and self._handlers.proxy is not None
+
+    def attach_network(self, run_id: str, network: GuestNetwork) -> None:
+        """Serve the open run's network (:class:`proctor.sandbox.GuestNetwork`): DNS
+        answered and every connection the guest opens decided (transparent egress).
+        Needs the broker's egress proxy; closed with the run."""
+        proxy = self._handlers.proxy if self._handlers is not None else None
+        if proxy is None:
+            raise BrokerError("transparent egress needs the broker's egress proxy")
+        self._call(self._attach(run_id, network, proxy))
+
+    async def _attach(self, run_id: str, network: GuestNetwork, proxy: EgressProxy) -> None:
+        run = self._runs.get(run_id)
+        if run is None:
+            raise BrokerError(f"run {run_id} has no socket open")
+        if run.transparent is not None:
+            raise BrokerError(f"run {run_id} already has a network")
+        egress = TransparentEgress(proxy, run.scope, network, self.max_connections_per_run)
+        await egress.start()
+        run.transparent = egress
 
     def close_run(self, run_id: str) -> None:
         if self._started and not self._stopped:
@@ -326,6 +354,8 @@ class Broker:
             return
         self._gate.closed(run_id)
         run.server.close()
+        if run.transparent is not None:
+            await run.transparent.close()
         tasks = list(run.connections)
         for task in tasks:
             task.cancel()

@@ -34,6 +34,8 @@ from proctor.sandbox._model import (
     SandboxResult,
     SandboxSpec,
 )
+from proctor.sandbox._network import GuestNetwork
+from proctor.sandbox._network import available as network_available
 from proctor.sandbox._owners import (
     owned_dir,
     owner_alive,
@@ -50,6 +52,7 @@ __all__ = [
     "BubblewrapDriver",
     "CapturedRun",
     "GVisorDriver",
+    "GuestNetwork",
     "Limits",
     "Reason",
     "SandboxCleanupFailed",
@@ -63,6 +66,7 @@ __all__ = [
     "WarmPool",
     "backends",
     "get_driver",
+    "network_available",
     "owned_dir",
     "owner_alive",
     "process_start_time",

@@ -31,6 +31,7 @@ from proctor.sandbox._identity import (
     tools,
 )
 from proctor.sandbox._model import BackendStatus, SandboxResult, SandboxSpec
+from proctor.sandbox._network import network_prefix
 from proctor.sandbox._rootfs import RootPlan, guest_env, root_plan
 from proctor.sandbox._sources import guest_sources, needing_copies
 from proctor.sandbox._supervise import GATE_FAILED, Sink, launch, watch
@@ -84,6 +85,7 @@ class BubblewrapDriver:
         self._guest_user = guest_user
         self._bpf: bytes | None = None
         self._bpf_tcp: bytes | None = None
+        self._bpf_net: bytes | None = None
 
     @property
     def plan(self) -> RootPlan:
@@ -140,7 +142,11 @@ class BubblewrapDriver:
             "on the host, seccomp, cgroup limits",
         )
 
-    def _filter(self, loopback_tcp: bool = False) -> bytes:
+    def _filter(self, loopback_tcp: bool = False, network: bool = False) -> bytes:
+        if network:
+            if self._bpf_net is None:
+                self._bpf_net = _seccomp.compile_bpf(allow_inet_stream=True, allow_inet_dgram=True)
+            return self._bpf_net
         if loopback_tcp:
             if self._bpf_tcp is None:
                 self._bpf_tcp = _seccomp.compile_bpf(allow_inet_stream=True)
@@ -156,7 +162,7 @@ class BubblewrapDriver:
         return args
 
     @staticmethod
-    def _namespace_args(userns: tuple[int, int]) -> list[str]:
+    def _namespace_args(userns: tuple[int, int], network: bool = False) -> list[str]:
         outer, inner = userns
         args = [
             # Set-up as root in the outer namespace, then the guest in the inner one,
@@ -167,7 +173,9 @@ class BubblewrapDriver:
             str(inner),
             "--unshare-ipc",
             "--unshare-pid",
-            "--unshare-net",
+            # With a run network the guest stays in the namespace bwrap starts in,
+            # the run's own (see run()); without one it gets an empty namespace.
+            *(() if network else ("--unshare-net",)),
             "--unshare-uts",
             "--unshare-cgroup-try",
             # bwrap makes sure: no namespace can be created below the guest's.
@@ -202,7 +210,7 @@ class BubblewrapDriver:
         sources = sources or {}
         args = [
             self._bwrap,
-            *self._namespace_args(userns),
+            *self._namespace_args(userns, spec.network is not None),
             "--hostname",
             "sandbox",
             "--clearenv",
@@ -224,6 +232,9 @@ class BubblewrapDriver:
         args += ["--size", str(spec.scratch_bytes), "--perms", "1777", "--tmpfs", spec.scratch_path]
         for host, guest in spec.sockets.items():
             args += ["--bind", str(host), guest]
+        if spec.network is not None:
+            for host_file, guest_file in spec.network.files.items():
+                args += ["--ro-bind", str(host_file), guest_file]
         args += [
             "--remount-ro",
             "/",
@@ -254,6 +265,7 @@ class BubblewrapDriver:
             *spec.ro_dirs.values(),
             spec.scratch_path,
             *spec.sockets.values(),
+            *(spec.network.files.values() if spec.network is not None else ()),
         ]
         parents: list[str] = []
         for target in targets:
@@ -314,7 +326,7 @@ class BubblewrapDriver:
         status_r, status_w = os.pipe()
         tee = _Tee(on_stderr)
         try:
-            os.write(seccomp_fd, self._filter(spec.loopback_tcp))
+            os.write(seccomp_fd, self._filter(spec.loopback_tcp, spec.network is not None))
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             with guest_namespaces(identity, t) as userns:
                 argv = self.command(
@@ -325,6 +337,10 @@ class BubblewrapDriver:
                     sources=sources,
                     guest_prefix=t.guest_prefix(),
                 )
+                if spec.network is not None:
+                    # bwrap itself starts in the run's namespace (made by root: the
+                    # guest holds no capability over it).
+                    argv = [*network_prefix(spec.network), *argv]
                 started = time.monotonic()
                 # No supplementary group of ours reaches the guest (root's would).
                 proc = launch(

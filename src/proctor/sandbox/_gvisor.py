@@ -27,6 +27,7 @@ from proctor.sandbox._cgroup import RunCgroup, layout
 from proctor.sandbox._errors import SandboxCleanupFailed, SandboxStartFailed, SandboxUnavailable
 from proctor.sandbox._identity import GUEST_ID
 from proctor.sandbox._model import BackendStatus, Limits, MiB, Reason, SandboxResult, SandboxSpec
+from proctor.sandbox._network import runsc_prefix
 from proctor.sandbox._rootfs import RootPlan, guest_env, root_plan
 from proctor.sandbox._sources import guest_sources, needing_copies
 from proctor.sandbox._supervise import Outcome, Sink, launch, watch
@@ -226,6 +227,13 @@ class GVisorDriver:
             mounts.append(
                 {"destination": guest, "type": "bind", "source": str(host), "options": ["bind"]}
             )
+        network: dict[str, str] = {"type": "network"}
+        if spec.network is not None:
+            for host_file, guest_file in spec.network.files.items():
+                mounts.append({"destination": guest_file, "type": "bind",
+                               "source": str(host_file), "options": ["bind", "ro"]})  # fmt: skip
+            # gVisor takes the namespace's interface into its own network stack.
+            network["path"] = spec.network.guest_path()
         no_caps: list[str] = []
         return {
             "ociVersion": "1.0.2",
@@ -246,8 +254,14 @@ class GVisorDriver:
             "hostname": "sandbox",
             "mounts": mounts,
             "linux": {
-                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-                "seccomp": _seccomp.oci_seccomp(allow_inet_stream=spec.loopback_tcp),
+                "namespaces": [
+                    *({"type": t} for t in ("pid", "ipc", "uts", "mount")),
+                    network,
+                ],
+                "seccomp": _seccomp.oci_seccomp(
+                    allow_inet_stream=spec.loopback_tcp or spec.network is not None,
+                    allow_inet_dgram=spec.network is not None,
+                ),
                 "maskedPaths": [],
                 "readonlyPaths": [],
             },
@@ -268,7 +282,8 @@ class GVisorDriver:
             (rootfs / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         for target, link in self.plan.symlinks:
             (rootfs / link.lstrip("/")).symlink_to(target)
-        for guest in spec.sockets.values():
+        files = [*spec.sockets.values(), *(spec.network.files.values() if spec.network else ())]
+        for guest in files:
             dest = rootfs / guest.lstrip("/")
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.touch()
@@ -306,10 +321,11 @@ class GVisorDriver:
             )
             container_id = f"proctor-{run_id}"
             argv = [
+                *(runsc_prefix() if spec.network is not None else ()),
                 self._runsc,
                 "--root",
                 str(workdir / "state"),
-                "--network=none",
+                "--network=sandbox" if spec.network is not None else "--network=none",
                 f"--platform={platform or self.platform}",
                 # The supervisor has put runsc in the run's cgroup already; without
                 # this runsc would move the sandbox into cgroups of its own naming.

@@ -8,8 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from proctor.sandbox._errors import SandboxSpecInvalid
+
+if TYPE_CHECKING:
+    from proctor.sandbox._network import GuestNetwork
 
 MiB = 1024 * 1024
 
@@ -97,6 +101,10 @@ class SandboxSpec:
     #: proxy listener, which ordinary HTTP clients must reach over TCP. UDP, raw,
     #: netlink and packet sockets stay refused.
     loopback_tcp: bool = False
+    #: The run's network (:class:`._network.GuestNetwork`): the guest joins its
+    #: namespace, where every TCP connection and UDP datagram reaches the broker's
+    #: relay and nothing else; UDP sockets are allowed then (DNS). None: loopback only.
+    network: GuestNetwork | None = None
 
     def __post_init__(self) -> None:
         argv = tuple(self.argv)

@@ -86,6 +86,13 @@ INET_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 #: Socket types refused for IP families even then (the low bits of socket()'s type).
 _NON_STREAM_TYPES = (2, 3, 4, 5, 6, 10)  # DGRAM, RAW, RDM, SEQPACKET, DCCP, PACKET
 _TYPE_MASK = 0xF
+_DGRAM = 2
+
+
+def _refused_types(allow_inet_dgram: bool) -> tuple[int, ...]:
+    """With a run network (:mod:`._network`), UDP too: DNS is answered by the broker,
+    any other datagram goes to it to be refused; raw and packet sockets never."""
+    return tuple(t for t in _NON_STREAM_TYPES if not (allow_inet_dgram and t == _DGRAM))
 
 
 def _refused_families(allow_inet_stream: bool) -> list[tuple[str, int]]:
@@ -168,7 +175,7 @@ def _check(rc: int, what: str) -> None:
         raise SandboxUnavailable(f"libseccomp failed to {what}: {os.strerror(-rc)}")
 
 
-def compile_bpf(allow_inet_stream: bool = False) -> bytes:
+def compile_bpf(allow_inet_stream: bool = False, allow_inet_dgram: bool = False) -> bytes:
     """The filter as a classic BPF program, the format ``bwrap --seccomp FD`` reads."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
@@ -195,7 +202,7 @@ def compile_bpf(allow_inet_stream: bool = False) -> bytes:
             _check(lib.seccomp_rule_add_array(ctx, refuse, nr, 1, cmp), "restrict socket()")
         if allow_inet_stream:
             for family in INET_FAMILIES:
-                for kind in _NON_STREAM_TYPES:
+                for kind in _refused_types(allow_inet_dgram):
                     cmps = (_ArgCmp * 2)(
                         _ArgCmp(0, _SCMP_CMP_EQ, family, 0),
                         _ArgCmp(1, _SCMP_CMP_MASKED_EQ, _TYPE_MASK, kind),
@@ -230,7 +237,9 @@ def compile_bpf(allow_inet_stream: bool = False) -> bytes:
         lib.seccomp_release(ctx)
 
 
-def oci_seccomp(allow_inet_stream: bool = False) -> dict[str, object]:
+def oci_seccomp(
+    allow_inet_stream: bool = False, allow_inet_dgram: bool = False
+) -> dict[str, object]:
     """The same filter in the OCI runtime-spec form, which ``runsc --oci-seccomp`` applies
     inside gVisor's own kernel (defence in depth: those calls never reach the host anyway)."""
     syscalls: list[dict[str, object]] = [
@@ -250,7 +259,7 @@ def oci_seccomp(allow_inet_stream: bool = False) -> dict[str, object]:
         )
     if allow_inet_stream:
         for family in INET_FAMILIES:
-            for kind in _NON_STREAM_TYPES:
+            for kind in _refused_types(allow_inet_dgram):
                 syscalls.append(
                     {
                         "names": ["socket"],

@@ -1,0 +1,592 @@
+"""Transparent egress: whatever a program in the run does with the network reaches
+the broker, with no proxy setting honoured or needed.
+
+The run's network (:class:`proctor.sandbox.GuestNetwork`) hands this module two
+sockets in its relay namespace: every TCP connection the guest opens, and every
+UDP datagram it sends.
+
+- **DNS** (UDP, any server, port 53): answered here, never forwarded. An ``A``
+  question gets an address from a reserved range (198.18.0.0/15, benchmarking,
+  never a real destination), one per name and run, that maps back to the name;
+  ``AAAA`` and other types get no data, so clients use the IPv4 answer. No real
+  lookup happens until a connection to the name is decided, so a name the run
+  may not reach is never looked up, and the guest never learns a real address.
+- **Other UDP**: refused, recorded once per destination (at most
+  :data:`MAX_UDP_RECORDED` a run, counted after that).
+- **TCP**: the original destination is read back. An address from the reserved
+  range stands for its name; any other address is a literal, decided on the
+  address (special-purpose ranges refused as on the proxy). The first bytes
+  are peeked, not read: a TLS ClientHello's SNI, or a plain HTTP request's
+  ``Host``, must name what is decided (else refused with
+  :data:`NAME_MISMATCH_RULE`). Plain HTTP is then forwarded exactly as the
+  proxy's absolute-form requests are (``egress.forward``: method and path
+  decided, one request per connection); anything else is a tunnel decided as
+  ``CONNECT host:port`` would be. Same Cedar question, same ``http.request``
+  event and ``http.request.end`` completion, with ``details.via`` =
+  ``transparent``.
+
+A refused TLS or raw connection is closed without an answer (an HTTP error
+written into a TLS stream helps no one); a refused plain-HTTP request gets the
+proxy's error response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import dns.exception
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
+from proctor.broker._admission import (
+    Admitted,
+    Outcome,
+    bad_request,
+    record_refusal,
+    refused,
+    resource_of,
+    rule,
+)
+from proctor.broker._admission import admitted as admitted_of
+from proctor.broker._calls import Acted, Call, Ruling, register
+from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, parse_host
+from proctor.broker._http import check_headers, parse_request_head, request_framing
+from proctor.broker._proxy import EgressProxy, _close, _relay
+from proctor.broker._record import complete
+from proctor.broker._scope import BadCall, BrokerError, RunScope
+from proctor.ledger import Action
+from proctor.policy import normalize_host
+from proctor.sandbox import GuestNetwork
+
+if TYPE_CHECKING:
+    from proctor.broker._proxy import ForwardRequest
+
+#: Where DNS answers point: one address per name and run, mapped back on connect.
+NAME_RANGE: Final = ipaddress.IPv4Network("198.18.0.0/15")
+#: Names one run may have addresses for (a lookup past it is SERVFAIL).
+MAX_NAMES: Final = 4096
+#: Refusals of non-DNS UDP recorded per run (one per destination); later ones counted.
+MAX_UDP_RECORDED: Final = 32
+#: How long a connection may stay silent before it is decided as raw TCP (a
+#: protocol whose server speaks first: SMTP, SSH, MySQL).
+PEEK_WAIT: Final = 0.3
+#: The most of a connection's first bytes looked at (a ClientHello, an HTTP head).
+PEEK_BYTES: Final = 16 * 1024
+NAME_MISMATCH_RULE: Final = "proctor:egress:name-mismatch"
+UDP_RULE: Final = "proctor:egress:udp"
+UNKNOWN_NAME_RULE: Final = "proctor:egress:unknown-address"
+DNS_TTL: Final = 60
+#: DNS servers (addresses the guest sent a query to) one run is answered from.
+MAX_REPLY_SOCKETS: Final = 8
+
+
+class NamePool:
+    """The run's names and the reserved addresses standing for them."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, ipaddress.IPv4Address] = {}
+        self._by_address: dict[ipaddress.IPv4Address, str] = {}
+        self._next = int(NAME_RANGE.network_address) + 1
+
+    def address(self, name: str) -> ipaddress.IPv4Address | None:
+        known = self._by_name.get(name)
+        if known is not None or len(self._by_name) >= MAX_NAMES:
+            return known
+        address = ipaddress.IPv4Address(self._next)
+        self._next += 1
+        self._by_name[name] = address
+        self._by_address[address] = name
+        return address
+
+    def name(self, address: ipaddress.IPv4Address) -> str | None:
+        return self._by_address.get(address)
+
+
+def dns_answer(query: bytes, pool: NamePool) -> bytes | None:
+    """The answer to one DNS query (None: not a query, dropped)."""
+    try:
+        msg = dns.message.from_wire(query)
+    except (dns.exception.DNSException, ValueError):
+        return None
+    if msg.flags & dns.flags.QR or len(msg.question) != 1:
+        return None
+    reply = dns.message.make_response(msg, recursion_available=True)
+    question = msg.question[0]
+    text = question.name.to_text(omit_final_dot=True)
+    try:
+        name = normalize_host(text)
+    except Exception:
+        reply.set_rcode(dns.rcode.NXDOMAIN)
+        return reply.to_wire()
+    if question.rdclass != dns.rdataclass.IN:
+        reply.set_rcode(dns.rcode.REFUSED)
+    elif question.rdtype == dns.rdatatype.A:
+        if name == "localhost":
+            address: ipaddress.IPv4Address | None = ipaddress.IPv4Address("127.0.0.1")
+        else:
+            address = pool.address(name)
+        if address is None:
+            reply.set_rcode(dns.rcode.SERVFAIL)
+        else:
+            reply.answer.append(
+                dns.rrset.from_text(question.name, DNS_TTL, "IN", "A", str(address))
+            )
+    # AAAA and every other type: no data (NOERROR, empty answer).
+    return reply.to_wire()
+
+
+def client_hello_sni(data: bytes) -> tuple[bool, str | None]:
+    """(complete, SNI) of a TLS ClientHello at the start of ``data``; (True, None)
+    when there is no server name, (False, None) when more bytes are needed.
+
+    Only the first handshake record is read; every length is checked against
+    what is there, and anything malformed is no SNI.
+    """
+    if len(data) < 5:
+        return False, None
+    record_len = int.from_bytes(data[3:5], "big")
+    if len(data) < 5 + record_len:
+        return (len(data) >= PEEK_BYTES), None
+    try:
+        return True, _sni(data[5 : 5 + record_len])
+    except (IndexError, UnicodeDecodeError):
+        return True, None
+
+
+def _sni(body: bytes) -> str | None:
+    """The first host_name of a ClientHello's server_name extension (IndexError if
+    a length points past the end)."""
+    if body[0] != 1:  # not a ClientHello
+        return None
+    pos = 4 + 2 + 32  # handshake header, version, random
+    pos += 1 + body[pos]  # session id
+    pos += 2 + int.from_bytes(body[pos : pos + 2], "big")  # cipher suites
+    pos += 1 + body[pos]  # compression methods
+    end = min(pos + 2 + int.from_bytes(body[pos : pos + 2], "big"), len(body))
+    pos += 2
+    while pos + 4 <= end:
+        kind = int.from_bytes(body[pos : pos + 2], "big")
+        size = int.from_bytes(body[pos + 2 : pos + 4], "big")
+        ext = body[pos + 4 : pos + 4 + size]
+        pos += 4 + size
+        if kind == 0:
+            # server_name_list: (type, length, name) entries.
+            at = 2
+            while at + 3 <= len(ext):
+                name_size = int.from_bytes(ext[at + 1 : at + 3], "big")
+                name = ext[at + 3 : at + 3 + name_size]
+                if ext[at] == 0 and len(name) == name_size:
+                    return name.decode("ascii")
+                at += 3 + name_size
+            return None
+    return None
+
+
+@dataclass
+class Origin:
+    """What a redirected connection was: where it was going and how it began."""
+
+    address: ipaddress.IPv4Address
+    port: int
+    name: str | None  # the DNS name its address stands for
+    peeked: bytes
+    protocol: str  # "tls", "http", "tcp"
+    sni: str | None = None
+    http_host: str | None = None
+
+
+@dataclass
+class TransparentEgress:
+    """One run's transparent egress, served on the broker's event loop."""
+
+    proxy: EgressProxy
+    scope: RunScope
+    network: GuestNetwork
+    max_connections: int
+    pool: NamePool = field(default_factory=NamePool)
+    udp_recorded: set[tuple[str, int]] = field(default_factory=set)
+    udp_refused: int = 0
+    _tcp: socket.socket | None = None
+    _udp: socket.socket | None = None
+    _accepting: asyncio.Task[None] | None = None
+    #: Sockets answering from a datagram's original destination, by that address.
+    _replies: dict[tuple[str, int], socket.socket] = field(default_factory=dict)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self) -> None:
+        tcp, udp = self.network.relay_sockets()
+        tcp.setblocking(False)
+        udp.setblocking(False)
+        self._tcp, self._udp = tcp, udp
+        loop = asyncio.get_running_loop()
+        loop.add_reader(udp.fileno(), self._on_udp)
+        self._accepting = loop.create_task(self._accept(tcp))
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        for sock in (self._tcp, self._udp, *self._replies.values()):
+            if sock is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(sock.fileno())
+                sock.close()
+        self._tcp = self._udp = None
+        self._replies.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- UDP -------------------------------------------------------------------
+
+    def _on_udp(self) -> None:
+        assert self._udp is not None
+        for _ in range(64):  # a burst, then back to the loop
+            try:
+                data, ancillary, _flags, source = self._udp.recvmsg(4096, 256)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            destination = GuestNetwork.datagram_destination(ancillary)
+            if destination is None:
+                continue
+            if destination[1] == 53:
+                answer = dns_answer(data, self.pool)
+                if answer is not None:
+                    self._send_from(destination, source, answer)
+            else:
+                self._refuse_udp(destination)
+
+    def _send_from(self, source: tuple[str, int], to: tuple[str, int], data: bytes) -> None:
+        with contextlib.suppress(OSError):
+            out = self._replies.get(source)
+            if out is None:
+                if len(self._replies) >= MAX_REPLY_SOCKETS:
+                    return  # a run asking a new server each time gets no more answers
+                out = self.network.reply_socket(source)
+                out.setblocking(False)
+                self._replies[source] = out
+            out.sendto(data, to)
+
+    def _refuse_udp(self, destination: tuple[str, int]) -> None:
+        if destination in self.udp_recorded or len(self.udp_recorded) >= MAX_UDP_RECORDED:
+            self.udp_refused += 1
+            return
+        self.udp_recorded.add(destination)
+        address, port = destination
+        resource = f"udp/{address}:{port}"
+        error = EgressDenied(f"udp to {address}:{port} refused: only DNS leaves a run by UDP",
+                             policies=(UDP_RULE,))  # fmt: skip
+        task = asyncio.get_running_loop().create_task(
+            self._record_udp(resource, error, {"address": address, "port": port,
+                                               "protocol": "udp", "via": "transparent"})
+        )  # fmt: skip
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _record_udp(self, resource: str, error: BrokerError, details: dict[str, Any]) -> None:
+        with contextlib.suppress(BrokerError):
+            await record_refusal(self.scope, Action.HTTP_REQUEST, resource, error, UDP_RULE,
+                                 details)  # fmt: skip
+
+    # -- TCP -------------------------------------------------------------------
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            if len(self._tasks) >= self.max_connections:
+                conn.close()  # over the run's connections: refused unread, like the socket's
+                continue
+            task = loop.create_task(self._connection(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        try:
+            address_text, port = GuestNetwork.original_destination(conn)
+            address = ipaddress.IPv4Address(address_text)
+            if str(address) == GuestNetwork.relay_address:
+                conn.close()  # the relay itself: nothing here for the guest
+                return
+            peeked = await _peek(conn)
+            reader, writer = await asyncio.open_connection(sock=conn, limit=64 * 1024)
+        except OSError:
+            conn.close()
+            return
+        name = self.pool.name(address) if address in NAME_RANGE else None
+        origin = Origin(address, port, name, peeked, _protocol(peeked))
+        if origin.protocol == "tls":
+            origin.sni = client_hello_sni(peeked)[1]
+        elif origin.protocol == "http":
+            origin.http_host = _http_host(peeked)
+        from proctor.broker._pipeline import serve_kind  # it imports the kinds
+
+        call = Call(self.scope, reader, writer, None, proxy=self.proxy,
+                    speaks_http=origin.protocol == "http", origin=origin)  # fmt: skip
+        await serve_kind(call, TRANSPARENT)
+
+
+async def _peek(conn: socket.socket) -> bytes:
+    """The connection's first bytes, left unread (``MSG_PEEK``): a whole ClientHello
+    or HTTP head if one comes in time, else what came within :data:`PEEK_WAIT` of
+    silence (a protocol whose server speaks first sends nothing)."""
+    loop = asyncio.get_running_loop()
+    if not await _readable(conn, PEEK_WAIT):
+        return b""
+    deadline = loop.time() + 5.0
+    while True:
+        data = conn.recv(PEEK_BYTES, socket.MSG_PEEK)
+        if not data or _whole(data) or loop.time() >= deadline:
+            return data
+        # The rest of a head is coming: look again shortly (the socket stays
+        # readable while anything is unread, so waiting on it would spin).
+        await asyncio.sleep(0.005)
+
+
+def _whole(data: bytes) -> bool:
+    """Whether ``data`` holds all there is to look at: a whole ClientHello, a whole
+    HTTP head, or bytes that are neither."""
+    if len(data) >= PEEK_BYTES:
+        return True
+    if data[:1] == b"\x16":
+        return client_hello_sni(data)[0]
+    if data[:1].isalpha():
+        return b"\r\n\r\n" in data
+    return True
+
+
+async def _readable(conn: socket.socket, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(conn.fileno(), wake)
+    try:
+        await asyncio.wait_for(ready, timeout)
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(conn.fileno())
+    return True
+
+
+def _protocol(peeked: bytes) -> str:
+    if peeked[:1] == b"\x16" and peeked[1:2] == b"\x03":
+        return "tls"
+    line = peeked.split(b"\r\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) == 3 and parts[2].startswith(b"HTTP/1.") and parts[0].isalpha():
+        return "http"
+    return "tcp"
+
+
+def _http_host(peeked: bytes) -> str | None:
+    head_end = peeked.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    for line in peeked[:head_end].split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == b"host":
+            return value.strip().decode("latin-1")
+    return None
+
+
+def _named(origin: Origin) -> tuple[Host, str | None]:
+    """The host decided for ``origin``, and what the guest named in its first bytes."""
+    if origin.address in NAME_RANGE:
+        if origin.name is None:
+            raise _Unknown(origin)
+        host = parse_host(origin.name)
+    else:
+        host = parse_host(str(origin.address))
+    named = origin.sni if origin.protocol == "tls" else origin.http_host
+    return host, named
+
+
+class _Unknown(Exception):
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+
+
+def _mismatch(host: Host, named: str | None, port: int) -> str | None:
+    """Why ``named`` (SNI or Host) is not the host decided, or None."""
+    if named is None:
+        return None
+    text = named
+    if text.startswith("["):
+        text = text[1 : text.find("]")] if "]" in text else text
+    elif text.count(":") == 1:
+        text, _, given = text.partition(":")
+        if given.isdigit() and int(given) != port:
+            return f"names port {given}, the connection is to {port}"
+    try:
+        other = parse_host(text)
+    except BadCall:
+        return f"names {named!r}, which is not a host"
+    if other.name != host.name:
+        return f"names {other.name}, the connection is to {host.name}"
+    return None
+
+
+@dataclass(frozen=True)
+class TransparentRequest:
+    origin: Origin
+    host: Host
+    #: Set for plain HTTP: forwarded as the proxy forwards absolute-form requests.
+    forward: ForwardRequest | None = None
+
+
+@dataclass(frozen=True)
+class Transparent:
+    """A connection the guest opened itself, redirected to the broker: a tunnel, or
+    one plain-HTTP request; decided on the name its address stands for."""
+
+    name: str = "egress.transparent"
+    method: str = "-"
+    path: str = "transparent"  # matched by no request on the socket (not a path)
+    records_first: bool = True
+
+    async def parse(self, call: Call) -> TransparentRequest | Ruling:
+        origin = call.origin
+        assert isinstance(origin, Origin)
+        scope = call.scope
+        target = f"{origin.address}:{origin.port}"
+        try:
+            host, named = _named(origin)
+        except _Unknown:
+            error = EgressDenied(
+                f"http.request to {target} refused: {origin.address} is a DNS answer "
+                "this run was never given", policies=(UNKNOWN_NAME_RULE,))  # fmt: skip
+            return refused(scope, Action.HTTP_REQUEST, f"host/{target}", error,
+                           _details(origin), UNKNOWN_NAME_RULE)  # fmt: skip
+        except BadCall as exc:
+            return bad_request(scope, "CONNECT", target, exc)
+        why = _mismatch(host, named, origin.port)
+        if why is not None:
+            what = "SNI" if origin.protocol == "tls" else "Host"
+            error = EgressDenied(
+                f"http.request to {resource_of(host, origin.port)} refused: its {what} {why}",
+                policies=(NAME_MISMATCH_RULE,))  # fmt: skip
+            return refused(scope, Action.HTTP_REQUEST, resource_of(host, origin.port), error,
+                           _details(origin), NAME_MISMATCH_RULE)  # fmt: skip
+        if origin.protocol != "http":
+            return TransparentRequest(origin, host)
+        return _forward_request(call, origin, host)
+
+    async def decide(self, call: Call, request: TransparentRequest | Ruling) -> Ruling | None:
+        if isinstance(request, Ruling):
+            return request
+        proxy = call.proxy
+        assert proxy is not None
+        origin = request.origin
+        if request.forward is not None:
+            fwd = request.forward
+            ruling = await rule(call.scope, proxy.resolver, request.host, origin.port,
+                                fwd.method, "http", fwd.origin.split("?", 1)[0])  # fmt: skip
+        else:
+            ruling = await rule(call.scope, proxy.resolver, request.host, origin.port,
+                                "CONNECT", None, None)  # fmt: skip
+        ruling.details.update(_details(origin))
+        return ruling
+
+    async def done(self, call: Call, request: object) -> None:
+        return None
+
+    async def act(self, call: Call, request: TransparentRequest, ruling: Ruling | None) -> Acted:
+        proxy = call.proxy
+        assert proxy is not None and ruling is not None
+        assert call.reader is not None and call.writer is not None
+        reader, writer = call.reader, call.writer
+        admitted = admitted_of(ruling)
+        fwd = request.forward
+        outcome = Outcome(requests=1) if fwd is not None else Outcome()
+        try:
+            if fwd is not None:
+                await proxy._forward(call.scope, admitted, fwd.method, fwd.origin, fwd.authority,
+                                     fwd.headers, fwd.framing, reader, writer, outcome)  # fmt: skip
+            else:
+                await _tunnel(proxy, admitted, reader, writer, outcome)
+        finally:
+            owed = await complete(call.scope, admitted, outcome)
+        return Acted(answer=owed)
+
+
+def _details(origin: Origin) -> dict[str, Any]:
+    out: dict[str, Any] = {"via": "transparent", "protocol": origin.protocol,
+                           "original_address": str(origin.address)}  # fmt: skip
+    if origin.sni is not None:
+        out["sni"] = origin.sni[:255]
+    if origin.http_host is not None:
+        out["http_host"] = origin.http_host[:255]
+    return out
+
+
+def _forward_request(call: Call, origin: Origin, host: Host) -> TransparentRequest | Ruling:
+    """A plain-HTTP connection's first request, read as the proxy reads one."""
+    from proctor.broker._proxy import ForwardRequest
+
+    scope = call.scope
+    end = origin.peeked.find(b"\r\n\r\n")
+    try:
+        if end < 0:
+            raise BadCall("the request head is incomplete or too large")
+        head = parse_request_head(origin.peeked[: end + 4])
+        if not head.target.startswith("/"):
+            raise BadCall("a request on a redirected connection must be origin-form")
+        check_headers(head.headers)
+        framing = request_framing(head.headers, head.method)
+    except BadCall as exc:
+        return bad_request(scope, "GET", f"{host.display}:{origin.port}", exc)
+    authority = host.display if origin.port == 80 else f"{host.display}:{origin.port}"
+    headers = [(k, v) for k, v in head.headers if k.lower() != "host"]
+    fwd = ForwardRequest(head.method, host, origin.port, head.target, authority, headers, framing)
+    return TransparentRequest(origin, host, fwd)
+
+
+async def _tunnel(
+    proxy: EgressProxy,
+    admitted: Admitted,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    outcome: Outcome,
+) -> None:
+    """A connection relayed as it is (the peeked bytes are still in ``reader``)."""
+    try:
+        up_reader, up_writer = await proxy._dial(admitted, None)
+    except UpstreamFailed as exc:
+        outcome.answer = exc
+        return
+
+    def abort() -> None:
+        up_writer.transport.abort()
+        writer.transport.abort()
+
+    up, down = await asyncio.gather(
+        _relay(reader, up_writer, abort), _relay(up_reader, writer, abort)
+    )
+    outcome.bytes_up, outcome.bytes_down = up, down
+    await _close(up_writer)
+
+
+TRANSPARENT = register(Transparent())
+
+__all__ = ["NAME_RANGE", "TRANSPARENT", "NamePool", "TransparentEgress", "client_hello_sni",
+           "dns_answer"]  # fmt: skip
