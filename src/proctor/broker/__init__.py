@@ -26,6 +26,7 @@ from proctor.broker._files import (
 )
 from proctor.broker._mitm import CAError, TenantCA
 from proctor.broker._proxy import SECRET_BINDING_RULE, EgressProxy, system_resolver
+from proctor.broker._rules import approved_rules, rule_hosts
 from proctor.broker._scope import (
     RATE_LIMIT_RULE,
     WHOAMI_RULE,
@@ -69,6 +70,7 @@ __all__ = [
     "StatementTimeout",
     "TenantCA",
     "UpstreamFailed",
+    "approved_rules",
     "broker_socket_root",
     "dataset_connector",
     "exposed_in_dataset",
@@ -79,6 +81,7 @@ __all__ = [
     "read_object",
     "reap_broker_sockets",
     "revoke_run_grants",
+    "rule_hosts",
     "system_resolver",
     "write_object",
 ]

@@ -36,7 +36,7 @@ from urllib.parse import unquote
 
 from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, host_matches
 from proctor.broker._scope import EgressTotals
-from proctor.policy import EgressRule
+from proctor.policy import EgressRule, egress_rules
 
 #: How many requests' body digests one completion record lists (its event has a
 #: bound); ``bodies_chain`` commits to every one of them, however many.
@@ -70,6 +70,18 @@ class ResponseCut(UpstreamFailed):
     def __init__(self, breach: Breach, details: Mapping[str, Any]) -> None:
         super().__init__(breach.message, policies=(breach.rule,))
         self.details = {**details, **breach.details()}
+
+
+def approved_rules(capabilities: Mapping[str, Any]) -> dict[str, EgressRule]:
+    """The request rules of approved ``capabilities`` (``RunScope.egress_rules``), and the
+    entries whose TLS the broker ends for them (``rule_hosts``: the run's CA bundle
+    must vouch for their names)."""
+    return egress_rules(capabilities)
+
+
+def rule_hosts(rules: Mapping[str, EgressRule]) -> list[str]:
+    """The host entries of ``rules``: names the run's CA bundle must vouch for."""
+    return sorted(rules)
 
 
 def rules_for(rules: Mapping[str, EgressRule], host: Host, port: int) -> tuple[EgressRule, ...]:

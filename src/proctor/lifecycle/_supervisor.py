@@ -28,7 +28,9 @@ from proctor.broker import (
     RateLimit,
     RunScope,
     SecretBinding,
+    approved_rules,
     dataset_connector,
+    rule_hosts,
 )
 from proctor.errors import ProctorError, RunRefused
 from proctor.governance import (
@@ -334,6 +336,8 @@ class Supervisor:
             buckets_dir=env_bound.buckets_dir,
             lineage_key=rt.keys.lineage_key(tenant),
             allowed_ranges=rt.egress.get(tenant),
+            # The approved request rules of egress hosts (the broker ends their TLS).
+            egress_rules=approved_rules(caps),
             rate_limit=rate_limit,
             call_bound=call_bound,
             # The tenant's events of the day, counted from its log in the store (so a
@@ -421,9 +425,11 @@ class Supervisor:
             try:
                 watcher.start()
                 rt.artifacts.materialize(tenant, dep.digest, code)
-                if scope.secrets:
-                    # Constrained to this run's secrets' hosts: the CA vouches for no other name.
-                    hosts = sorted({h for s in scope.secrets.values() for h in s.hosts})
+                if scope.secrets or scope.egress_rules:
+                    # Constrained to this run's secrets' hosts and hosts with request rules
+                    # (their TLS is ended by the broker): the CA vouches for no other name.
+                    hosts = sorted({h for s in scope.secrets.values() for h in s.hosts}
+                                   | set(rule_hosts(scope.egress_rules)))  # fmt: skip
                     ca_dir = self._ca_dir(tenant, run_id, rt.egress_ca_pem(tenant, hosts))
                 result = run_brokered(
                     self.broker, scope, self.driver, tuple(artifact.manifest.entrypoint),
