@@ -398,3 +398,32 @@ def test_body_digests_list_and_chain() -> None:
         req = hashlib.sha256(b"req%d" % i).hexdigest()
         chain.update((req + hashlib.sha256(b"response").hexdigest()).encode())
     assert doc["bodies_chain"] == "sha256:" + chain.hexdigest()
+
+
+def test_the_verifier_decides_an_event_again_with_its_rules() -> None:
+    from proctor.evidence._policies import redecide
+
+    caps = {"egress": ["api.example.com:443"]}
+    text = capability_policies("t", "d", caps) + (
+        '@id("tenant:crm-read-only")\n'
+        'forbid (principal, action == Proctor::Action::"http.request", resource)\n'
+        "unless { context has rules && context.rules has methods && "
+        '["GET"].containsAll(context.rules.methods) };\n'
+    )
+    compiled = compile_policies(text)
+    rules = _rule(methods=["GET"], paths=["/v1/customers/*"]).context()
+
+    def event(decision: str, policies: list[str], **extra: object) -> dict[str, object]:
+        details = {"host": "api.example.com", "port": 443, "method": "CONNECT",
+                   "address": "93.184.215.14", "policy_version": compiled.version, **extra}
+        return {"tenant": "t", "deployment": "d", "run": "r", "artifact": None,
+                "actor": {"type": "workload",
+                          "id": "spiffe://td/tenant/t/deployment/d/run/r"},
+                "action": "http.request", "resource": "host/api.example.com:443",
+                "decision": decision, "policies": policies, "details": details}  # fmt: skip
+
+    allowed = event("allow", ["deploy:d:egress:api.example.com:443"], rules=rules)
+    assert redecide(compiled, allowed, "production", 10_000) is None
+    # Rules taken out of the record: decided again, the forbid applies and it is named.
+    stripped = event("allow", ["deploy:d:egress:api.example.com:443"])
+    assert "tenant:crm-read-only" in str(redecide(compiled, stripped, "production", 10_000))

@@ -354,7 +354,7 @@ def redecide(
             if isinstance(path, str) and len(path) >= _PATH_CUT:
                 return UNDECIDABLE
             context = {"method": d["method"], "port": int(d["port"])}
-            for key in ("scheme", "path"):
+            for key in ("scheme", "path", "rules"):  # rules: the host's request rules
                 if key in d:
                     context[key] = d[key]
             if "address" in d:
