@@ -414,8 +414,14 @@ def test_the_verifier_decides_an_event_again_with_its_rules() -> None:
     rules = _rule(methods=["GET"], paths=["/v1/customers/*"]).context()
 
     def event(decision: str, policies: list[str], **extra: object) -> dict[str, object]:
-        details = {"host": "api.example.com", "port": 443, "method": "CONNECT",
-                   "address": "93.184.215.14", "policy_version": compiled.version, **extra}
+        details = {
+            "host": "api.example.com",
+            "port": 443,
+            "method": "CONNECT",
+            "address": "93.184.215.14",
+            "policy_version": compiled.version,
+            **extra,
+        }
         return {"tenant": "t", "deployment": "d", "run": "r", "artifact": None,
                 "actor": {"type": "workload",
                           "id": "spiffe://td/tenant/t/deployment/d/run/r"},
@@ -427,3 +433,20 @@ def test_the_verifier_decides_an_event_again_with_its_rules() -> None:
     # Rules taken out of the record: decided again, the forbid applies and it is named.
     stripped = event("allow", ["deploy:d:egress:api.example.com:443"])
     assert "tenant:crm-read-only" in str(redecide(compiled, stripped, "production", 10_000))
+
+
+def test_an_approver_sees_the_rules_and_what_loosens_them() -> None:
+    from proctor.governance._artifact_diff import capability_words, manifest_changes
+
+    none, ro = parse_manifest(HEAD), parse_manifest(HEAD + READ_ONLY)
+    wider = parse_manifest(HEAD + READ_ONLY.replace('["GET"]', '["GET", "DELETE"]'))
+    assert (
+        "requests to api.example.com:443 only as its rules allow: methods GET; paths "
+        "/v1/customers/*" in capability_words(ro.capabilities)
+    )
+    [added] = manifest_changes(none, ro)
+    assert not added.widens and added.subject == "rules of api.example.com:443"
+    [dropped] = manifest_changes(ro, none)
+    assert dropped.widens and "drops the request rules" in dropped.text
+    [changed] = manifest_changes(ro, wider)
+    assert changed.widens and "methods DELETE, GET" in changed.text

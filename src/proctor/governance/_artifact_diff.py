@@ -221,10 +221,48 @@ def manifest_changes(a: Manifest, b: Manifest) -> list[CapabilityChange]:
             add(area, item, None, item, True, f"adds {noun} {item}")
         for item in sorted(sa - sb):
             add(area, item, item, None, False, f"drops {noun} {item}")
+    _rule_changes(a.capabilities.get("egress_rules", {}),
+                  b.capabilities.get("egress_rules", {}), add)  # fmt: skip
     _bucket_changes(a.capabilities["buckets"], b.capabilities["buckets"], add)
     _limit_changes(a.limits.to_json(), b.limits.to_json(), add)
     _lifecycle_changes(a.lifecycle.to_json(), b.lifecycle.to_json(), add)
     return out
+
+
+def _rule_changes(a: dict[str, Any], b: dict[str, Any], add: _Add) -> None:
+    """An egress host's request rules: dropping or changing them may let the code do
+    more (marked as widening); adding them only narrows what it may do."""
+    for entry in sorted(set(a) | set(b)):
+        old, new = a.get(entry), b.get(entry)
+        if old == new:
+            continue
+        subject = f"rules of {entry}"
+        if old is None:
+            add("egress", subject, None, new, False, f"adds request rules to {entry}: "
+                + rule_words(new))  # fmt: skip
+        elif new is None:
+            add("egress", subject, old, None, True, f"drops the request rules of {entry}")
+        else:
+            add("egress", subject, old, new, True, f"changes the request rules of {entry} to "
+                + rule_words(new))  # fmt: skip
+
+
+def rule_words(rule: dict[str, Any]) -> str:
+    """One host's request rules, in words."""
+    parts = []
+    if "methods" in rule:
+        parts.append("methods " + ", ".join(rule["methods"]))
+    if "paths" in rule:
+        parts.append("paths " + ", ".join(rule["paths"]))
+    for key, words in (("request_bytes", "request bodies up to {} bytes"),
+                       ("response_bytes", "response bodies up to {} bytes"),
+                       ("run_request_bytes", "{} request body bytes per run"),
+                       ("run_response_bytes", "{} response body bytes per run")):  # fmt: skip
+        if key in rule:
+            parts.append(words.format(rule[key]))
+    if rule.get("body_digests"):
+        parts.append("bodies recorded as digests")
+    return "; ".join(parts)
 
 
 def _job_changes(a: Manifest, b: Manifest, add: _Add) -> None:
@@ -374,6 +412,8 @@ def capability_words(capabilities: dict[str, Any]) -> list[str]:
                 f" (columns {', '.join(grant['columns'])})"
             )
     lines += [f"egress to {host}" for host in capabilities["egress"]]
+    lines += [f"requests to {entry} only as its rules allow: {rule_words(rule)}"
+              for entry, rule in sorted(capabilities.get("egress_rules", {}).items())]  # fmt: skip
     lines += [f"the secret {name} injected into its calls" for name in capabilities["secrets"]]
     lines += [f"{_ACCESS[access]} of bucket {name}"
               for name, access in sorted(capabilities["buckets"].items())]  # fmt: skip
