@@ -8,10 +8,12 @@ with nothing written."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import socket
+import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,11 +22,13 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import Broker, EgressProxy, Handlers, RunScope
+from proctor.broker import BadCall, Broker, DatasetBinding, EgressProxy, Handlers, RunScope
+from proctor.broker._connectors import MAX_SQL_BODY
+from proctor.broker._http import parse_request_head, read_body
 from proctor.governance import MAX_OBJECT_BYTES
 from proctor.ledger import Ledger
 from proctor.policy import capability_policies, compile_policies
-from tests.fuzz._support import exchange, sqlite_ledger
+from tests.fuzz._support import exchange, served_broker, sqlite_ledger
 
 CAPS = {"buckets": {"reports": "read-write"}}
 # A tenant's size rule on uploads: a body's size decides it, so a chunked body
@@ -249,3 +253,60 @@ def test_a_size_rule_is_not_bypassed_by_chunking(tmp_path: Path) -> None:
         assert sorted(s.tree()) == ["small"]
     finally:
         gen.close()
+
+
+def test_a_chunked_sql_call_answers_as_a_content_length_one(tmp_path: Path) -> None:
+    """The SQL endpoint reads its body with the same reader: chunked is taken, and held
+    to the same 1 MiB bound (413 on the size line that passes it)."""
+    db = tmp_path / "crm.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT);"
+        "INSERT INTO customers VALUES (1, 'Ada'), (2, 'Grace');"
+    )
+    conn.commit()
+    conn.close()
+    caps = {"datasets": {"crm": {"tables": {"customers": {"columns": ["id", "name"]}}}}}
+    proxy = EgressProxy(tmp_path / "ca")
+    datasets = {"crm": DatasetBinding("crm", "sqlite", str(db))}
+    with served_broker(tmp_path, caps, proxy, datasets=datasets) as s:
+        body = json.dumps({"dataset": "crm", "sql": "SELECT id, name FROM customers"}).encode()
+
+        def post(framing: str, wire: bytes) -> bytes:
+            head = f"POST /v1/sql HTTP/1.1\r\nProctor-Token: {s.token}\r\n{framing}\r\n"
+            return exchange(s.socket, head.encode() + wire)
+
+        by_length = post(f"Content-Length: {len(body)}\r\n", body)
+        by_chunks = post(TE, chunked(body, [3, 10]))
+        assert by_length.startswith(b"HTTP/1.1 200 ") and by_chunks.startswith(b"HTTP/1.1 200 ")
+        rows = [json.loads(a.partition(b"\r\n\r\n")[2])["rows"] for a in (by_length, by_chunks)]
+        assert rows[0] == rows[1] == [[1, "Ada"], [2, "Grace"]]
+        too_big = post(TE, f"{MAX_SQL_BODY + 1:x}\r\n".encode())
+        assert too_big.startswith(b"HTTP/1.1 413 "), too_big[:200]
+
+
+def _read(wire: bytes, limit: int) -> bytes:
+    async def go() -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(wire)
+        reader.feed_eof()
+        head = parse_request_head(f"PUT /x HTTP/1.1\r\n{TE}\r\n".encode())
+        return await read_body(reader, head, limit)
+
+    return asyncio.run(go())
+
+
+def test_framing_that_outweighs_its_content_is_refused() -> None:
+    """A chunk line may carry an extension of up to 8 KiB; a body of one byte per chunk,
+    each with such an extension, would have the broker read gigabytes for a body
+    inside its limit. The framing may cost 64 KiB plus 8 bytes per byte of content."""
+    ext = b";" + b"e" * 8000
+    wire = b"".join(b"1" + ext + b"\r\nx\r\n" for _ in range(20)) + b"0\r\n\r\n"
+    with pytest.raises(BadCall, match="framing is too large"):
+        _read(wire, 1 << 20)
+    # One byte per chunk with no extension costs 5 bytes a byte: taken.
+    plain = b"".join(b"1\r\nx\r\n" for _ in range(4096)) + b"0\r\n\r\n"
+    assert _read(plain, 4096) == b"x" * 4096
+    with pytest.raises(BadCall) as over:
+        _read(plain, 4095)
+    assert over.value.status == 413
