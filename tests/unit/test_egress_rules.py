@@ -450,3 +450,16 @@ def test_an_approver_sees_the_rules_and_what_loosens_them() -> None:
     assert dropped.widens and "drops the request rules" in dropped.text
     [changed] = manifest_changes(ro, wider)
     assert changed.widens and "methods DELETE, GET" in changed.text
+
+
+def test_the_example_in_docs_egress_is_a_manifest_that_parses() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "egress.md").read_text()
+    block = text.split("## Request rules", 1)[1].split("```toml", 1)[1].split("```", 1)[0]
+    m = parse_manifest(HEAD.split("[egress]", maxsplit=1)[0] + block)
+    rule = EgressRule.from_json("api.example.com:443", m.capabilities["egress_rules"]
+                                ["api.example.com:443"])  # fmt: skip
+    assert check_request([rule], "GET", "/v1/customers/42") is None
+    assert check_request([rule], "DELETE", "/v1/customers/42") is not None
+    assert check_request([rule], "GET", "/v1/invoices/1") is not None
