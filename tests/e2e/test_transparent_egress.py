@@ -279,3 +279,99 @@ def test_interpreter_in_sandbox_is_the_one_with_these_packages() -> None:
     # The guest runs the host's base interpreter; the packages bound in must be
     # for its version, or the Python clients above test nothing.
     assert _site_packages().match(f"*/python{sys.version_info[0]}.{sys.version_info[1]}/*")
+
+
+class _Authed(_Hello):
+    def do_GET(self) -> None:
+        ok = self.headers.get("Authorization") == f"Bearer {SECRET}"
+        body = f"{self.path} auth={'yes' if ok else 'no'}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+SECRET = "s3cr3t-" + os.urandom(8).hex()
+
+RULED_GUEST = r"""
+import json, os, urllib.request, urllib.error
+for k in [k for k in os.environ if k.lower().endswith("_proxy")]:
+    del os.environ[k]
+S = int(os.environ["UP_HTTPS"])
+res = {}
+for name, method, path in [("get", "GET", "/v1/customers/7"), ("delete", "DELETE", "/v1/customers/7"),
+                           ("other_path", "GET", "/admin")]:
+    req = urllib.request.Request(f"https://api.test:{S}{path}", method=method,
+                                 headers={"Authorization": "Bearer proctor-secret:tok"})
+    try:
+        res[name] = urllib.request.urlopen(req, timeout=10).read().decode()
+    except urllib.error.HTTPError as e:
+        res[name] = e.code
+print(json.dumps(res), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
+    ledger_env: LedgerEnv, tmp_path: Path, backend: str
+) -> None:
+    from proctor.broker import SecretBinding
+    from proctor.policy import EgressRule, capability_policies
+
+    d = tmp_path / "up"
+    d.mkdir()
+    ca = UpstreamCA.make()
+    (d / "ca.pem").write_bytes(ca.pem())
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(ca.issue(["api.test"], d / "leaf.pem"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Authed)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    ledger_env.ledger.create_log("acme", _draft())
+    entry = f"api.test:{port}"
+    rules = {"methods": ["GET"], "paths": ["/v1/customers/*"]}
+    caps = {"egress": [entry], "egress_rules": {entry: rules}, "secrets": ["tok"]}
+    scope = _scope(ledger_env.ledger, "t2", allowed_ranges=("127.0.0.0/8",),
+                   egress_rules={entry: EgressRule.from_json(entry, rules)},
+                   secrets={"tok": SecretBinding("tok", SECRET, (entry,))})  # fmt: skip
+    scope.policies = compile_policies(capability_policies("acme", "churn", caps))
+    proxy = EgressProxy(tmp_path / "ca", resolver=_resolver, connect_timeout=5,
+                        upstream_cafile=str(d / "ca.pem"))  # fmt: skip
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "main.py").write_text(RULED_GUEST)
+    (code / "ca.pem").write_bytes(proxy.tenant_ca("acme").ca_pem())
+    os.chmod(code, 0o755)
+    for f in code.iterdir():
+        f.chmod(0o644)
+    out: list[bytes] = []
+    err: list[bytes] = []
+    try:
+        with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+            channel = broker.open_run(scope, ttl=300)
+            network = GuestNetwork.create()
+            try:
+                broker.attach_network(scope.run_id, network)
+                spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code,
+                                     env={"UP_HTTPS": str(port), "SSL_CERT_FILE": "/code/ca.pem"},
+                                     network=network)  # fmt: skip
+                result = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
+            finally:
+                broker.close_run(scope.run_id)
+                network.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 0, b"".join(err).decode(errors="replace")[-2000:]
+    res = json.loads(b"".join(out).decode().strip().splitlines()[-1])
+    # The secret is injected inside the broker's TLS; the rules hold each request.
+    assert res == {"get": "/v1/customers/7 auth=yes", "delete": 403, "other_path": 403}, res
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    allowed = [e for e in events if e["action"] == "http.request" and e["decision"] == "allow"]
+    assert allowed and all(e["details"]["via"] == "transparent" for e in allowed)
+    assert allowed[0]["details"]["inject"] == [{"secret": "tok", "header": "Authorization"}]
+    refused = [p for e in events if e["decision"] != "allow" for p in e["policies"]]
+    assert f"proctor:egress:rule:{entry}:methods" in refused
+    assert f"proctor:egress:rule:{entry}:paths" in refused
+    assert SECRET not in json.dumps(events)

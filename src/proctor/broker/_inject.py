@@ -110,7 +110,10 @@ class Injector:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         outcome: Outcome,
+        answer_connect: bool = True,
     ) -> None:
+        """``answer_connect`` False: the guest sent no CONNECT (a redirected connection,
+        ``_transparent``), its ClientHello is already waiting in ``reader``."""
         host = admitted.host
         # The secrets' use was decided and recorded with the request (``admit``).
         try:
@@ -134,7 +137,8 @@ class Injector:
         outcome.injected = tuple(b.name for b in bindings)
         if wants_digests(rules_for(scope.egress_rules, host, admitted.port)):
             outcome.bodies = BodyDigests()
-        writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+        if answer_connect:
+            writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
         guest = TlsStream(reader, writer, server_ctx, server_side=True)
         try:
             await writer.drain()

@@ -166,8 +166,9 @@ class EgressProxy:
         # (each request inside is then checked against them, ``_inject``).
         if request.bindings or rules_for(call.scope.egress_rules, admitted.host, admitted.port):
             await self._injector.run(
-                call.scope, admitted, request.bindings, call.reader, call.writer, outcome
-            )
+                call.scope, admitted, request.bindings, call.reader, call.writer, outcome,
+                answer_connect=call.origin is None,
+            )  # fmt: skip
         else:
             await self._tunnel(admitted, call.reader, call.writer, outcome)
 

@@ -60,9 +60,11 @@ from proctor.broker._admission import admitted as admitted_of
 from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, parse_host
 from proctor.broker._http import check_headers, parse_request_head, request_framing
-from proctor.broker._proxy import EgressProxy, _close, _relay
+from proctor.broker._inject import bindings_for
+from proctor.broker._proxy import ConnectRequest, EgressProxy, _close, _relay
 from proctor.broker._record import complete
-from proctor.broker._scope import BadCall, BrokerError, RunScope
+from proctor.broker._rules import rules_for
+from proctor.broker._scope import BadCall, BrokerError, RunScope, SecretBinding
 from proctor.ledger import Action
 from proctor.policy import normalize_host
 from proctor.sandbox import GuestNetwork
@@ -452,6 +454,8 @@ class TransparentRequest:
     host: Host
     #: Set for plain HTTP: forwarded as the proxy forwards absolute-form requests.
     forward: ForwardRequest | None = None
+    #: The secrets bound to the host (TLS): injected as on a CONNECT.
+    bindings: tuple[SecretBinding, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -487,6 +491,10 @@ class Transparent:
                 policies=(NAME_MISMATCH_RULE,))  # fmt: skip
             return refused(scope, Action.HTTP_REQUEST, resource_of(host, origin.port), error,
                            _details(origin), NAME_MISMATCH_RULE)  # fmt: skip
+        if origin.protocol == "tls":
+            return TransparentRequest(
+                origin, host, None, tuple(bindings_for(scope, host, origin.port))
+            )
         if origin.protocol != "http":
             return TransparentRequest(origin, host)
         return _forward_request(call, origin, host)
@@ -503,7 +511,7 @@ class Transparent:
                                 fwd.method, "http", fwd.origin.split("?", 1)[0])  # fmt: skip
         else:
             ruling = await rule(call.scope, proxy.resolver, request.host, origin.port,
-                                "CONNECT", None, None)  # fmt: skip
+                                "CONNECT", None, None, request.bindings)  # fmt: skip
         ruling.details.update(_details(origin))
         return ruling
 
@@ -523,10 +531,20 @@ class Transparent:
                 await proxy._forward(call.scope, admitted, fwd.method, fwd.origin, fwd.authority,
                                      fwd.headers, fwd.framing, reader, writer, outcome)  # fmt: skip
             else:
-                await _tunnel(proxy, admitted, reader, writer, outcome)
+                ended = request.bindings or rules_for(call.scope.egress_rules, request.host,
+                                                      request.origin.port)  # fmt: skip
+                if ended:
+                    # TLS ended as on a CONNECT (a secret injected, request rules held):
+                    # the guest's ClientHello is still unread, for the broker's TLS.
+                    connect = ConnectRequest(
+                        request.host, request.origin.port, list(request.bindings)
+                    )
+                    await proxy.connect(call, connect, admitted, outcome)
+                else:
+                    await _tunnel(proxy, admitted, reader, writer, outcome)
         finally:
             owed = await complete(call.scope, admitted, outcome)
-        return Acted(answer=owed)
+        return Acted(answer=owed, inside=outcome.inside)
 
 
 def _details(origin: Origin) -> dict[str, Any]:
