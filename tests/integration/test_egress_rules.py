@@ -202,6 +202,9 @@ def test_the_host_header_cannot_take_a_request_out_from_under_the_rules(
     assert status == 403
     assert json.loads(body)["policies"] == [f"proctor:egress:rule:{entry}:host"]
     assert crm.seen == []
+    [deny] = [e for e in env.events() if e["decision"] == "deny"]
+    assert deny["action"] == "http.request"
+    assert deny["policies"] == [f"proctor:egress:rule:{entry}:host"]
 
 
 def test_a_response_over_the_bound_is_withheld_or_cut_and_recorded(

@@ -43,6 +43,7 @@ from proctor.broker._http import (
 from proctor.broker._mitm import CAError, TlsStream, UpstreamTrust
 from proctor.broker._rules import (
     BodyDigests,
+    Breach,
     Meter,
     ResponseCut,
     RuleRefused,
@@ -424,10 +425,10 @@ def _check_injected_head(
                 f"the Host header must name {host.display}, the host the secret is bound to",
                 policies=(SECRET_BINDING_RULE,),
             )
-        raise EgressDenied(
-            f"the Host header must name {host.display}, the host whose rules apply",
-            policies=(rules[0].rule_id("host"),),
-        )
+        fronted = Breach(rules[0].rule_id("host"),
+                         f"the Host header must name {host.display}, the host whose rules apply",
+                         "host")  # fmt: skip
+        raise RuleRefused(fronted, _where(admitted, method, target))
     found = misplaced(scope.secrets.values(), bindings, method, target, headers)
     if found is not None:
         raise _misplaced_refusal(scope, admitted, bindings, *found)

@@ -237,11 +237,11 @@ def _rule_changes(a: dict[str, Any], b: dict[str, Any], add: _Add) -> None:
         if old == new:
             continue
         subject = f"rules of {entry}"
-        if old is None:
+        if new is None:
+            add("egress", subject, old, None, True, f"drops the request rules of {entry}")
+        elif old is None:
             add("egress", subject, None, new, False, f"adds request rules to {entry}: "
                 + rule_words(new))  # fmt: skip
-        elif new is None:
-            add("egress", subject, old, None, True, f"drops the request rules of {entry}")
         else:
             add("egress", subject, old, new, True, f"changes the request rules of {entry} to "
                 + rule_words(new))  # fmt: skip
