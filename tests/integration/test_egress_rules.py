@@ -365,3 +365,20 @@ def test_plain_http_bodies_are_held_to_the_byte_bounds(env: Env) -> None:
     assert [d["policies"][0].rsplit(":", 1)[1] for d in denies] == [
         "response_bytes", "response_bytes", "request_bytes"
     ]  # fmt: skip
+
+
+def test_plain_http_bodies_are_recorded_as_digests_when_the_rules_say(env: Env) -> None:
+    entry = f"127.0.0.1:{env.http.port}"
+    _scope(env, entry, {"methods": ["POST"], "body_digests": True})
+    status, _, body = env.raw(
+        f"POST http://{entry}/v1/notes HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n"
+        "hello".encode()
+    )
+    assert status == 200
+    end = env.events()[-1]
+    assert end["action"] == "http.request.end"
+    assert end["details"]["bodies"] == [{
+        "method": "POST", "status": 200,
+        "request_sha256": hashlib.sha256(b"hello").hexdigest(),
+        "response_sha256": hashlib.sha256(body).hexdigest(),
+    }]  # fmt: skip

@@ -326,12 +326,12 @@ async def _digested(outcome: Outcome, method: str, exchange: Awaitable[_T]) -> _
     bodies = outcome.bodies
     if bodies is None:
         return await exchange
-    bodies.start()
+    bodies.start(method)
     outcome.status = None  # this exchange's, for its digests
     try:
         return await exchange
     finally:
-        bodies.finish(method, outcome.status)
+        bodies.finish(outcome.status)
 
 
 # -- the secret rules ---------------------------------------------------------
@@ -515,13 +515,22 @@ def placeholder_refusal(
     return EgressDenied(message, policies=(SECRET_BINDING_RULE,))
 
 
-def forward_meter(scope: RunScope, admitted: Admitted, method: str, origin: str) -> Meter | None:
+def forward_meter(
+    scope: RunScope, admitted: Admitted, method: str, origin: str, outcome: Outcome | None = None
+) -> Meter | None:
     """A plain-HTTP request's meter where its host has request rules (None: no rules).
     Its body is counted as it streams (:func:`counting`): the piece that would pass a
     bound is not sent, so the upstream never has a whole request. Its method and path
-    were held to the rules at its decision."""
+    were held to the rules at its decision. Where the rules ask for the bodies'
+    digests, the exchange's go to ``outcome.bodies`` (the completion record)."""
     rules = rules_for(scope.egress_rules, admitted.host, admitted.port)
-    return Meter(rules, scope.egress_totals, _where(admitted, method, origin)) if rules else None
+    if not rules:
+        return None
+    bodies = None
+    if outcome is not None and wants_digests(rules):
+        bodies = outcome.bodies = BodyDigests()
+        bodies.start(method)
+    return Meter(rules, scope.egress_totals, _where(admitted, method, origin), bodies)
 
 
 def counting(meter: Meter | None) -> Callable[[bytes], Awaitable[None]] | None:
@@ -533,6 +542,7 @@ def counting(meter: Meter | None) -> Callable[[bytes], Awaitable[None]] | None:
         breach = meter.request(len(data))
         if breach is not None:
             raise meter.refused(breach)
+        meter.digest_request(data)
 
     return count
 

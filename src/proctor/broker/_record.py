@@ -143,6 +143,7 @@ async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> 
     if outcome.trust is not None:
         details["trust"] = outcome.trust
     if outcome.bodies is not None:
+        outcome.bodies.finish(outcome.status)  # a plain-HTTP request's one exchange
         details.update(outcome.bodies.to_json())
     if outcome.error is not None:
         details["error"] = outcome.error

@@ -197,8 +197,11 @@ class Meter:
         rules: Sequence[EgressRule],
         totals: MutableMapping[str, EgressTotals],
         where: Mapping[str, Any] | None = None,
+        bodies: BodyDigests | None = None,
     ) -> None:
         self.rules = tuple(rules)
+        #: Where the host's rules ask for the bodies' digests: the exchange's record.
+        self.bodies = bodies
         #: What a refusal records of the request (host, port, method, path).
         self.where = dict(where or {})
         self._totals = [totals.setdefault(r.entry, EgressTotals()) for r in self.rules]
@@ -224,6 +227,14 @@ class Meter:
     def cut(self, breach: Breach, status: int) -> ResponseCut:
         """The refusal of the response ``breach`` withholds or cuts."""
         return ResponseCut(breach, {**self.where, "status": status, "response_bytes": self.down})
+
+    def digest_request(self, data: bytes) -> None:
+        if self.bodies is not None:
+            self.bodies.request(data)
+
+    def digest_response(self, data: bytes) -> None:
+        if self.bodies is not None:
+            self.bodies.response(data)
 
     def announce_request(self, length: int) -> Breach | None:
         """A request body of ``length`` bytes (``Content-Length``): refused whole before
@@ -343,9 +354,11 @@ class BodyDigests:
     _chain: Any = field(default_factory=hashlib.sha256, repr=False)
     _request: Any = field(default=None, repr=False)
     _response: Any = field(default=None, repr=False)
+    _method: str = ""
 
-    def start(self) -> None:
+    def start(self, method: str) -> None:
         self._request, self._response = hashlib.sha256(), hashlib.sha256()
+        self._method = method[:32]
 
     def request(self, data: bytes) -> None:
         if self._request is not None:
@@ -355,12 +368,13 @@ class BodyDigests:
         if self._response is not None:
             self._response.update(data)
 
-    def finish(self, method: str, status: int | None) -> None:
-        """The request and response of one exchange are complete (or cut): record them."""
+    def finish(self, status: int | None) -> None:
+        """The request and response of one exchange are complete (or cut): record them
+        (once: a second call, or one with no exchange started, records nothing)."""
         if self._request is None:
             return
         item = {
-            "method": method[:32],
+            "method": self._method,
             "status": status,
             "request_sha256": self._request.hexdigest(),
             "response_sha256": self._response.hexdigest(),
