@@ -233,7 +233,7 @@ class EgressProxy:
     ) -> None:
         """Send the request and relay the response; an error still to answer (after
         the completion event) is left in ``outcome.answer``."""
-        meter = forward_meter(scope, admitted, method, origin)
+        meter = forward_meter(scope, admitted, method, origin, outcome)
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
@@ -392,6 +392,7 @@ async def _relay_response(
             breach = meter.response(len(chunk), announced)[1]
             if breach is not None:
                 raise meter.cut(breach, status)
+            meter.digest_response(chunk)
 
         await walk_body(up, framing, put, payload=count if meter is not None else None)
         await writer.drain()
