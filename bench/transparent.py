@@ -437,6 +437,16 @@ def report(bench: Bench, samples: dict[str, Any], costs: dict[str, list[float]])
     print(f"DNS in a {names[bench.backends[0]]} run (getaddrinfo, answered by the broker, "
           f"{len(dn)} each): a new name p50 {pct(dn, 0.5):.2f} ms, p95 {pct(dn, 0.95):.2f} ms; "
           f"a name asked before p50 {pct(ds, 0.5):.2f} ms, p95 {pct(ds, 0.95):.2f} ms")  # fmt: skip
+    # What was measured went where it says: one decision per connection, by path.
+    via: dict[str, int] = {}
+    ends = 0
+    for raw in bench.ledger.entries("acme"):
+        event = json.loads(raw)
+        if event["action"] == "http.request" and event["decision"] == "allow":
+            key = event["details"].get("via", "proxy")
+            via[key] = via.get(key, 0) + 1
+        ends += event["action"] == "http.request.end"
+    print(f"decisions recorded (allowed http.request): {via}; completion records: {ends}")
     for b in bench.skipped:
         print(f"{names[b]}: skipped (unavailable here)")
 
