@@ -382,3 +382,34 @@ def test_plain_http_bodies_are_recorded_as_digests_when_the_rules_say(env: Env) 
         "request_sha256": hashlib.sha256(b"hello").hexdigest(),
         "response_sha256": hashlib.sha256(body).hexdigest(),
     }]  # fmt: skip
+
+
+def test_a_tenant_forbid_on_method_and_path_holds_inside_tls(env: Env, crm: ApiServer) -> None:
+    from proctor.evidence._policies import redecide
+
+    entry = f"api.test:{crm.port}"
+    forbid = (
+        '\n@id("tenant:no-deletes")\n'
+        'forbid (principal, action == Proctor::Action::"http.request", resource)\n'
+        'when { context.method == "DELETE" || (context has path && '
+        'context.path like "/v1/customers/*/erase") };\n'
+    )
+    scope = _scope(env, entry, {"methods": ["GET", "DELETE"], "paths": ["/v1/customers/**"]},
+                   forbid)  # fmt: skip
+    conn = _client(env, crm.port)
+    assert _ask(conn, "GET", "/v1/customers/42")[0] == 200
+    status, body = _ask(conn, "DELETE", "/v1/customers/42")
+    conn.close()
+    assert status == 403 and json.loads(body)["policies"] == ["tenant:no-deletes"]
+    conn = _client(env, crm.port)
+    assert _ask(conn, "GET", "/v1/customers/42/erase")[0] == 403
+    conn.close()
+    assert [(m, p) for m, p, _ in crm.seen] == [("GET", "/v1/customers/42")]
+    denies = [e for e in env.events() if e["decision"] == "deny"]
+    assert [(d["details"]["method"], d["policies"]) for d in denies] == [
+        ("DELETE", ["tenant:no-deletes"]), ("GET", ["tenant:no-deletes"])
+    ]  # fmt: skip
+    # Cedar's own decisions, not a broker rule's: the verifier decides them again.
+    for deny in denies:
+        assert not deny["reason"].startswith("refused:")
+        assert redecide(scope.policies, deny, "sandbox", 10_000) is None

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote, quote_plus
 
 from proctor.broker._admission import Admitted, Outcome, RelayState
+from proctor.broker._decide import Question, decide
 from proctor.broker._egress import EgressDenied, Host, UpstreamFailed, host_matches
 from proctor.broker._fair import run_blocking
 from proctor.broker._http import (
@@ -48,6 +49,7 @@ from proctor.broker._rules import (
     ResponseCut,
     RuleRefused,
     check_request,
+    rules_context,
     rules_for,
     wants_digests,
 )
@@ -61,7 +63,7 @@ from proctor.broker._scope import (
 )
 from proctor.errors import ProctorError
 from proctor.ledger import Action
-from proctor.policy import EgressRule
+from proctor.policy import Decision, EgressRule, Entity, EntityRef, IpAddr
 
 _T = TypeVar("_T")
 
@@ -436,7 +438,49 @@ def _check_injected_head(
     breach = check_request(rules, method, target)
     if breach is not None:
         raise RuleRefused(breach, _where(admitted, method, target))
+    if rules:
+        _decide_request(scope, admitted, rules, method, target)
     return framing
+
+
+class _RequestDenied(EgressDenied):
+    """A request inside a tunnel with rules that Cedar denied: recorded as its own
+    ``http.request`` decision (re-decidable from its details), then answered."""
+
+    def __init__(self, decision: Decision, reason: str, details: dict[str, Any]) -> None:
+        super().__init__(f"http.request to {details['host']} {reason}",
+                         policies=decision.policies)  # fmt: skip
+        self.decision = decision
+        self.reason = reason
+        self.details = details
+
+
+def _decide_request(
+    scope: RunScope,
+    admitted: Admitted,
+    rules: tuple[EgressRule, ...],
+    method: str,
+    target: str,
+) -> None:
+    """Ask Cedar about one request inside a tunnel whose host has rules, with what a
+    plain-HTTP request is asked with (method, path, scheme, address, the rules): a
+    tenant's forbid on ``context.method`` or ``context.path`` holds inside TLS too.
+    An allowed request is covered by the tunnel's recorded decision and counted in
+    its completion; a denied one raises :class:`_RequestDenied`, recorded before it
+    is answered."""
+    host = admitted.host
+    path = target.split("?", 1)[0]
+    cedar_rules = rules_context(rules) or {}
+    context = {"method": method, "port": admitted.port, "scheme": "https", "path": path,
+               "address": IpAddr(str(admitted.address)), "rules": cedar_rules}  # fmt: skip
+    question = Question(Action.HTTP_REQUEST, EntityRef.host(host.name), context,
+                        (Entity.host(host.name),))  # fmt: skip
+    verdict = decide(scope, [question])
+    if not verdict.allowed:
+        details = {"host": host.name, "port": admitted.port, "method": method[:32],
+                   "scheme": "https", "path": path[:512], "address": str(admitted.address),
+                   "rules": cedar_rules, "tunnel_seq": admitted.seq}  # fmt: skip
+        raise _RequestDenied(verdict.decision, verdict.reason, details)
 
 
 def _where(admitted: Admitted, method: str, target: str) -> dict[str, Any]:
@@ -564,6 +608,14 @@ async def _record_tunnel_refusal(
     Refusals of the secret rules are ``secret.use`` denies, malformed requests
     ``http.request`` denies; anything else (an upstream that failed) is recorded
     by the connection's completion event, written before the answer too."""
+    if isinstance(exc, _RequestDenied):
+        # Cedar's own decision (not a broker rule's refusal): recorded as decided.
+        try:
+            await scope.record(Action.HTTP_REQUEST, admitted.resource, exc.decision,
+                               reason=exc.reason, details=exc.details)  # fmt: skip
+        except CallRefused as refused:
+            return refused
+        return exc
     if isinstance(exc, (_Misplaced, _Echoed)):
         action, details = Action.SECRET_USE, exc.details
     elif isinstance(exc, (RuleRefused, ResponseCut)):
