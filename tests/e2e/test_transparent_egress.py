@@ -145,6 +145,19 @@ def sni_mismatch():
     raw = socket.create_connection((res["resolved"], S), timeout=10)
     return ctx.wrap_socket(raw, server_hostname="other.test").recv(10).decode()
 attempt("sni_mismatch", sni_mismatch)
+def late(server_hostname):
+    # Silent past the broker's wait before TLS starts: decided as raw TCP, and the
+    # ClientHello, when it comes, is still held to the name.
+    import time
+    ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    ctx.check_hostname = False
+    raw = socket.create_connection(("api.test", S), timeout=10)
+    time.sleep(0.8)
+    t = ctx.wrap_socket(raw, server_hostname=server_hostname)
+    t.sendall(b"GET / HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+    return t.recv(200).decode().split("\r\n")[0]
+attempt("late_ok", lambda: late("api.test"))
+attempt("late_mismatch", lambda: late("other.test"))
 def host_mismatch():
     c = socket.create_connection(("api.test", H), timeout=10)
     c.sendall(b"GET / HTTP/1.1\r\nHost: other.test\r\nConnection: close\r\n\r\n")
@@ -186,6 +199,8 @@ def _site_packages() -> Path:
     return Path(requests.__file__).resolve().parent.parent
 
 
+# The ledger's engine is not what these test (the proxy path's tests run on both).
+@pytest.mark.parametrize("store_engine", ["sqlite"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_programs_without_proxy_settings_are_brokered(
     ledger_env: LedgerEnv, upstreams: Upstreams, backend: str, tmp_path: Path
@@ -239,7 +254,8 @@ def test_programs_without_proxy_settings_are_brokered(
     assert res["urllib_http"] == f"hello api.test:{upstreams.http}"
     assert res["raw"] == "echo:ping"
     assert res["raw_literal"].startswith("refused"), res["raw_literal"]
-    for refused in ("denied_name", "metadata", "sni_mismatch"):
+    assert res["late_ok"] == "HTTP/1.1 200 OK", res["late_ok"]
+    for refused in ("denied_name", "metadata", "sni_mismatch", "late_mismatch"):
         assert res[refused].startswith("refused"), (refused, res[refused])
     assert res["denied_http"] == 403
     assert res["host_mismatch"].startswith("HTTP/1.1 403"), res["host_mismatch"]
@@ -248,15 +264,17 @@ def test_programs_without_proxy_settings_are_brokered(
     events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
     decisions = [e for e in events if e["action"] == "http.request"]
     allowed = [e for e in decisions if e["decision"] == "allow"]
-    # One decision per call: 4 Python HTTPS clients, plain HTTP, raw, curl, 2 node.
-    assert len(allowed) == 9, [(e["resource"], e["details"].get("protocol")) for e in allowed]
+    # One decision per call: 4 Python HTTPS clients, plain HTTP, raw, 2 late TLS
+    # (decided as raw TCP before their ClientHello came), curl, 2 node.
+    assert len(allowed) == 11, [(e["resource"], e["details"].get("protocol")) for e in allowed]
     assert all(e["details"]["via"] == "transparent" for e in allowed)
     https_calls = [e for e in allowed if e["resource"] == f"host/api.test:{upstreams.https}"]
-    assert len(https_calls) == 7
-    assert all(e["details"]["sni"] == "api.test" for e in https_calls)
+    assert len(https_calls) == 9
+    assert [e["details"].get("sni") for e in https_calls].count("api.test") == 7
     assert all(e["details"]["address"] == "127.0.0.1" for e in allowed)
     raw = [e for e in allowed if e["resource"] == f"host/api.test:{upstreams.echo}"]
     assert [e["details"]["protocol"] for e in raw] == ["tcp"]
+    assert [e["details"]["protocol"] for e in https_calls].count("tcp") == 2  # the late ones
     ends = [e for e in events if e["action"] == "http.request.end"]
     assert sorted(e["details"]["decision_seq"] for e in ends) == sorted(e["seq"] for e in allowed)
     denied = {e["resource"]: e for e in decisions if e["decision"] != "allow"}
@@ -267,6 +285,8 @@ def test_programs_without_proxy_settings_are_brokered(
     assert all("proctor:egress:special-purpose-address" in e["policies"] for e in metadata)
     mismatches = [e for e in decisions if "proctor:egress:name-mismatch" in e["policies"]]
     assert {e["details"]["protocol"] for e in mismatches} == {"tls", "http"}
+    late = [e for e in mismatches if e["details"].get("late")]
+    assert [e["details"]["sni"] for e in late] == ["other.test"]
     assert "udp/198.51.100.7:123" in denied
     assert denied["udp/198.51.100.7:123"]["policies"] == ["proctor:egress:udp"]
 
@@ -311,6 +331,8 @@ print(json.dumps(res), flush=True)
 """
 
 
+# The ledger's engine is not what these test (the proxy path's tests run on both).
+@pytest.mark.parametrize("store_engine", ["sqlite"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
     ledger_env: LedgerEnv, tmp_path: Path, backend: str
@@ -375,3 +397,135 @@ def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
     assert f"proctor:egress:rule:{entry}:methods" in refused
     assert f"proctor:egress:rule:{entry}:paths" in refused
     assert SECRET not in json.dumps(events)
+
+
+JAVA_MAIN = r"""
+import java.net.URI;
+import java.net.http.HttpClient;
+import java.net.http.HttpRequest;
+import java.net.http.HttpResponse;
+
+public class Main {
+    public static void main(String[] args) throws Exception {
+        HttpClient client = HttpClient.newHttpClient();
+        HttpRequest req = HttpRequest.newBuilder(URI.create(args[0])).build();
+        System.out.println(client.send(req, HttpResponse.BodyHandlers.ofString()).body());
+    }
+}
+"""
+
+GO_MAIN = r"""
+package main
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+)
+
+func main() {
+	pool := x509.NewCertPool()
+	pem, _ := os.ReadFile("/code/ca.pem")
+	pool.AppendCertsFromPEM(pem)
+	client := &http.Client{Transport: &http.Transport{
+		Proxy:           nil,
+		TLSClientConfig: &tls.Config{RootCAs: pool},
+	}}
+	resp, err := client.Get(os.Args[1])
+	if err != nil {
+		fmt.Println("refused:", err)
+		return
+	}
+	body, _ := io.ReadAll(resp.Body)
+	fmt.Println(string(body))
+}
+"""
+
+
+def _compiled(tmp: Path, code: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """The programs this host can build: (name, argv in the guest)."""
+    import subprocess
+
+    programs: list[tuple[str, tuple[str, ...]]] = []
+    if shutil.which("javac") and shutil.which("keytool") and shutil.which("java"):
+        (tmp / "Main.java").write_text(JAVA_MAIN)
+        subprocess.run(["javac", "-d", str(code), str(tmp / "Main.java")], check=True)
+        subprocess.run(["keytool", "-importcert", "-noprompt", "-storetype", "PKCS12",
+                        "-keystore", str(code / "trust.p12"), "-storepass", "changeit",
+                        "-alias", "test", "-file", str(code / "ca.pem")],
+                       check=True, capture_output=True)  # fmt: skip
+        java = os.path.realpath(shutil.which("java") or "java")  # not /etc/alternatives
+        programs.append(("java", (java, "-Djavax.net.ssl.trustStore=/code/trust.p12",
+                                   "-Djavax.net.ssl.trustStorePassword=changeit",
+                                   "-cp", "/code", "Main")))  # fmt: skip
+    if shutil.which("go"):
+        (tmp / "main.go").write_text(GO_MAIN)
+        env = {**os.environ, "CGO_ENABLED": "0", "GOCACHE": str(tmp / "gocache"),
+               "GOPATH": str(tmp / "gopath"), "GOFLAGS": "-mod=mod"}  # fmt: skip
+        subprocess.run(["go", "build", "-o", str(code / "probe"), str(tmp / "main.go")],
+                       check=True, env=env, capture_output=True, timeout=300)  # fmt: skip
+        programs.append(("go", ("/code/probe",)))
+    return programs
+
+
+# The ledger's engine is not what these test (the proxy path's tests run on both).
+@pytest.mark.parametrize("store_engine", ["sqlite"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_java_and_go_without_proxy_settings_are_brokered(
+    ledger_env: LedgerEnv, upstreams: Upstreams, backend: str, tmp_path: Path
+) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    shutil.copy(upstreams.ca, code / "ca.pem")
+    programs = _compiled(tmp_path, code)
+    if not programs:
+        pytest.skip("needs a JDK or Go")
+    os.chmod(code, 0o755)
+    for f in code.iterdir():
+        f.chmod(0o755)
+    ledger_env.ledger.create_log("acme", _draft())
+    scope = _scope(ledger_env.ledger, "t3", allowed_ranges=("127.0.0.0/8",))
+    scope.policies = compile_policies(POLICY)
+    proxy = EgressProxy(tmp_path / "ca", resolver=_resolver, connect_timeout=5)
+    url = f"https://api.test:{upstreams.https}/"
+    outputs: dict[str, str] = {}
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        for name, argv in programs:
+            run_id = f"t3-{name}"
+            run_scope = dataclasses.replace(scope, run_id=run_id)
+            channel = broker.open_run(run_scope, ttl=300)
+            network = GuestNetwork.create()
+            out: list[bytes] = []
+            err: list[bytes] = []
+            try:
+                broker.attach_network(run_id, network)
+                spec = brokered_spec(channel, (*argv, url), code_dir=code, network=network,
+                                     limits=Limits(wall_seconds=120, memory_bytes=1 << 30,
+                                                   pids=256))  # fmt: skip
+                result = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
+            finally:
+                broker.close_run(run_id)
+                network.close()
+            assert result.exit_code == 0, (name, b"".join(err).decode(errors="replace")[-1500:])
+            outputs[name] = b"".join(out).decode().strip().splitlines()[-1]
+    assert outputs == {name: f"hello api.test:{upstreams.https}" for name, _ in programs}
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    allowed = [e for e in events if e["action"] == "http.request" and e["decision"] == "allow"]
+    assert len(allowed) == len(programs), [e["details"] for e in allowed]
+    assert all(e["details"]["via"] == "transparent" and e["details"].get("sni") == "api.test"
+               for e in allowed), [(e["details"]["protocol"], e["details"].get("sni")) for e in allowed]  # fmt: skip
+
+
+def test_a_warm_pool_never_shares_a_run_network() -> None:
+    from proctor.sandbox import GVisorDriver, SandboxSpec, SandboxSpecInvalid, WarmPool
+
+    network = GuestNetwork.create()
+    try:
+        spec = SandboxSpec(argv=("python3", "-c", "pass"), network=network)
+        with pytest.raises(SandboxSpecInvalid, match="network"):
+            WarmPool(GVisorDriver(), spec)
+    finally:
+        network.close()

@@ -51,7 +51,7 @@ from proctor.broker._scope import (
     RunScope,
 )
 from proctor.broker._tokens import RunTokens
-from proctor.broker._transparent import TransparentEgress
+from proctor.broker._transparent import TRANSPARENT, TransparentEgress
 from proctor.ledger import Action
 
 if TYPE_CHECKING:
@@ -104,8 +104,9 @@ class Handlers:
 
 #: The dispatch table: everything the socket answers with 2xx, one registered call
 #: kind each (:data:`._calls.KINDS`: method, path, what it does). Anything else is
-#: refused (404 no such endpoint, 405 wrong method) and recorded.
-ENDPOINTS = KINDS
+#: refused (404 no such endpoint, 405 wrong method) and recorded. Transparent egress
+#: is a kind too, but only a run's relay serves it: no request on the socket is one.
+ENDPOINTS = tuple(k for k in KINDS if k is not TRANSPARENT)
 
 
 #: How many calls' traces a broker keeps (for tests, benches and a person debugging).

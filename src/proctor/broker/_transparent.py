@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -84,6 +85,10 @@ PEEK_WAIT: Final = 0.3
 #: The most of a connection's first bytes looked at (a ClientHello, an HTTP head).
 PEEK_BYTES: Final = 16 * 1024
 NAME_MISMATCH_RULE: Final = "proctor:egress:name-mismatch"
+#: The SNI of a ClientHello that cannot be read (malformed, not whole within
+#: :data:`PEEK_BYTES`, or still coming when the wait ended): it names no host, so
+#: it matches none; a server may still read a name in it that was never decided.
+UNREADABLE: Final = ""
 UDP_RULE: Final = "proctor:egress:udp"
 UNKNOWN_NAME_RULE: Final = "proctor:egress:unknown-address"
 DNS_TTL: Final = 60
@@ -148,20 +153,34 @@ def dns_answer(query: bytes, pool: NamePool) -> bytes | None:
 
 def client_hello_sni(data: bytes) -> tuple[bool, str | None]:
     """(complete, SNI) of a TLS ClientHello at the start of ``data``; (True, None)
-    when there is no server name, (False, None) when more bytes are needed.
+    when there is no server name, (False, None) when more bytes are needed, and
+    (True, :data:`UNREADABLE`) for one that cannot be read.
 
-    Only the first handshake record is read; every length is checked against
-    what is there, and anything malformed is no SNI.
+    The handshake message is put together from every record it spans, as a
+    server does (a name in its second record is the name the server reads); a
+    record of another type inside it, a message not whole within
+    :data:`PEEK_BYTES`, or any length pointing past what is there is unreadable.
     """
-    if len(data) < 5:
-        return False, None
-    record_len = int.from_bytes(data[3:5], "big")
-    if len(data) < 5 + record_len:
-        return (len(data) >= PEEK_BYTES), None
+    message = b""
+    pos = 0
+    while len(message) < 4 or len(message) < 4 + int.from_bytes(message[1:4], "big"):
+        if len(data) < pos + 5:
+            return _short(data)
+        if data[pos] != 0x16:
+            return True, UNREADABLE
+        end = pos + 5 + int.from_bytes(data[pos + 3 : pos + 5], "big")
+        if len(data) < end:
+            return _short(data)
+        message += data[pos + 5 : end]
+        pos = end
     try:
-        return True, _sni(data[5 : 5 + record_len])
+        return True, _sni(message[: 4 + int.from_bytes(message[1:4], "big")])
     except (IndexError, UnicodeDecodeError):
-        return True, None
+        return True, UNREADABLE
+
+
+def _short(data: bytes) -> tuple[bool, str | None]:
+    return (True, UNREADABLE) if len(data) >= PEEK_BYTES else (False, None)
 
 
 def _sni(body: bytes) -> str | None:
@@ -333,7 +352,9 @@ class TransparentEgress:
         name = self.pool.name(address) if address in NAME_RANGE else None
         origin = Origin(address, port, name, peeked, _protocol(peeked))
         if origin.protocol == "tls":
-            origin.sni = client_hello_sni(peeked)[1]
+            complete, origin.sni = client_hello_sni(peeked)
+            if not complete:
+                origin.sni = UNREADABLE  # still coming when the wait ended
         elif origin.protocol == "http":
             origin.http_host = _http_host(peeked)
         from proctor.broker._pipeline import serve_kind  # it imports the kinds
@@ -368,7 +389,7 @@ def _whole(data: bytes) -> bool:
     if data[:1] == b"\x16":
         return client_hello_sni(data)[0]
     if data[:1].isalpha():
-        return b"\r\n\r\n" in data
+        return b"\r\n\r\n" in data or b"\n\n" in data
     return True
 
 
@@ -390,12 +411,30 @@ async def _readable(conn: socket.socket, timeout: float) -> bool:
     return True
 
 
+#: What a lenient server reads as an HTTP request though the strict reading does
+#: not (empty lines or blanks first, runs of spaces or tabs, bare LF, any case),
+#: and a first line still cut short when the wait ended ("GET / HT", "G", empty
+#: lines alone). Both are read as HTTP, so the strict parser refuses them:
+#: tunnelled as raw bytes, their Host would reach the upstream unchecked. So is a
+#: first byte of a TLS record whatever follows it (the rest of a ClientHello sent
+#: after the wait is still a ClientHello to the server).
+_HTTP_LIKE: Final = re.compile(rb"[A-Za-z]+[ \t]+\S+[ \t]+HTTP/", re.IGNORECASE)
+_LINE_START: Final = re.compile(rb"([A-Za-z]*)(?:[ \t]+\S*(?:[ \t]+\S*)?)?")
+_METHODS: Final = (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE")
+
+
 def _protocol(peeked: bytes) -> str:
-    if peeked[:1] == b"\x16" and peeked[1:2] == b"\x03":
+    if peeked[:1] == b"\x16":
         return "tls"
     line = peeked.split(b"\r\n", 1)[0]
     parts = line.split(b" ")
     if len(parts) == 3 and parts[2].startswith(b"HTTP/1.") and parts[0].isalpha():
+        return "http"
+    rest = peeked.lstrip(b"\r\n \t")
+    if _HTTP_LIKE.match(rest):
+        return "http"
+    cut = _LINE_START.fullmatch(rest) if peeked and b"\n" not in rest else None
+    if cut is not None and any(m.startswith(cut[1].upper()) for m in _METHODS):
         return "http"
     return "tcp"
 
@@ -432,6 +471,8 @@ def _mismatch(host: Host, named: str | None, port: int) -> str | None:
     """Why ``named`` (SNI or Host) is not the host decided, or None."""
     if named is None:
         return None
+    if named == UNREADABLE:
+        return "cannot be read"
     text = named
     if text.startswith("["):
         text = text[1 : text.find("]")] if "]" in text else text
@@ -541,7 +582,7 @@ class Transparent:
                     )
                     await proxy.connect(call, connect, admitted, outcome)
                 else:
-                    await _tunnel(proxy, admitted, reader, writer, outcome)
+                    await _tunnel(proxy, call, request, admitted, outcome)
         finally:
             owed = await complete(call.scope, admitted, outcome)
         return Acted(answer=owed, inside=outcome.inside)
@@ -581,12 +622,19 @@ def _forward_request(call: Call, origin: Origin, host: Host) -> TransparentReque
 
 async def _tunnel(
     proxy: EgressProxy,
+    call: Call,
+    request: TransparentRequest,
     admitted: Admitted,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
     outcome: Outcome,
 ) -> None:
-    """A connection relayed as it is (the peeked bytes are still in ``reader``)."""
+    """A connection relayed as it is (the peeked bytes are still in the reader).
+
+    One that said nothing before it was decided (a server that speaks first, or a
+    client slow to start its TLS) is still held to its name: its first bytes, when
+    they come, are read whole and checked like a peeked ClientHello or HTTP head
+    before any of them goes on (:func:`_first_flight`)."""
+    assert call.reader is not None and call.writer is not None
+    reader, writer = call.reader, call.writer
     try:
         up_reader, up_writer = await proxy._dial(admitted, None)
     except UpstreamFailed as exc:
@@ -597,11 +645,75 @@ async def _tunnel(
         up_writer.transport.abort()
         writer.transport.abort()
 
-    up, down = await asyncio.gather(
-        _relay(reader, up_writer, abort), _relay(up_reader, writer, abort)
-    )
-    outcome.bytes_up, outcome.bytes_down = up, down
+    async def up() -> int:
+        sent = 0
+        if not request.origin.peeked:
+            first = await _first_flight(reader)
+            why = _late_mismatch(request, first)
+            if why is not None:
+                abort()
+                outcome.error = why
+                await _record_mismatch(call, request, first, why)
+                return 0
+            try:
+                up_writer.write(first)
+                await up_writer.drain()
+            except (ConnectionError, OSError, RuntimeError):
+                abort()
+                return 0
+            sent = len(first)
+        return sent + await _relay(reader, up_writer, abort)
+
+    sent, received = await asyncio.gather(up(), _relay(up_reader, writer, abort))
+    outcome.bytes_up, outcome.bytes_down = sent, received
     await _close(up_writer)
+
+
+async def _first_flight(reader: asyncio.StreamReader) -> bytes:
+    """The guest's first bytes: a whole ClientHello or HTTP head if they begin one
+    (bounded by :data:`PEEK_BYTES` and 5 s), else the first read."""
+    data = await reader.read(PEEK_BYTES)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while data and not _whole(data) and loop.time() < deadline:
+        try:
+            more = await asyncio.wait_for(reader.read(PEEK_BYTES - len(data)),
+                                          deadline - loop.time())  # fmt: skip
+        except TimeoutError:
+            break
+        if not more:
+            break
+        data += more
+    return data
+
+
+def _late_mismatch(request: TransparentRequest, first: bytes) -> str | None:
+    """Why a late first flight names another host than the one decided, or None."""
+    protocol = _protocol(first)
+    if protocol == "tls":
+        named = client_hello_sni(first)[1]
+    elif protocol == "http":
+        named = _http_host(first)
+    else:
+        return None
+    why = _mismatch(request.host, named, request.origin.port)
+    return None if why is None else f"its {'SNI' if protocol == 'tls' else 'Host'} {why}"
+
+
+async def _record_mismatch(call: Call, request: TransparentRequest, first: bytes, why: str) -> None:
+    resource = resource_of(request.host, request.origin.port)
+    error = EgressDenied(f"http.request to {resource} refused: {why}",
+                         policies=(NAME_MISMATCH_RULE,))  # fmt: skip
+    late = Origin(request.origin.address, request.origin.port, request.origin.name, first,
+                  _protocol(first))  # fmt: skip
+    if late.protocol == "tls":
+        late.sni = client_hello_sni(first)[1]
+    else:
+        late.http_host = _http_host(first)
+    details = {**_details(late), "late": True}
+    with contextlib.suppress(BrokerError):
+        await record_refusal(call.scope, Action.HTTP_REQUEST, resource, error,
+                             NAME_MISMATCH_RULE, details)  # fmt: skip
 
 
 TRANSPARENT = register(Transparent())

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from proctor.errors import SandboxError
-from proctor.sandbox._errors import SandboxStartFailed
+from proctor.sandbox._errors import SandboxSpecInvalid, SandboxStartFailed
 from proctor.sandbox._gvisor import GVisorDriver, _Prepared
 from proctor.sandbox._model import SandboxResult, SandboxSpec
 from proctor.sandbox._supervise import Sink, launch, watch
@@ -80,6 +80,10 @@ class WarmPool:
     def __init__(self, driver: GVisorDriver, template: SandboxSpec, size: int = 2) -> None:
         if size < 1:
             raise ValueError("a warm pool holds at least one sandbox")
+        if template.network is not None:
+            # One network would be shared by every sandbox the pool boots: one run
+            # could reach another's relay, and its DNS names with it.
+            raise SandboxSpecInvalid("a warm pool's template cannot carry a run's network")
         self.driver = driver
         self.size = size
         self.template = template
