@@ -112,16 +112,12 @@ def attempt(name, fn):
 attempt("urllib", lambda: urllib.request.urlopen(f"https://api.test:{S}/", timeout=10).read().decode())
 attempt("urllib_http", lambda: urllib.request.urlopen(f"http://api.test:{H}/x", timeout=10).read().decode())
 import requests, httpx, aiohttp
-def req():
-    s = requests.Session(); s.trust_env = False
-    return s.get(f"https://api.test:{S}/", timeout=10, verify=os.environ["SSL_CERT_FILE"]).text
-attempt("requests", req)
-attempt("httpx", lambda: httpx.get(f"https://api.test:{S}/", timeout=10, trust_env=False,
-                                   verify=os.environ["SSL_CERT_FILE"]).text)
+# Default settings: no proxy variables left, the CA from the variables each reads.
+attempt("requests", lambda: requests.get(f"https://api.test:{S}/", timeout=10).text)
+attempt("httpx", lambda: httpx.get(f"https://api.test:{S}/", timeout=10).text)
 async def aio():
-    ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
     async with aiohttp.ClientSession() as s:
-        async with s.get(f"https://api.test:{S}/", ssl=ctx) as r:
+        async with s.get(f"https://api.test:{S}/") as r:
             return await r.text()
 attempt("aiohttp", lambda: asyncio.run(aio()))
 def raw():
@@ -228,6 +224,7 @@ def test_programs_without_proxy_settings_are_brokered(
             broker.attach_network(scope.run_id, network)
             env = {"UP_HTTPS": str(upstreams.https), "UP_HTTP": str(upstreams.http),
                    "UP_ECHO": str(upstreams.echo), "SSL_CERT_FILE": "/code/ca.pem",
+                   "REQUESTS_CA_BUNDLE": "/code/ca.pem",
                    "NODE_EXTRA_CA_CERTS": "/code/ca.pem"}  # fmt: skip
             spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code, env=env,
                                  limits=Limits(wall_seconds=120, memory_bytes=1 << 30, pids=256),
