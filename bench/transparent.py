@@ -349,6 +349,7 @@ class Bench:
         got = dict(json.loads(out.decode().strip().splitlines()[-1]))
         for kind in ("https", "http", "mbps"):
             got[kind] = {f"{k}@{backend}": v for k, v in got[kind].items()}
+        got["dns"] = {f"new@{backend}": got["dns_new"], f"same@{backend}": got["dns_same"]}
         return got
 
     def network_costs(self) -> dict[str, list[float]]:
@@ -438,10 +439,12 @@ def report(bench: Bench, samples: dict[str, Any], costs: dict[str, list[float]])
     for b in bench.backends:
         w, wo = pct(costs[f"with@{b}"], 0.5), pct(costs[f"without@{b}"], 0.5)
         print(f"{names[b]}: the network adds {w - wo:.1f} ms to a run at p50 ({w / wo:.2f}x)")
-    dn, ds = samples["dns_new"], samples["dns_same"]
-    print(f"DNS in a {names[bench.backends[0]]} run (getaddrinfo, answered by the broker, "
-          f"{len(dn)} each): a new name p50 {pct(dn, 0.5):.2f} ms, p95 {pct(dn, 0.95):.2f} ms; "
-          f"a name asked before p50 {pct(ds, 0.5):.2f} ms, p95 {pct(ds, 0.95):.2f} ms")  # fmt: skip
+    for b in bench.backends:
+        dn, ds = samples["dns"][f"new@{b}"], samples["dns"][f"same@{b}"]
+        print(f"DNS in a {names[b]} run (getaddrinfo, A and AAAA, answered by the broker, "
+              f"{len(dn)} each): a new name p50 {pct(dn, 0.5):.2f} ms, "
+              f"p95 {pct(dn, 0.95):.2f} ms; a name asked before p50 {pct(ds, 0.5):.2f} ms, "
+              f"p95 {pct(ds, 0.95):.2f} ms")  # fmt: skip
     # What was measured went where it says: one decision per connection, by path.
     via: dict[str, int] = {}
     ends = 0
@@ -482,18 +485,15 @@ def main() -> None:
         if not bench.backends:
             print("transparent egress: skipped (no sandbox backend available)")
             return
-        samples: dict[str, Any] = {"https": {}, "http": {}, "mbps": {}, "dns_new": [],
-                                   "dns_same": []}  # fmt: skip
+        samples: dict[str, Any] = {"https": {}, "http": {}, "mbps": {}, "dns": {}}
         for r in range(args.rounds):
             runs = [bench.direct()]
-            for i, b in enumerate(bench.backends):
-                runs.append(bench.guest(b, args.dns if r == args.rounds - 1 and i == 0 else 0))
+            for b in bench.backends:
+                runs.append(bench.guest(b, args.dns if r == args.rounds - 1 else 0))
             for got in runs:
-                for kind in ("https", "http", "mbps"):
-                    for key, xs in got[kind].items():
+                for kind in ("https", "http", "mbps", "dns"):
+                    for key, xs in got.get(kind, {}).items():
                         samples[kind].setdefault(key, []).extend(xs)
-                samples["dns_new"] += got["dns_new"]
-                samples["dns_same"] += got["dns_same"]
         costs = bench.network_costs()
         report(bench, samples, costs)
     finally:
