@@ -102,6 +102,7 @@ sys.stdin.read()  # until the bench closes it
 CLIENT = r"""
 import json, os, socket, ssl, time
 cfg = json.loads(os.environ["BENCH"])
+socket.setdefaulttimeout(60)  # a stuck path ends the run, not the bench
 NAME, S, H = cfg["name"], cfg["https"], cfg["http"]
 ctx = ssl.create_default_context(cafile=cfg["ca"])
 buf = bytearray(1 << 20)
