@@ -526,3 +526,9 @@ def test_a_warm_pool_never_shares_a_run_network() -> None:
             WarmPool(GVisorDriver(), spec)
     finally:
         network.close()
+
+
+def test_the_guest_resolv_conf_names_the_relay() -> None:
+    from proctor.sandbox._network import NET_FILES, RELAY_ADDRESS
+
+    assert f"nameserver {RELAY_ADDRESS}\n" in (NET_FILES / "resolv.conf").read_text()

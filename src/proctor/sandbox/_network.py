@@ -36,7 +36,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -56,9 +55,10 @@ UDP_PORT: Final = 15053
 #: Policy routing mark for TPROXY'd datagrams (local delivery of any address).
 _MARK: Final = 1
 _TABLE: Final = 100
-#: The guest's /etc/resolv.conf: the relay answers; one try, no search list.
-RESOLV_CONF: Final = f"nameserver {RELAY_ADDRESS}\noptions attempts:1 timeout:2\n"
-HOSTS: Final = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
+#: The guest's /etc/resolv.conf (the relay answers; one try) and /etc/hosts: the
+#: same for every run, so shipped with the package, never written per run (a
+#: file per run would outlive an owner killed with SIGKILL).
+NET_FILES: Final = Path(__file__).resolve().parent / "netfiles"
 
 _RULES: Final = f"""
 table ip proctor {{
@@ -173,13 +173,12 @@ class GuestNetwork:
     def datagram_destination(ancillary: list[tuple[int, int, bytes]]) -> tuple[str, int] | None:
         return datagram_destination(ancillary)
 
-    def __init__(self, guest_ns: int, relay_ns: int, workdir: Path) -> None:
+    def __init__(self, guest_ns: int, relay_ns: int) -> None:
         self.guest_ns = guest_ns
         self.relay_ns = relay_ns
-        self.workdir = workdir
         self.files: dict[Path, str] = {
-            workdir / "resolv.conf": "/etc/resolv.conf",
-            workdir / "hosts": "/etc/hosts",
+            NET_FILES / "resolv.conf": "/etc/resolv.conf",
+            NET_FILES / "hosts": "/etc/hosts",
         }
         self._closed = False
 
@@ -192,14 +191,8 @@ class GuestNetwork:
         except BaseException:
             os.close(guest_ns)
             raise
-        workdir = Path(tempfile.mkdtemp(prefix="proctor-net-"))
-        net = cls(guest_ns, relay_ns, workdir)
+        net = cls(guest_ns, relay_ns)
         try:
-            (workdir / "resolv.conf").write_text(RESOLV_CONF)
-            (workdir / "hosts").write_text(HOSTS)
-            workdir.chmod(0o755)
-            for f in net.files:
-                f.chmod(0o644)
             guest, relay = net.path(guest_ns), net.path(relay_ns)
             _run([nsenter, f"--net={relay}", ip, "link", "set", "lo", "up"], (relay_ns,))
             _run([nsenter, f"--net={guest}", ip, "-batch", "-"], (guest_ns, relay_ns), (
@@ -276,7 +269,6 @@ class GuestNetwork:
         for fd in (self.guest_ns, self.relay_ns):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def original_destination(conn: socket.socket) -> tuple[str, int]:
