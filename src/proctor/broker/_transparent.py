@@ -691,13 +691,30 @@ def _late_mismatch(request: TransparentRequest, first: bytes) -> str | None:
     """Why a late first flight names another host than the one decided, or None."""
     protocol = _protocol(first)
     if protocol == "tls":
-        named = client_hello_sni(first)[1]
+        complete, named = client_hello_sni(first)
+        named = named if complete else UNREADABLE
     elif protocol == "http":
-        named = _http_host(first)
+        named = _strict_host(first)
     else:
         return None
     why = _mismatch(request.host, named, request.origin.port)
     return None if why is None else f"its {'SNI' if protocol == 'tls' else 'Host'} {why}"
+
+
+def _strict_host(first: bytes) -> str | None:
+    """The one Host of a whole head the strict parser reads; else :data:`UNREADABLE`.
+    A late flight is relayed as it is, so a head a lenient server reads otherwise
+    (bare LF, a second Host, cut short) would take it a name never checked."""
+    end = first.find(b"\r\n\r\n")
+    try:
+        if end < 0:
+            raise BadCall("the request head is incomplete")
+        head = parse_request_head(first[: end + 4])
+        check_headers(head.headers)
+    except BadCall:
+        return UNREADABLE
+    hosts = [v for k, v in head.headers if k.lower() == "host"]
+    return UNREADABLE if len(hosts) > 1 else (hosts[0] if hosts else None)
 
 
 async def _record_mismatch(call: Call, request: TransparentRequest, first: bytes, why: str) -> None:
