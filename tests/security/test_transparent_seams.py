@@ -12,11 +12,17 @@ upstreams saw.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import os
 import socket
 import ssl
+import threading
 from collections.abc import Iterator
+from ipaddress import ip_address
 from pathlib import Path
+from typing import Any
 
 import dns.flags
 import dns.message
@@ -25,6 +31,7 @@ import dns.rcode
 import dns.rdatatype
 import pytest
 
+from proctor.broker import Broker, EgressProxy, Handlers, RunScope
 from proctor.broker._egress import parse_host
 from proctor.broker._transparent import (
     MAX_NAMES,
@@ -37,7 +44,13 @@ from proctor.broker._transparent import (
     client_hello_sni,
     dns_answer,
 )
+from proctor.lifecycle import brokered_spec
+from proctor.policy import compile_policies
+from proctor.sandbox import GuestNetwork, Limits, get_driver, network_available
+from tests.conftest import LedgerEnv, draft
+from tests.integration.test_broker_core import _scope
 from tests.integration.test_broker_proxy import UpstreamCA
+from tests.sandbox_conftest_helpers import any_backend
 
 # -- ClientHellos, made by OpenSSL and reframed -------------------------------------
 
@@ -347,3 +360,341 @@ def test_the_name_pool_is_bounded_and_each_runs_own() -> None:
     assert a_of(ask(other, "x.test")) == [given[0]]
     assert other.name(ip_address(given[0])) == "x.test"
     assert pool.name(ip_address(given[0])) == "n0.test"
+
+
+# -- in a real sandbox: the guest opens every connection itself --------------------
+
+SEAMS_POLICY = """
+@id("api")
+permit(principal, action == Proctor::Action::"http.request", resource == Proctor::Host::"api.test");
+"""
+
+SEAMS_GUEST = r"""
+import json, os, socket, ssl, sys, threading, time
+import dns.message, dns.query, dns.rcode
+S, H = int(os.environ["UP_HTTPS"]), int(os.environ["UP_HTTP"])
+res = {}
+A = socket.getaddrinfo("api.test", S, socket.AF_INET)[0][4][0]
+res["api"] = A
+
+# DNS: any server is answered by the broker, from the reserved range, and nothing else.
+def q(name, kind, server="169.254.77.1"):
+    r = dns.query.udp(dns.message.make_query(name, kind), server, timeout=3)
+    return [dns.rcode.to_text(r.rcode()), sorted(x.to_text() for rr in r.answer for x in rr)]
+res["dns"] = {f"{n} {k}": q(n, k) for n, k in [
+    ("api.test", "A"), ("API.TEST.", "A"), ("api.test", "AAAA"), ("api.test", "TXT"),
+    ("api.test", "MX"), ("api.test", "ANY"), ("localhost", "A"), ("deny.test", "A"),
+    ("xn--bcher-kva.test", "A"), ("under_score.test", "A")]}
+res["dns_elsewhere"] = q("api.test", "A", "9.9.9.9")
+
+def hello(name):
+    ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+    i, o = ssl.MemoryBIO(), ssl.MemoryBIO()
+    t = ctx.wrap_bio(i, o, server_hostname=name)
+    try:
+        t.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return o.read()
+
+def split(rec, cut):
+    body = rec[5:]
+    return (rec[:3] + cut.to_bytes(2, "big") + body[:cut]
+            + rec[:3] + (len(body) - cut).to_bytes(2, "big") + body[cut:])
+
+def padded(rec, n):
+    body = bytearray(rec[5:])
+    pos = 4 + 2 + 32; pos += 1 + body[pos]; pos += 2 + int.from_bytes(body[pos:pos + 2], "big")
+    pos += 1 + body[pos]
+    size = int.from_bytes(body[pos:pos + 2], "big")
+    new = (0x4A4A).to_bytes(2, "big") + n.to_bytes(2, "big") + bytes(n) + bytes(body[pos + 2:pos + 2 + size])
+    body = body[:pos] + len(new).to_bytes(2, "big") + new
+    body[1:4] = (len(body) - 4).to_bytes(3, "big")
+    return rec[:3] + len(body).to_bytes(2, "big") + bytes(body)
+
+def send_raw(addr, port, parts, pause=0.0, wait=0.0):
+    # Each part after the first comes `pause` seconds later; the answer is what
+    # came back before the connection closed (b"": closed unanswered).
+    s = socket.create_connection((addr, port), timeout=15)
+    try:
+        if wait:
+            time.sleep(wait)
+        for n, part in enumerate(parts):
+            if n:
+                time.sleep(pause)
+            s.sendall(part)
+        data = b""
+        while len(data) < 65536:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if data.startswith(b"\x16") or b"\r\n\r\n" in data:
+                break
+        return data
+    except OSError as e:
+        return ("error " + type(e).__name__).encode()
+    finally:
+        s.close()
+
+def tls_answer(data):
+    return "server hello" if data.startswith(b"\x16\x03") else ("closed" if not data else data[:60].decode(errors="replace"))
+
+def http_answer(data):
+    return data.split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+
+other = hello("other.test")
+lit = hello("aaaa.test").replace(b"aaaa.test", b"127.0.0.1")
+good = hello("api.test")
+tls = {
+    "case": [hello("API.TEST")], "other": [other], "literal": [lit],
+    "split": [split(other, 60)], "big": [padded(other, 16384 - (len(other) - 5) - 4)],
+    "segments_good": [good[:50], good[50:]], "segments_other": [other[:50], other[50:]],
+}
+for key, parts in tls.items():
+    res["tls " + key] = tls_answer(send_raw(A, S, parts, pause=0.2))
+http = {
+    "port_ok": b"GET / HTTP/1.1\r\nHost: api.test:%d\r\n\r\n" % H,
+    "port_other": b"GET / HTTP/1.1\r\nHost: api.test:1\r\n\r\n",
+    "dup_good_first": b"GET / HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n",
+    "dup_other_first": b"GET / HTTP/1.1\r\nHost: other.test\r\nHost: api.test\r\n\r\n",
+    "absolute": b"GET http://other.test/ HTTP/1.1\r\nHost: api.test\r\n\r\n",
+    "two_spaces": b"GET  / HTTP/1.1\r\nHost: other.test\r\n\r\n",
+    "tabs": b"GET\t/\tHTTP/1.1\r\nHost: other.test\r\n\r\n",
+    "empty_line_first": b"\r\nGET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
+    "lower_case": b"get / http/1.1\r\nHost: other.test\r\n\r\n",
+    "bare_lf": b"GET / HTTP/1.1\nHost: other.test\n\n",
+}
+for key, data in http.items():
+    res["http " + key] = http_answer(send_raw(A, H, [data]))
+
+# Slow ones, side by side: one byte or one word, then the rest past the broker's wait
+# (5 s); and the same after a silence that gets the connection decided as raw TCP.
+slow = {
+    "tls_one_byte": (S, [other[:1], other[1:]], 0.0),
+    "http_one_word": (H, [b"GET", b" / HTTP/1.1\r\nHost: other.test\r\n\r\n"], 0.0),
+    "late_tls_one_byte": (S, [other[:1], other[1:]], 0.6),
+    "late_http_one_word": (H, [b"GET", b" / HTTP/1.1\r\nHost: other.test\r\n\r\n"], 0.6),
+    "late_http_bare_lf": (H, [b"GET / HTTP/1.1\nHost: other.test\n\r\n\r\n"], 0.6),
+    "late_http_dup_host": (H, [b"GET / HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n"], 0.6),
+}
+def run_slow(key, port, parts, wait):
+    res["slow " + key] = send_raw(A, port, parts, pause=5.6, wait=wait)[:80].decode(errors="replace") or "closed"
+threads = [threading.Thread(target=run_slow, args=(k, *v)) for k, v in slow.items()]
+for t in threads:
+    t.start()
+
+# Addresses the run was never given, and the relay itself.
+for key, addr, port in [("unknown_low", "198.18.200.1", H), ("unknown_high", "198.19.255.254", S)]:
+    res[key] = http_answer(send_raw(addr, port, [b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n"]))
+for port in (15001, 15053, 53, 80):
+    res[f"relay {port}"] = send_raw("169.254.77.1", port, [b"\x00\x1c" + dns.message.make_query("api.test", "A").to_wire()]).decode(errors="replace") or "closed"
+# A name the policy denies: dialed, never looked up on the host.
+res["deny"] = http_answer(send_raw(socket.gethostbyname("deny.test"), H, [b"GET / HTTP/1.1\r\nHost: deny.test\r\n\r\n"]))
+
+# A UDP flood to many destinations: refused; only the first 32 are recorded.
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for rnd in range(2):
+    for i in range(40):
+        u.sendto(b"x", ("203.0.113.%d" % (i + 1), 1000 + i))
+for t in threads:
+    t.join()
+print(json.dumps(res), flush=True)
+"""
+
+
+class _Recorder:
+    """What each upstream saw: the SNIs its TLS server read, the Hosts its HTTP one did."""
+
+    def __init__(self) -> None:
+        self.snis: list[str | None] = []
+        self.hosts: list[list[str]] = []
+
+
+def _upstreams(tmp: Path, rec: _Recorder) -> tuple[int, int, Path, list[object]]:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Hello(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            rec.hosts.append(self.headers.get_all("Host") or [])
+            body = b"hello"
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+
+    ca = UpstreamCA.make()
+    (tmp / "ca.pem").write_bytes(ca.pem())
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(ca.issue(["api.test"], tmp / "leaf.pem"))
+    ctx.sni_callback = lambda _s, name, _c: rec.snis.append(name)
+    tls = ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    # The handshake in each handler's thread, not in accept: a stalled one holds
+    # only its own connection.
+    tls.socket = ctx.wrap_socket(tls.socket, server_side=True, do_handshake_on_connect=False)
+    plain = ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    servers: list[object] = [tls, plain]
+    for s in (tls, plain):
+        s.daemon_threads = True
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    return tls.server_address[1], plain.server_address[1], tmp / "ca.pem", servers
+
+
+class _Resolver:
+    """The broker's resolver: api.test is the host's loopback; every lookup recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def __call__(self, name: str, port: int) -> list[Any]:
+        from ipaddress import ip_address
+
+        from proctor.broker._egress import UpstreamFailed
+
+        self.calls.append(name)
+        if name != "api.test":
+            raise UpstreamFailed(f"could not resolve {name}")
+        return [ip_address("127.0.0.1")]
+
+
+def _code(tmp: Path, main: str) -> Path:
+    code = tmp / "code"
+    code.mkdir()
+    (code / "main.py").write_text(main)
+    os.chmod(code, 0o755)
+    (code / "main.py").chmod(0o644)
+    return code
+
+
+def _run_guest(
+    broker: Broker, scope: RunScope, code: Path, backend: str, env: dict[str, str]
+) -> tuple[dict[str, Any], Any]:
+    from tests.e2e.test_transparent_egress import _site_packages
+
+    out: list[bytes] = []
+    err: list[bytes] = []
+    channel = broker.open_run(scope, ttl=300)
+    network = GuestNetwork.create()
+    try:
+        broker.attach_network(scope.run_id, network)
+        spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code, env=env,
+                             limits=Limits(wall_seconds=120, memory_bytes=1 << 30, pids=128),
+                             network=network)  # fmt: skip
+        site = _site_packages()
+        spec = dataclasses.replace(
+            spec,
+            ro_dirs={**spec.ro_dirs, site: "/opt/site"},
+            env={**spec.env, "PYTHONPATH": spec.env["PYTHONPATH"] + ":/opt/site"},
+        )
+        result = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
+        run = broker._runs[scope.run_id]  # the run's own counter of UDP refusals unrecorded
+        udp_refused = run.transparent.udp_refused if run.transparent is not None else None
+    finally:
+        broker.close_run(scope.run_id)
+        network.close()
+    stderr = b"".join(err).decode(errors="replace")
+    assert result.exit_code == 0, stderr[-3000:]
+    return json.loads(b"".join(out).decode().strip().splitlines()[-1]), udp_refused
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_seams_of_a_redirected_connection_in_a_real_sandbox(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    backend = any_backend()[0]
+    rec = _Recorder()
+    https, http, _ca, servers = _upstreams(tmp_path, rec)
+    resolver = _Resolver()
+    ledger_env.ledger.create_log("acme", draft(0))
+    scope = _scope(ledger_env.ledger, "seams", allowed_ranges=("127.0.0.0/8",))
+    scope.policies = compile_policies(SEAMS_POLICY)
+    proxy = EgressProxy(tmp_path / "ca", resolver=resolver, connect_timeout=5)
+    code = _code(tmp_path, SEAMS_GUEST)
+    try:
+        with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+            res, udp_refused = _run_guest(broker, scope, code, backend,
+                                          {"UP_HTTPS": str(https), "UP_HTTP": str(http)})  # fmt: skip
+    finally:
+        for s in servers:
+            s.shutdown()  # type: ignore[attr-defined]
+            s.server_close()  # type: ignore[attr-defined]
+
+    # DNS: the reserved range, one address a name, nothing for other types.
+    api = res["api"]
+    assert ip_address(api) in NAME_RANGE
+    d = res["dns"]
+    assert d["api.test A"] == d["API.TEST. A"] == ["NOERROR", [api]]
+    for kind in ("AAAA", "TXT", "MX", "ANY"):
+        assert d[f"api.test {kind}"] == ["NOERROR", []], kind
+    assert d["localhost A"] == ["NOERROR", ["127.0.0.1"]]
+    assert ip_address(d["deny.test A"][1][0]) in NAME_RANGE
+    assert ip_address(d["xn--bcher-kva.test A"][1][0]) in NAME_RANGE
+    assert d["under_score.test A"] == ["NXDOMAIN", []]
+    assert res["dns_elsewhere"] == ["NOERROR", [api]]  # any server: the broker answers
+
+    # TLS: a name differing only in case goes on; every other the upstream never reads.
+    assert res["tls case"] == "server hello"
+    assert res["tls segments_good"] == "server hello"
+    for key in ("other", "literal", "split", "big", "segments_other"):
+        assert res[f"tls {key}"] in ("closed", "error ConnectionResetError"), (key, res)
+    assert {n.lower() for n in rec.snis if n is not None} == {"api.test"}, rec.snis
+    # HTTP: the Host the upstream reads is the decided name, always.
+    assert res["http port_ok"] == "HTTP/1.1 200 OK"
+    assert res["http port_other"].startswith("HTTP/1.1 403")
+    assert res["http dup_other_first"].startswith("HTTP/1.1 403")
+    assert res["http absolute"].startswith("HTTP/1.1 400")
+    for key in ("two_spaces", "tabs", "empty_line_first", "lower_case", "bare_lf"):
+        assert res[f"http {key}"].startswith(("HTTP/1.1 400", "HTTP/1.1 403")), (key, res)
+    # Two Hosts, the decided one first: the broker forwards with its own Host alone.
+    assert res["http dup_good_first"].startswith(("HTTP/1.1 200", "HTTP/1.1 400"))
+    # Slow: one byte or word, then the rest after the wait; and after a silence.
+    for key in ("tls_one_byte", "late_tls_one_byte"):
+        assert not res[f"slow {key}"].startswith("\x16"), (key, res)
+    for key in ("http_one_word", "late_http_one_word", "late_http_bare_lf",
+                "late_http_dup_host"):  # fmt: skip
+        assert not res[f"slow {key}"].startswith("HTTP/1.1 200"), (key, res[f"slow {key}"])
+    assert all(hosts == [f"api.test:{http}"] or hosts == ["api.test"] for hosts in rec.hosts), (
+        rec.hosts
+    )
+    assert {n.lower() for n in rec.snis if n is not None} == {"api.test"}, rec.snis
+
+    # Addresses never given, and the relay itself: nothing there.
+    assert res["unknown_low"].startswith("HTTP/1.1 403")
+    assert res["unknown_high"].startswith("HTTP/1.1 403")
+    for port in (15001, 15053, 53, 80):
+        assert res[f"relay {port}"] in ("closed", "error ConnectionResetError"), (port, res)
+    assert res["deny"].startswith("HTTP/1.1 403")
+    # Nothing looked up on the host but the one name permitted and dialed.
+    assert set(resolver.calls) == {"api.test"}, resolver.calls
+
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    decisions = [e for e in events if e["action"] == "http.request"]
+    by_rule: dict[str, list[dict[str, Any]]] = {}
+    for e in decisions:
+        if e["decision"] != "allow":
+            for p in e["policies"] or ["-"]:
+                by_rule.setdefault(p, []).append(e)
+    unknown = by_rule["proctor:egress:unknown-address"]
+    assert {e["details"]["original_address"] for e in unknown} == {"198.18.200.1",
+                                                                   "198.19.255.254"}  # fmt: skip
+    mismatch = by_rule["proctor:egress:name-mismatch"]
+    tls_refused = [e for e in mismatch if e["details"].get("protocol") == "tls"]
+    # other, literal, split, big, segments_other, and the slow one-byte ones.
+    assert len(tls_refused) >= 6, [e["details"] for e in tls_refused]
+    assert {e["details"].get("sni") for e in tls_refused} >= {"other.test", "127.0.0.1", ""}
+    udp = by_rule["proctor:egress:udp"]
+    assert len(udp) == 32  # the recording cap; the rest counted
+    assert len({e["resource"] for e in udp}) == 32
+    assert udp_refused == 80 - 32, udp_refused
+    # The relay's own address is recorded nowhere: nothing reached a decision.
+    assert not [e for e in decisions if "169.254.77.1" in json.dumps(e)]
+    assert [e["resource"] for e in decisions if e["resource"].startswith("host/deny.test")] == [
+        f"host/deny.test:{http}"
+    ]
