@@ -698,3 +698,105 @@ def test_seams_of_a_redirected_connection_in_a_real_sandbox(
     assert [e["resource"] for e in decisions if e["resource"].startswith("host/deny.test")] == [
         f"host/deny.test:{http}"
     ]
+
+
+RUN_A = r"""
+import json, os, socket
+H = int(os.environ["UP_HTTP"])
+res = {n: socket.gethostbyname(n) for n in ("x.test", "api.test")}
+s = socket.create_connection(("api.test", H), timeout=10)
+s.sendall(b"GET / HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
+res["get"] = s.recv(200).split(b"\r\n", 1)[0].decode()
+print(json.dumps(res), flush=True)
+"""
+
+RUN_B = r"""
+import json, os, socket
+H = int(os.environ["UP_HTTP"])
+A_API = os.environ["A_API"]
+def get(addr, host):
+    s = socket.create_connection((addr, H), timeout=10)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host.encode())
+    return s.recv(200).split(b"\r\n", 1)[0].decode() or "closed"
+res = {"y": socket.gethostbyname("y.test")}
+res["a_api_unresolved"] = get(A_API, "api.test")  # run A's address for api.test
+res["y_get"] = get(res["y"], "y.test")
+res["api"] = socket.gethostbyname("api.test")
+res["api_get"] = get(res["api"], "api.test")
+print(json.dumps(res), flush=True)
+"""
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_one_runs_name_addresses_mean_nothing_in_another(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    # Both runs open at once in one broker: B dials the address A was given for an
+    # allowed name without asking for it, and gets the same numbers for its own names.
+    from tests.e2e.test_transparent_egress import _site_packages
+
+    backend = any_backend()[0]
+    rec = _Recorder()
+    _https, http, _ca, servers = _upstreams(tmp_path, rec)
+    ledger_env.ledger.create_log("acme", draft(0))
+    scopes = {}
+    for run in ("run-a", "run-b"):
+        scopes[run] = _scope(ledger_env.ledger, run, allowed_ranges=("127.0.0.0/8",))
+        scopes[run].policies = compile_policies(SEAMS_POLICY)
+    proxy = EgressProxy(tmp_path / "ca", resolver=_Resolver(), connect_timeout=5)
+    results: dict[str, dict[str, Any]] = {}
+    networks = []
+    try:
+        with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+            channels = {run: broker.open_run(scope, ttl=300) for run, scope in scopes.items()}
+            try:
+                for run in scopes:
+                    network = GuestNetwork.create()
+                    networks.append(network)
+                    broker.attach_network(run, network)
+                for (run, main), network in zip(
+                    (("run-a", RUN_A), ("run-b", RUN_B)), networks, strict=True
+                ):
+                    (tmp_path / run).mkdir()
+                    code = _code(tmp_path / run, main)
+                    env = {"UP_HTTP": str(http)}
+                    if run == "run-b":
+                        env["A_API"] = results["run-a"]["api.test"]
+                    spec = brokered_spec(channels[run], ("python3", "/code/main.py"),
+                                         code_dir=code, env=env, network=network)  # fmt: skip
+                    spec = dataclasses.replace(
+                        spec, ro_dirs={**spec.ro_dirs, _site_packages(): "/opt/site"}
+                    )
+                    out: list[bytes] = []
+                    err: list[bytes] = []
+                    done = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
+                    assert done.exit_code == 0, b"".join(err).decode(errors="replace")[-2000:]
+                    results[run] = json.loads(b"".join(out).decode().strip().splitlines()[-1])
+            finally:
+                for run in scopes:
+                    broker.close_run(run)
+                for network in networks:
+                    network.close()
+    finally:
+        for s in servers:
+            s.shutdown()  # type: ignore[attr-defined]
+            s.server_close()  # type: ignore[attr-defined]
+    a, b = results["run-a"], results["run-b"]
+    assert a["get"] == "HTTP/1.1 200 OK"
+    # The same numbers, another meaning: each run's pool is its own.
+    assert b["y"] == a["x.test"]
+    assert b["a_api_unresolved"].startswith("HTTP/1.1 403"), b
+    assert b["y_get"].startswith("HTTP/1.1 403"), b
+    assert b["api_get"] == "HTTP/1.1 200 OK"
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    b_decisions = [
+        e for e in events
+        if e["action"] == "http.request" and e["actor"]["id"].endswith("/run/run-b")
+    ]  # fmt: skip
+    unknown = [e for e in b_decisions if e["policies"] == ["proctor:egress:unknown-address"]]
+    assert [e["details"]["original_address"] for e in unknown] == [a["api.test"]]
+    # y.test's address is decided as y.test (denied), never as A's x.test.
+    assert [e["resource"] for e in b_decisions if e["details"].get("original_address") == b["y"]
+            ] == [f"host/y.test:{http}"]  # fmt: skip
+    assert not [e for e in b_decisions if "x.test" in json.dumps(e)]
