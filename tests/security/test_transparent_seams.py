@@ -246,6 +246,7 @@ def test_two_names_in_one_client_hello_are_read_as_the_server_reads_them(
         b"GET / HT",  # cut short when the wait ended; the rest comes later
         b"GET",
         b"\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",  # h2c prior knowledge: its :authority unread
     ],
 )
 def test_what_a_lenient_server_reads_as_http_is_read_as_http(first_bytes: bytes) -> None:
@@ -464,6 +465,11 @@ http = {
     "empty_line_first": b"\r\nGET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
     "lower_case": b"get / http/1.1\r\nHost: other.test\r\n\r\n",
     "bare_lf": b"GET / HTTP/1.1\nHost: other.test\n\n",
+    "pipelined": b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\nGET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
+    "body_on_get": b"GET / HTTP/1.1\r\nHost: api.test\r\nContent-Length: 39\r\n\r\n"
+                   b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n",
+    "connect": b"CONNECT other.test:80 HTTP/1.1\r\nHost: api.test\r\n\r\n",
+    "h2_prior_knowledge": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 }
 for key, data in http.items():
     res["http " + key] = http_answer(send_raw(A, H, [data]))
@@ -489,6 +495,12 @@ for key, addr, port in [("unknown_low", "198.18.200.1", H), ("unknown_high", "19
     res[key] = http_answer(send_raw(addr, port, [b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n"]))
 for port in (15001, 15053, 53, 80):
     res[f"relay {port}"] = send_raw("169.254.77.1", port, [b"\x00\x1c" + dns.message.make_query("api.test", "A").to_wire()]).decode(errors="replace") or "closed"
+# IPv6 beyond the link: no route out of the guest.
+try:
+    socket.create_connection(("2001:4860:4860::8888", 443), timeout=3)
+    res["ipv6"] = "connected"
+except OSError as e:
+    res["ipv6"] = "error " + type(e).__name__
 # A name the policy denies: dialed, never looked up on the host.
 res["deny"] = http_answer(send_raw(socket.gethostbyname("deny.test"), H, [b"GET / HTTP/1.1\r\nHost: deny.test\r\n\r\n"]))
 
@@ -652,6 +664,13 @@ def test_seams_of_a_redirected_connection_in_a_real_sandbox(
     assert res["http absolute"].startswith("HTTP/1.1 400")
     for key in ("two_spaces", "tabs", "empty_line_first", "lower_case", "bare_lf"):
         assert res[f"http {key}"].startswith(("HTTP/1.1 400", "HTTP/1.1 403")), (key, res)
+    # A second request behind the first, or in a GET's body, never reaches the
+    # upstream: one request per connection, no body on GET.
+    assert res["http pipelined"] == "HTTP/1.1 200 OK"
+    assert res["http body_on_get"].startswith("HTTP/1.1 400")
+    assert res["http connect"].startswith("HTTP/1.1 400")
+    assert res["http h2_prior_knowledge"].startswith("HTTP/1.1 400")
+    assert res["ipv6"].startswith("error"), res["ipv6"]
     # Two Hosts, the decided one first: the broker forwards with its own Host alone.
     assert res["http dup_good_first"].startswith(("HTTP/1.1 200", "HTTP/1.1 400"))
     # Slow: one byte or word, then the rest after the wait; and after a silence.
