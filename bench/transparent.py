@@ -389,6 +389,9 @@ class Bench:
 def report(bench: Bench, samples: dict[str, Any], costs: dict[str, list[float]]) -> None:
     a = bench.args
     names = {"bubblewrap": "bubblewrap", "gvisor": "gVisor"}
+    if "gvisor" in bench.backends:
+        # Every guest syscall's cost, and so these figures, depend on it.
+        names["gvisor"] = f"gVisor ({getattr(get_driver('gvisor'), 'platform', '?')})"
     paths = [("direct", "direct (client on the host)")]
     for b in bench.backends:
         paths += [
