@@ -234,6 +234,39 @@ def test_two_names_in_one_client_hello_are_read_as_the_server_reads_them(
         assert client_hello_sni(data) == (True, first.decode())
 
 
+# A mutated name that is not ASCII fails in Python's SNI callback (the server refuses).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_mutated_client_hellos_name_what_the_server_reads(sni_server: SniServer) -> None:
+    # Differential: lengths and bytes of a real ClientHello changed at random (seeded);
+    # wherever OpenSSL still reads a name, the broker reads the same one, or calls
+    # the hello unreadable (refused). None, or another name, would go unchecked.
+    import random
+
+    record = client_hello("other.test")
+    sni_at = record.find(b"other.test")
+    ext_at = _extensions_at(record[5:]) + 5
+    lengths = [3, 4, 6, 7, 8, ext_at, ext_at + 1, *range(sni_at - 9, sni_at)]
+    rng = random.Random(17)
+    checked = 0
+    for _ in range(1500):
+        data = bytearray(record)
+        pick = rng.random()
+        if pick < 0.5:
+            data[rng.choice(lengths)] = rng.randrange(256)
+        elif pick < 0.8:
+            data[rng.randrange(5, len(data))] = rng.randrange(256)
+        else:
+            data = data[: rng.randrange(5, len(data))]
+        complete, name = client_hello_sni(bytes(data))
+        if not complete:
+            continue  # the broker waits for more, then calls it unreadable
+        checked += 1
+        read = sni_server.read(bytes(data))
+        if read and read[0] is not None:
+            assert name in (read[0], UNREADABLE), (bytes(data).hex(), name, read)
+    assert checked > 500
+
+
 @pytest.mark.parametrize(
     "first_bytes",
     [
