@@ -133,6 +133,8 @@ class Outcome:
     #: The digests of each request's and response's body, where a rule of the host
     #: asks for them (``body_digests``): named in the completion record.
     bodies: BodyDigests | None = None
+    #: The guest's connection carries its next request (plain HTTP kept alive).
+    kept: bool = False
 
 
 async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) -> list[IPAddress]:
@@ -147,6 +149,11 @@ async def resolve_as(scope: RunScope, resolver: Resolver, name: str, port: int) 
 @dataclass
 class RelayState:
     started: bool = False  # something of the response reached the guest
+    #: The guest's request lets its connection stay open (HTTP/1.1, no close).
+    persistent: bool = False
+    #: The response went out whole with a framing of its own: the guest's
+    #: connection may carry its next request (keep-alive).
+    kept: bool = False
 
 
 async def rule(

@@ -87,7 +87,14 @@ async def admit(call: Call, gate: Gate, first_byte: float) -> CallKind | None:
     scope.admit_call()
     call.passed(ADMIT)
     token = head.header(TOKEN_HEADER)
-    problem = gate.problem(scope.run_id, token) if token else f"missing {TOKEN_HEADER} header"
+    if token:
+        problem = gate.problem(scope.run_id, token)
+    elif call.follows:
+        # A kept-alive connection's later request: the connection's first request
+        # was authenticated, and nothing but that guest holds the connection.
+        problem = None
+    else:
+        problem = f"missing {TOKEN_HEADER} header"
     if problem is not None:
         await scope.record(
             Action.BROKER_AUTH,

@@ -62,6 +62,15 @@ class Call:
     #: False for a redirected TLS or raw connection (transparent egress), which a
     #: refusal closes unanswered: HTTP written into a TLS stream helps no one.
     speaks_http: bool = True
+    #: The connection may carry more than this call (the broker's socket reads the
+    #: next request on it); False where the caller closes after one (the proxy's
+    #: own entry points, transparent egress).
+    persistent: bool = False
+    #: Set by an act that left the connection fit for the next request (a plain-HTTP
+    #: response relayed whole, framed by its length): the socket serves it next.
+    keep_alive: bool = False
+    #: Not the connection's first call: it was authenticated by the first one's token.
+    follows: bool = False
     #: A redirected connection's original destination and first bytes
     #: (:class:`._transparent.Origin`); None on the socket and the proxy.
     origin: Any = None

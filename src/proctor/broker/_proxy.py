@@ -230,16 +230,19 @@ class EgressProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         outcome: Outcome,
+        persistent: bool = False,
     ) -> None:
         """Send the request and relay the response; an error still to answer (after
-        the completion event) is left in ``outcome.answer``."""
+        the completion event) is left in ``outcome.answer``. ``persistent``: the
+        guest's request lets its connection stay open; ``outcome.kept`` says whether
+        it did (the response went out whole, framed by its own length)."""
         meter = forward_meter(scope, admitted, method, origin, outcome)
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
             outcome.answer = exc
             return
-        relay = RelayState()
+        relay = RelayState(persistent=persistent)
         try:
             expect = any(
                 k.lower() == "expect" and v.strip().lower() == "100-continue" for k, v in headers
@@ -275,6 +278,7 @@ class EgressProxy:
                 return
             await up_writer.drain()
             status, down = await _relay_response(up_reader, writer, method, relay, meter)
+            outcome.kept = relay.kept
             outcome.status, outcome.bytes_down = status, down
         except (RuleRefused, ResponseCut) as exc:  # a bound of the host's request rules
             up_writer.transport.abort()  # the upstream has no whole request, or no more
@@ -372,7 +376,11 @@ async def _relay_response(
         if meter is not None and announced and (cut := meter.announce_response(framing.length)):
             raise meter.cut(cut, status)
         out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP - {"upgrade"}]
-        if status >= 200:
+        # Kept alive only where the guest asked and the response ends by its own
+        # framing (not by the upstream closing), so the next request's bytes are
+        # never read as this response's.
+        keep = relay.persistent and status != 101 and framing.kind != "eof"
+        if status >= 200 and not keep:
             out.append(("Connection", "close"))
         data = serialize_head(first, out)
         writer.write(data)
@@ -396,6 +404,7 @@ async def _relay_response(
 
         await walk_body(up, framing, put, payload=count if meter is not None else None)
         await writer.drain()
+        relay.kept = keep
         return status, total
 
 
@@ -592,13 +601,30 @@ class Forward:
             return Acted()
         req = request
 
+        persistent = call.persistent and _persistent(call.head)
+        outcome = Outcome(requests=1)
+
         async def carry(admitted: Admitted, outcome: Outcome) -> None:
             await proxy._forward(
                 call.scope, admitted, req.method, req.origin, req.authority, req.headers,
-                req.framing, reader, writer, outcome,
+                req.framing, reader, writer, outcome, persistent,
             )  # fmt: skip
 
-        return await _carry(call, ruling, carry, Outcome(requests=1))
+        acted = await _carry(call, ruling, carry, outcome)
+        call.keep_alive = outcome.kept and outcome.error is None and acted.answer is None
+        return acted
+
+
+def _persistent(head: RequestHead) -> bool:
+    """Whether the guest's request lets its connection carry another (HTTP/1.1 and
+    no ``close`` in its Connection or Proxy-Connection header)."""
+    if head.version != "HTTP/1.1":
+        return False
+    return not any(
+        key.lower() in ("connection", "proxy-connection")
+        and "close" in (t.strip().lower() for t in value.split(","))
+        for key, value in head.headers
+    )
 
 
 CONNECT = register(Connect())

@@ -450,16 +450,25 @@ class Broker:
     async def _connection(
         self, scope: RunScope, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        call = Call(scope, reader, writer, handlers=self._handlers, proxy=self._handlers.proxy)
-        try:
-            await serve(call, self._gate, FIRST_BYTE_TIMEOUT)
-        finally:
-            if call.kind is not None:
-                self.traces.append(CallTrace(scope.run_id, call.kind.name, call.trace))
-        if call.idle:
-            run = self._runs.get(scope.run_id)
-            if run is not None:
-                self._count_refused(run, "idle")
+        follows = False
+        while True:
+            call = Call(scope, reader, writer, handlers=self._handlers,
+                        proxy=self._handlers.proxy, persistent=True, follows=follows)  # fmt: skip
+            try:
+                await serve(call, self._gate, FIRST_BYTE_TIMEOUT)
+            finally:
+                if call.kind is not None:
+                    self.traces.append(CallTrace(scope.run_id, call.kind.name, call.trace))
+            if call.idle and not follows:
+                run = self._runs.get(scope.run_id)
+                if run is not None:
+                    self._count_refused(run, "idle")
+            # A kept-alive connection (a plain-HTTP response relayed whole) carries
+            # the guest's next request: a call of its own, decided and recorded
+            # on its own; silent past the first-byte timeout, it is closed.
+            if not call.keep_alive or writer.is_closing() or self._runs.get(scope.run_id) is None:
+                return
+            follows = True
 
 
 def wait_for_socket(path: Path, timeout: float = 5.0) -> None:
