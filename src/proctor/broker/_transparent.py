@@ -242,6 +242,8 @@ class TransparentEgress:
     #: Sockets answering from a datagram's original destination, by that address.
     _replies: dict[tuple[str, int], socket.socket] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    #: UDP refusals still being written: awaited when the run closes, not cancelled.
+    _recording: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def start(self) -> None:
         tcp, udp = self.network.relay_sockets()
@@ -266,6 +268,16 @@ class TransparentEgress:
                 sock.close()
         self._tcp = self._udp = None
         self._replies.clear()
+        if self._recording:
+            await asyncio.gather(*self._recording, return_exceptions=True)
+        if self.udp_refused:
+            # What went past the cap (or again to a destination recorded) is one
+            # event: a flood is on the record, not a count that dies with the run.
+            error = EgressDenied(f"{self.udp_refused} more udp datagrams refused: only DNS "
+                                 "leaves a run by UDP", policies=(UDP_RULE,))  # fmt: skip
+            await self._record_udp("udp/*", error, {"protocol": "udp", "via": "transparent",
+                                                    "unrecorded": self.udp_refused})  # fmt: skip
+            self.udp_refused = 0
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -316,8 +328,8 @@ class TransparentEgress:
             self._record_udp(resource, error, {"address": address, "port": port,
                                                "protocol": "udp", "via": "transparent"})
         )  # fmt: skip
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
 
     async def _record_udp(self, resource: str, error: BrokerError, details: dict[str, Any]) -> None:
         with contextlib.suppress(BrokerError):
