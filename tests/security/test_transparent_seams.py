@@ -741,10 +741,12 @@ def test_seams_of_a_redirected_connection_in_a_real_sandbox(
     # other, literal, split, big, segments_other, and the slow one-byte ones.
     assert len(tls_refused) >= 6, [e["details"] for e in tls_refused]
     assert {e["details"].get("sni") for e in tls_refused} >= {"other.test", "127.0.0.1", ""}
-    udp = by_rule["proctor:egress:udp"]
-    assert len(udp) == 32  # the recording cap; the rest counted
+    udp = [e for e in by_rule["proctor:egress:udp"] if e["resource"] != "udp/*"]
+    assert len(udp) == 32  # the recording cap; the rest counted, in one event
     assert len({e["resource"] for e in udp}) == 32
     assert udp_refused == 80 - 32, udp_refused
+    (more,) = [e for e in by_rule["proctor:egress:udp"] if e["resource"] == "udp/*"]
+    assert more["details"]["unrecorded"] == 80 - 32
     # The relay's own address is recorded nowhere: nothing reached a decision.
     assert not [e for e in decisions if "169.254.77.1" in json.dumps(e)]
     assert [e["resource"] for e in decisions if e["resource"].startswith("host/deny.test")] == [
@@ -852,3 +854,51 @@ def test_one_runs_name_addresses_mean_nothing_in_another(
     assert [e["resource"] for e in b_decisions if e["details"].get("original_address") == b["y"]
             ] == [f"host/y.test:{http}"]  # fmt: skip
     assert not [e for e in b_decisions if "x.test" in json.dumps(e)]
+
+
+UDP_THEN_EXIT = r"""
+import socket
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for n in range(3):
+    for i in range(40):
+        u.sendto(b"x", ("203.0.113.%d" % (i + 1), 2000 + i))
+"""
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_a_udp_flood_just_before_the_run_ends_is_on_the_record(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    # The guest floods and exits at once: the run closes while the refusals are
+    # still being written. Each of the first 32 destinations is recorded all the
+    # same, and what is over the cap is counted in one event, not lost.
+    backend = any_backend()[0]
+    ledger_env.ledger.create_log("acme", draft(0))
+    scope = _scope(ledger_env.ledger, "flood")
+    proxy = EgressProxy(tmp_path / "ca", resolver=_Resolver(), connect_timeout=5)
+    code = _code(tmp_path, UDP_THEN_EXIT)
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        _run_guest_plain(broker, scope, code, backend)
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    udp = [e for e in events if e["policies"] == ["proctor:egress:udp"]]
+    each = [e for e in udp if e["resource"] != "udp/*"]
+    assert len(each) == 32, len(each)
+    assert {e["decision"] for e in udp} == {"deny"}
+    (more,) = [e for e in udp if e["resource"] == "udp/*"]
+    assert more["details"]["unrecorded"] == 3 * 40 - 32
+
+
+def _run_guest_plain(broker: Broker, scope: RunScope, code: Path, backend: str) -> None:
+    channel = broker.open_run(scope, ttl=300)
+    network = GuestNetwork.create()
+    err: list[bytes] = []
+    try:
+        broker.attach_network(scope.run_id, network)
+        spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code,
+                             network=network)  # fmt: skip
+        result = get_driver(backend).run(spec, on_stdout=lambda _b: None, on_stderr=err.append)
+    finally:
+        broker.close_run(scope.run_id)
+        network.close()
+    assert result.exit_code == 0, b"".join(err).decode(errors="replace")[-2000:]
