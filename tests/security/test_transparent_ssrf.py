@@ -39,7 +39,16 @@ METADATA = ["169.254.169.254", "2852039166", "0xa9fea9fe", "0251.0376.0251.0376"
             "::ffff:a9fe:a9fe"]  # fmt: skip
 PRIVATE = ["10.0.0.1", "10.1", "167772161", "012.0.0.1", "0xa.0.0.1", "::ffff:10.0.0.1"]
 #: Names the broker's resolver (the test's) answers with special addresses.
-NAMES = ["internal.test", "metadata.test", "mixed.test", "mapped.test", "loopback.test"]
+NAMES = [
+    "internal.test",
+    "metadata.test",
+    "mixed.test",
+    "mapped.test",
+    "loopback.test",
+    "v6loop.test",
+    "nat64.test",
+    "ula.test",
+]
 ALLOWED = ["public.test", "1.1.1.1", "10.0.0.2", "opened.test", "::ffff:10.0.0.2"]
 
 GUEST = r"""
@@ -106,8 +115,8 @@ CHILD = textwrap.dedent(
 
     backend, policy_text, code, attempts = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    ADDRS = ["1.1.1.1", "10.0.0.1", "10.0.0.2", "169.254.169.254", "127.0.0.1"]
-    for a in ADDRS[:-1]:
+    ADDRS = ["1.1.1.1", "10.0.0.1", "10.0.0.2", "169.254.169.254", "127.0.0.1", "::1"]
+    for a in ADDRS[:4]:
         subprocess.run(["ip", "addr", "add", f"{a}/32", "dev", "lo"], check=True)
 
     counts = {a: 0 for a in ADDRS}
@@ -130,9 +139,12 @@ CHILD = textwrap.dedent(
             else:
                 self.request.sendall(body)
 
+    class Listener6(socketserver.ThreadingTCPServer):
+        address_family = socket.AF_INET6
+
     servers = []
     for a in ADDRS:
-        s = socketserver.ThreadingTCPServer((a, 8080), Listener)
+        s = (Listener6 if ":" in a else socketserver.ThreadingTCPServer)((a, 8080), Listener)
         s.daemon_threads = True
         threading.Thread(target=s.serve_forever, daemon=True).start()
         servers.append(s)
@@ -140,7 +152,9 @@ CHILD = textwrap.dedent(
     answers = {"public.test": [["1.1.1.1"]], "internal.test": [["10.0.0.1"]],
                "metadata.test": [["169.254.169.254"]], "mixed.test": [["1.1.1.1", "10.0.0.1"]],
                "mapped.test": [["::ffff:10.0.0.1"]], "loopback.test": [["127.0.0.1"]],
-               "rebind.test": [["1.1.1.1"], ["10.0.0.1"]], "opened.test": [["10.0.0.2"]]}
+               "rebind.test": [["1.1.1.1"], ["10.0.0.1"]], "opened.test": [["10.0.0.2"]],
+               "v6loop.test": [["::1"]], "nat64.test": [["64:ff9b::a00:1"]],
+               "ula.test": [["fd00::1"]]}
     calls = {}
 
     async def resolver(name, port):
@@ -172,7 +186,7 @@ CHILD = textwrap.dedent(
             broker.close_run(scope.run_id)
             network.close()
     # The addresses answer a direct dial in here: a zero count above is a refusal.
-    for a in ("10.0.0.1", "169.254.169.254", "127.0.0.1"):
+    for a in ("10.0.0.1", "169.254.169.254", "127.0.0.1", "::1"):
         with socket.create_connection((a, 8080), timeout=5) as c:
             c.sendall(b"x")
             c.recv(64)
@@ -246,6 +260,7 @@ def test_internal_addresses_refused_through_the_transparent_path(
     assert counts["10.0.0.1"] == 1, counts
     assert counts["169.254.169.254"] == 1, counts
     assert counts["127.0.0.1"] == 1, counts
+    assert counts["::1"] == 1, counts
 
     # What policy and allowed_ranges open is reached, decided on the address.
     assert guest["public.test raw"] == "reached 1.1.1.1"
@@ -261,7 +276,8 @@ def test_internal_addresses_refused_through_the_transparent_path(
     calls = result["calls"]
     assert calls == {"internal.test": 2, "metadata.test": 2, "mixed.test": 2, "mapped.test": 2,
                      "loopback.test": 2, "public.test": 2, "opened.test": 2,
-                     "rebind.test": 2}, calls  # fmt: skip
+                     "rebind.test": 2, "v6loop.test": 2, "nat64.test": 2,
+                     "ula.test": 2}, calls  # fmt: skip
 
     events = result["events"]
     decisions = [e for e in events if e["action"] == "http.request"]
@@ -278,7 +294,8 @@ def test_internal_addresses_refused_through_the_transparent_path(
     assert len(by_resource["host/10.0.0.1:8080"]) == 2 * len(PRIVATE)
     for name, address in (("internal.test", "10.0.0.1"), ("metadata.test", "169.254.169.254"),
                           ("mixed.test", "10.0.0.1"), ("mapped.test", "10.0.0.1"),
-                          ("loopback.test", "127.0.0.1")):  # fmt: skip
+                          ("loopback.test", "127.0.0.1"), ("v6loop.test", "::1"),
+                          ("nat64.test", "64:ff9b::a00:1"), ("ula.test", "fd00::1")):  # fmt: skip
         refusals = by_resource[f"host/{name}:8080"]
         assert {e["details"]["address"] for e in refusals} == {address}, name
         # Decided on the name its fake address stands for, which the guest dialed.
