@@ -1,0 +1,304 @@
+/* The peer bench's client: one connection per request, through an HTTP proxy
+ * or straight to the upstream.
+ *
+ *   client lat    HOST PORT MODE TARGET N        N requests one after another
+ *   client rps    HOST PORT MODE TARGET CLIENTS MS   CLIENTS threads for MS ms
+ *   client tunnel HOST PORT MODE TARGET MB       one download of MB MiB
+ *
+ * HOST:PORT is where it connects (the proxy, or the upstream for MODE
+ * "direct"); TARGET is the upstream's host:port. MODE "proxy" sends an
+ * absolute-form GET (lat, rps) or a CONNECT followed by an origin-form GET
+ * inside the tunnel (tunnel); "direct" sends the origin-form GET itself. The
+ * request does not ask to close: the client reads one whole response (by
+ * Content-Length, chunked, or to end of file) and closes. Every socket
+ * operation gives up after 30 s; a request that fails is counted, not retried.
+ * Prints one JSON line: latencies in microseconds (lat), requests done and
+ * the elapsed seconds (rps), bytes and seconds (tunnel), errors in each.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HEAD_MAX 16384
+#define IO_SECONDS 30
+
+static struct sockaddr_in where;
+static int direct;
+static char target[256];
+static char request[1024];
+static size_t request_len;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int send_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int dial(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct timeval io = {IO_SECONDS, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &io, sizeof io);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &io, sizeof io);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(fd, (struct sockaddr *)&where, sizeof where)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Read a response head into buf (NUL-terminated); returns its length, with
+ * *have the bytes read in all (the head and what followed it), or -1. */
+static long read_head(int fd, char *buf, size_t *have) {
+    *have = 0;
+    for (;;) {
+        buf[*have] = 0;
+        char *end = strstr(buf, "\r\n\r\n");
+        if (end) return (long)(end + 4 - buf);
+        if (*have >= HEAD_MAX) return -1;
+        ssize_t r = recv(fd, buf + *have, HEAD_MAX - *have, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        *have += (size_t)r;
+    }
+}
+
+static const char *header(const char *head, size_t head_len, const char *name) {
+    size_t nl = strlen(name);
+    const char *p = strstr(head, "\r\n");
+    while (p && (size_t)(p - head) + 2 < head_len) {
+        p += 2;
+        if ((size_t)(p - head) + nl < head_len && p[nl] == ':' && strncasecmp(p, name, nl) == 0) {
+            p += nl + 1;
+            while (*p == ' ' || *p == '\t') p++;
+            return p;
+        }
+        p = strstr(p, "\r\n");
+    }
+    return NULL;
+}
+
+/* Reads exactly n body bytes, the first `have` of them already in buf. */
+static long long read_exact(int fd, char *scratch, size_t cap, long long n, size_t have) {
+    long long got = (long long)have < n ? (long long)have : n;
+    while (got < n) {
+        size_t want = (size_t)((n - got) < (long long)cap ? (n - got) : (long long)cap);
+        ssize_t r = recv(fd, scratch, want, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        got += r;
+    }
+    return got;
+}
+
+/* A chunked body: buf holds `have` bytes of it. Returns its payload length or -1. */
+static long long read_chunked(int fd, char *buf, size_t have) {
+    long long total = 0;
+    for (;;) {
+        char *eol;
+        buf[have] = 0;
+        while (!(eol = strstr(buf, "\r\n"))) {
+            if (have >= HEAD_MAX) return -1;
+            ssize_t r = recv(fd, buf + have, HEAD_MAX - have, 0);
+            if (r <= 0) return -1;
+            have += (size_t)r;
+            buf[have] = 0;
+        }
+        long long size = strtoll(buf, NULL, 16);
+        size_t line = (size_t)(eol + 2 - buf);
+        if (size == 0) {
+            /* Trailers, if any, then the blank line. */
+            memmove(buf, buf + line, have - line);
+            have -= line;
+            for (;;) {
+                buf[have] = 0;
+                if (have >= 2 && strncmp(buf, "\r\n", 2) == 0) return total;
+                char *end = strstr(buf, "\r\n\r\n");
+                if (end) return total;
+                if (have >= HEAD_MAX) return -1;
+                ssize_t r = recv(fd, buf + have, HEAD_MAX - have, 0);
+                if (r <= 0) return -1;
+                have += (size_t)r;
+            }
+        }
+        long long need = size + 2; /* the data and its CRLF */
+        long long in = (long long)(have - line);
+        if (in >= need) {
+            memmove(buf, buf + line + need, (size_t)(in - need));
+            have = (size_t)(in - need);
+        } else {
+            if (read_exact(fd, buf, HEAD_MAX, need, (size_t)in) < 0) return -1;
+            have = 0;
+        }
+        total += size;
+    }
+}
+
+/* One response on fd: 200 and a whole body, or -1. Returns the body's length. */
+static long long read_response(int fd) {
+    char buf[HEAD_MAX + 1];
+    size_t have;
+    long head = read_head(fd, buf, &have);
+    if (head < 0 || strncmp(buf, "HTTP/1.", 7) != 0 || strncmp(buf + 8, " 200", 4) != 0)
+        return -1;
+    size_t extra = have - (size_t)head;
+    const char *te = header(buf, (size_t)head, "Transfer-Encoding");
+    const char *cl = header(buf, (size_t)head, "Content-Length");
+    if (te && strncasecmp(te, "chunked", 7) == 0) {
+        memmove(buf, buf + head, extra);
+        return read_chunked(fd, buf, extra);
+    }
+    static __thread char big[1 << 20];
+    if (cl) return read_exact(fd, big, sizeof big, atoll(cl), extra);
+    long long got = (long long)extra;
+    for (;;) {
+        ssize_t r = recv(fd, big, sizeof big, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -1;
+        if (r == 0) return got;
+        got += r;
+    }
+}
+
+/* One request on a connection of its own; its body length, or -1. */
+static long long one_request(void) {
+    int fd = dial();
+    if (fd < 0) return -1;
+    long long n = -1;
+    if (send_all(fd, request, request_len) == 0) n = read_response(fd);
+    close(fd);
+    return n;
+}
+
+struct load {
+    double until;
+    long done, errors;
+};
+
+static void *load_thread(void *arg) {
+    struct load *l = arg;
+    while (now() < l->until) {
+        if (one_request() == 2)
+            l->done++;
+        else
+            l->errors++;
+    }
+    return NULL;
+}
+
+static int usage(void) {
+    fprintf(stderr,
+            "usage: client lat|rps|tunnel HOST PORT direct|proxy TARGET N|CLIENTS MS|MB\n");
+    return 2;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 7) return usage();
+    signal(SIGPIPE, SIG_IGN);
+    const char *what = argv[1];
+    where.sin_family = AF_INET;
+    where.sin_port = htons((unsigned short)atoi(argv[3]));
+    if (inet_pton(AF_INET, argv[2], &where.sin_addr) != 1) return usage();
+    direct = strcmp(argv[4], "direct") == 0;
+    snprintf(target, sizeof target, "%s", argv[5]);
+    if (strcmp(what, "tunnel") == 0) {
+        long long mb = atoll(argv[6]);
+        char get[512];
+        int gl = snprintf(get, sizeof get, "GET /mb/%lld HTTP/1.1\r\nHost: %s\r\n\r\n", mb,
+                          target);
+        double t = now();
+        int fd = dial();
+        long long n = -1;
+        if (fd >= 0) {
+            int ok = 1;
+            if (!direct) {
+                char connect_head[512];
+                int cl = snprintf(connect_head, sizeof connect_head,
+                                  "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", target, target);
+                char buf[HEAD_MAX + 1];
+                size_t have;
+                ok = send_all(fd, connect_head, (size_t)cl) == 0 &&
+                     read_head(fd, buf, &have) > 0 && strncmp(buf + 8, " 200", 4) == 0;
+            }
+            if (ok && send_all(fd, get, (size_t)gl) == 0) n = read_response(fd);
+            close(fd);
+        }
+        double s = now() - t;
+        int bad = n != mb << 20;
+        printf("{\"bytes\": %lld, \"seconds\": %.6f, \"errors\": %d}\n", bad ? 0 : n, s, bad);
+        return 0;
+    }
+    if (direct)
+        request_len = (size_t)snprintf(request, sizeof request,
+                                       "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", target);
+    else
+        request_len = (size_t)snprintf(request, sizeof request,
+                                       "GET http://%s/ HTTP/1.1\r\nHost: %s\r\n\r\n", target,
+                                       target);
+    if (strcmp(what, "lat") == 0) {
+        long n = atol(argv[6]), errors = 0;
+        printf("{\"lat_us\": [");
+        int first = 1;
+        for (long i = 0; i < n; i++) {
+            double t = now();
+            long long got = one_request();
+            double us = (now() - t) * 1e6;
+            if (got != 2) {
+                errors++;
+                continue;
+            }
+            printf("%s%.1f", first ? "" : ", ", us);
+            first = 0;
+        }
+        printf("], \"errors\": %ld}\n", errors);
+        return 0;
+    }
+    if (strcmp(what, "rps") == 0 && argc >= 8) {
+        int clients = atoi(argv[6]);
+        long ms = atol(argv[7]);
+        if (clients < 1 || clients > 256) return usage();
+        struct load loads[256];
+        pthread_t threads[256];
+        double t = now();
+        for (int i = 0; i < clients; i++) {
+            loads[i] = (struct load){.until = t + (double)ms / 1000.0};
+            pthread_create(&threads[i], NULL, load_thread, &loads[i]);
+        }
+        long done = 0, errors = 0;
+        for (int i = 0; i < clients; i++) {
+            pthread_join(threads[i], NULL);
+            done += loads[i].done;
+            errors += loads[i].errors;
+        }
+        printf("{\"done\": %ld, \"errors\": %ld, \"seconds\": %.6f}\n", done, errors, now() - t);
+        return 0;
+    }
+    return usage();
+}
