@@ -74,6 +74,7 @@ from proctor.broker._mitm import (
 from proctor.broker._record import complete
 from proctor.broker._rules import Meter, ResponseCut, RuleRefused, rules_for
 from proctor.broker._scope import BadCall, CallRefused, RunScope, SecretBinding
+from proctor.broker._splice import relay_pair
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Action
 
@@ -196,9 +197,8 @@ class EgressProxy:
             up_writer.transport.abort()
             writer.transport.abort()
 
-        up, down = await asyncio.gather(
-            _relay(reader, up_writer, abort), _relay(up_reader, writer, abort)
-        )
+        # Bytes the broker does not look at: moved by the kernel (splice).
+        up, down = await relay_pair(reader, writer, up_reader, up_writer, abort, _relay)
         outcome.bytes_up, outcome.bytes_down = up, down
         await _close(up_writer)
 
