@@ -66,6 +66,7 @@ from proctor.broker._proxy import ConnectRequest, EgressProxy, _close, _relay
 from proctor.broker._record import complete
 from proctor.broker._rules import rules_for
 from proctor.broker._scope import BadCall, BrokerError, RunScope, SecretBinding
+from proctor.broker._splice import relay_pair
 from proctor.ledger import Action
 from proctor.policy import normalize_host
 from proctor.sandbox import GuestNetwork
@@ -79,6 +80,11 @@ NAME_RANGE: Final = ipaddress.IPv4Network("198.18.0.0/15")
 MAX_NAMES: Final = 4096
 #: Refusals of non-DNS UDP recorded per run (one per destination); later ones counted.
 MAX_UDP_RECORDED: Final = 32
+#: Datagrams (DNS and others) read for one run a second. Past it the run's UDP socket
+#: is left unread until the second is over and the kernel drops what overflows: every
+#: run is served on the broker's one event loop, and each DNS answer costs it tens of
+#: microseconds, so one run's flood would otherwise hold the loop from all others.
+MAX_UDP_PER_SECOND: Final = 500
 #: How long a connection may stay silent before it is decided as raw TCP (a
 #: protocol whose server speaks first: SMTP, SSH, MySQL).
 PEEK_WAIT: Final = 0.3
@@ -244,6 +250,10 @@ class TransparentEgress:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: UDP refusals still being written: awaited when the run closes, not cancelled.
     _recording: set[asyncio.Task[None]] = field(default_factory=set)
+    #: The UDP budget: when the second began, datagrams read in it, the wake-up.
+    _udp_second: float = 0.0
+    _udp_read: int = 0
+    _udp_paused: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         tcp, udp = self.network.relay_sockets()
@@ -268,6 +278,8 @@ class TransparentEgress:
                 sock.close()
         self._tcp = self._udp = None
         self._replies.clear()
+        if self._udp_paused is not None:
+            self._udp_paused.cancel()
         if self._recording:
             await asyncio.gather(*self._recording, return_exceptions=True)
         if self.udp_refused:
@@ -287,13 +299,21 @@ class TransparentEgress:
 
     def _on_udp(self) -> None:
         assert self._udp is not None
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._udp_second >= 1.0:
+            self._udp_second, self._udp_read = loop.time(), 0
         for _ in range(64):  # a burst, then back to the loop
+            if self._udp_read >= MAX_UDP_PER_SECOND:
+                loop.remove_reader(self._udp.fileno())
+                self._udp_paused = loop.call_at(self._udp_second + 1.0, self._resume_udp)
+                return
             try:
                 data, ancillary, _flags, source = self._udp.recvmsg(4096, 256)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
+            self._udp_read += 1
             destination = GuestNetwork.datagram_destination(ancillary)
             if destination is None:
                 continue
@@ -303,6 +323,11 @@ class TransparentEgress:
                     self._send_from(destination, source, answer)
             else:
                 self._refuse_udp(destination)
+
+    def _resume_udp(self) -> None:
+        self._udp_paused = None
+        if self._udp is not None:
+            asyncio.get_running_loop().add_reader(self._udp.fileno(), self._on_udp)
 
     def _send_from(self, source: tuple[str, int], to: tuple[str, int], data: bytes) -> None:
         with contextlib.suppress(OSError):
@@ -676,7 +701,11 @@ async def _tunnel(
             sent = len(first)
         return sent + await _relay(reader, up_writer, abort)
 
-    sent, received = await asyncio.gather(up(), _relay(up_reader, writer, abort))
+    if request.origin.peeked:
+        # Checked already: the bytes are moved by the kernel (splice).
+        sent, received = await relay_pair(reader, writer, up_reader, up_writer, abort, _relay)
+    else:
+        sent, received = await asyncio.gather(up(), _relay(up_reader, writer, abort))
     outcome.bytes_up, outcome.bytes_down = sent, received
     await _close(up_writer)
 
