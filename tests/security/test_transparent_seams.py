@@ -902,3 +902,64 @@ def _run_guest_plain(broker: Broker, scope: RunScope, code: Path, backend: str) 
         broker.close_run(scope.run_id)
         network.close()
     assert result.exit_code == 0, b"".join(err).decode(errors="replace")[-2000:]
+
+
+DNS_FLOOD = r"""
+import json, socket, struct, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setblocking(False)
+def query(i):
+    name = b"\x02n%d\x04test\x00" % (i % 10)
+    name = bytes([len(name) - 7]) + name[1:]
+    return struct.pack(">HHHHHH", i & 0xFFFF, 0x100, 1, 0, 0, 0) + name + b"\x00\x01\x00\x01"
+answers = sent = 0
+start = time.monotonic()
+while time.monotonic() - start < 2.0:
+    try:
+        s.sendto(query(sent), ("169.254.77.1", 53))
+        sent += 1
+    except BlockingIOError:
+        pass
+    while True:
+        try:
+            s.recv(512)
+            answers += 1
+        except BlockingIOError:
+            break
+    if sent % 64 == 0:
+        time.sleep(0.001)
+end = time.monotonic() + 0.5
+while time.monotonic() < end:
+    try:
+        s.recv(512)
+        answers += 1
+    except BlockingIOError:
+        time.sleep(0.01)
+print(json.dumps({"sent": sent, "answers": answers, "seconds": time.monotonic() - start}))
+"""
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_a_dns_flood_gets_a_bounded_share_of_the_brokers_loop(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    # Every run's DNS is answered on the broker's one event loop: a run sending
+    # queries as fast as it can must not have them all parsed and answered (each
+    # costs the loop tens of microseconds, so one run could hold it for all). Past
+    # its budget a second, its datagrams are left to the kernel, which drops them.
+    from proctor.broker._transparent import MAX_UDP_PER_SECOND
+
+    backend = any_backend()[0]
+    ledger_env.ledger.create_log("acme", draft(0))
+    scope = _scope(ledger_env.ledger, "dns-flood")
+    proxy = EgressProxy(tmp_path / "ca", resolver=_Resolver(), connect_timeout=5)
+    code = _code(tmp_path, DNS_FLOOD)
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        res, _ = _run_guest(broker, scope, code, backend, {})
+    # However fast this machine is, no more than the budget of each second begun
+    # (and one read's burst) is answered: an upper bound, never a speed asked for.
+    bound = MAX_UDP_PER_SECOND * (int(res["seconds"]) + 2) + 64
+    assert res["answers"] <= bound, res
+    assert res["answers"] > 0, res  # DNS still works under the budget
+    assert res["sent"] > bound, res  # the guest did send past it
