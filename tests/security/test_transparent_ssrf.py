@@ -49,6 +49,8 @@ NAMES = [
     "nat64.test",
     "ula.test",
 ]
+#: The guest's own loopback: never leaves the guest (no listener there, nothing decided).
+LOCAL = ["127.0.0.1", "127.1", "2130706433", "0.0.0.0", "::1", "::ffff:127.0.0.1"]
 ALLOWED = ["public.test", "1.1.1.1", "10.0.0.2", "opened.test", "::ffff:10.0.0.2"]
 
 GUEST = r"""
@@ -205,7 +207,7 @@ CHILD = textwrap.dedent(
 
 def _attempts() -> list[tuple[str, str, str]]:
     out = []
-    for host in METADATA + PRIVATE + NAMES + ALLOWED:
+    for host in METADATA + PRIVATE + NAMES + ALLOWED + LOCAL:
         out.append((f"{host} raw", host, "raw"))
         out.append((f"{host} http", host, "http"))
     out += [("rebind.test 1", "rebind.test", "raw"), ("rebind.test 2", "rebind.test", "raw")]
@@ -255,6 +257,9 @@ def test_internal_addresses_refused_through_the_transparent_path(
         assert guest[f"{spelling} raw@"] in ("169.254.169.254", "::ffff:169.254.169.254")
     for spelling in PRIVATE:
         assert guest[f"{spelling} raw@"] in ("10.0.0.1", "::ffff:10.0.0.1")
+    for host in LOCAL:
+        for kind in ("raw", "http"):
+            assert guest[f"{host} {kind}"].startswith("refused"), (host, guest[f"{host} {kind}"])
     # Nothing reached the internal listeners but the test's own dial.
     counts = result["counts"]
     assert counts["10.0.0.1"] == 1, counts
