@@ -11,8 +11,9 @@ built with gcc into a temporary directory):
 - squid and tinyproxy from Debian (installed with apt-get only when missing,
   each started on a port of its own with a minimal configuration in the
   temporary directory, logging every request as it does by default: squid's
-  access log through its log daemon, never synced; tinyproxy's log at
-  ``LogLevel Info``, Debian's default, which it syncs after every line);
+  access log through its log daemon, buffered and never synced per request;
+  tinyproxy's log at ``LogLevel Info``, Debian's default, with an fsync after
+  every line, seven lines a request);
 - Proctor's egress proxy alone, a real SQLite ledger with fsync under it (as
   ``bench/broker_proxy.py`` builds it), served on a TCP port by a process of
   its own;
@@ -61,6 +62,9 @@ TINYPROXY = "/usr/bin/tinyproxy"
 PACKAGES = ("squid", "tinyproxy")
 #: Directories the packages' scripts make and their purge leaves behind.
 LEFT_BY_PACKAGES = (Path("/run/squid"), Path("/run/tinyproxy"))
+#: A peer's added latency under this (microseconds) is within the clock's reach of
+#: nothing: no ratio is taken against it.
+FLOOR_US = 10.0
 #: How long a helper process may live at most, whatever happens to the bench.
 LIFETIME = 3600
 
@@ -459,12 +463,13 @@ ViaProxyName "tinyproxy"
         for r in range(a.rounds):
             order = [self.targets[(i + r) % n] for i in range(n)]
             print(f"round {r + 1}/{a.rounds}: {', '.join(t.name for t in order)}", flush=True)
-            for t in order:
-                got = self.client("lat", "127.0.0.1", str(t.port), t.mode, up,
-                                  str(a.requests), timeout=600)  # fmt: skip
-                t.lat += got["lat_us"]
-                t.lat_rounds.append(pct(got["lat_us"], 0.5) if got["lat_us"] else float("nan"))
-                t.errors += got["errors"]
+            # Latency: the targets take turns request by request.
+            got = self.client("mix", "127.0.0.1", up, str(a.requests), str(a.pause_us),
+                              *(f"{t.port}:{t.mode}" for t in order), timeout=900)  # fmt: skip
+            for t, lat, errors in zip(order, got["lat_us"], got["errors"], strict=True):
+                t.lat += lat
+                t.lat_rounds.append(pct(lat, 0.5) if lat else float("nan"))
+                t.errors += errors
                 t.requests += a.requests
             for t in order:
                 got = self.client("rps", "127.0.0.1", str(t.port), t.mode, up,
@@ -505,7 +510,10 @@ ViaProxyName "tinyproxy"
             for line in proc.stdout.read().splitlines():
                 counts[named[kind]] = (json.loads(line)["events"], "events in its ledger")
         counts["squid"] = (_lines(self.tmp / "squid" / "access.log"), "access.log lines")
-        counts["tinyproxy"] = (_lines(self.tmp / "tinyproxy" / "tinyproxy.log"), "log lines")
+        counts["tinyproxy"] = (
+            _lines(self.tmp / "tinyproxy" / "tinyproxy.log"),
+            "log lines, each fsynced",
+        )
         for t in self.targets:
             if t.name in counts and t.requests:
                 n, what = counts[t.name]
@@ -522,9 +530,10 @@ ViaProxyName "tinyproxy"
         base = pct(by["direct"].lat, 0.5)
         base_mbps = statistics.median(by["direct"].mbps) if by["direct"].mbps else float("nan")
         print()
-        print(f"{a.rounds} rounds, targets alternating; per round and target: {a.requests} "
-              f"requests one at a time, {a.clients} clients for {a.seconds:g} s, "
-              f"one {a.megabytes} MiB CONNECT download. Load average "
+        print(f"{a.rounds} rounds, the targets' order rotated each round; per round and "
+              f"target: {a.requests} requests one at a time (the targets taking turns request "
+              f"by request), {a.clients} clients for {a.seconds:g} s, one {a.megabytes} MiB "
+              f"CONNECT download. Every request on a connection of its own. Load average "
               f"{self.load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
               f"{os.cpu_count()} CPUs.")  # fmt: skip
         print()
@@ -547,8 +556,10 @@ ViaProxyName "tinyproxy"
                   f"{statistics.median(t.rps):,.0f} | {tunnel} | {t.errors} | "
                   f"{t.logged} |")  # fmt: skip
         print()
-        print("Latency: all samples of the run; req/s and MB/s: the median of the rounds. "
-              "Ratios (issue 22's targets in brackets; per-round range after):")  # fmt: skip
+        print("Latency: all samples of the run; added: over direct's p50. req/s and MB/s: the "
+              "median of the rounds. squid keeps its upstream connections alive (its "
+              "default); tinyproxy and Proctor open one per request. Ratios, with issue 22's "
+              "targets and the range over the rounds:")  # fmt: skip
         for name in ("proctor-guest", "proctor-proxy"):
             if name not in by or not by[name].lat:
                 continue
@@ -557,9 +568,9 @@ ViaProxyName "tinyproxy"
             for peer, bound in (("tinyproxy", 1.5), ("squid", 2.0)):
                 if peer in by and by[peer].lat:
                     print(f"  - added latency p50 vs {peer}: "
-                          f"{self.added_ratio(t, by[peer], base):.2f}x (target <= {bound:g}x; "
+                          f"{self.added_ratio(t, by[peer], base)} (target <= {bound:g}x; "
                           f"{self.round_range(t, by[peer], by['direct'])})")  # fmt: skip
-            if "tinyproxy" in by and by["tinyproxy"].rps:
+            if "tinyproxy" in by and min(by["tinyproxy"].rps, default=0) > 0:
                 ratios = [x / y for x, y in zip(t.rps, by["tinyproxy"].rps, strict=True)]
                 print(f"  - req/s with {a.clients} clients vs tinyproxy: "
                       f"{statistics.median(t.rps) / statistics.median(by['tinyproxy'].rps):.2f}x "
@@ -573,15 +584,21 @@ ViaProxyName "tinyproxy"
             print(f"note: {note}")
 
     @staticmethod
-    def added_ratio(t: Target, peer: Target, base: float) -> float:
-        return (pct(t.lat, 0.5) - base) / max(pct(peer.lat, 0.5) - base, 1e-9)
+    def added_ratio(t: Target, peer: Target, base: float) -> str:
+        mine, theirs = pct(t.lat, 0.5) - base, pct(peer.lat, 0.5) - base
+        if theirs < FLOOR_US:
+            return f"n/a ({peer.name} adds under {FLOOR_US:g} us)"
+        return f"{mine / theirs:.2f}x"
 
     @staticmethod
     def round_range(t: Target, peer: Target, direct: Target) -> str:
         ratios = [
-            (x - d) / max(y - d, 1e-9)
+            (x - d) / (y - d)
             for x, y, d in zip(t.lat_rounds, peer.lat_rounds, direct.lat_rounds, strict=True)
+            if y - d >= FLOOR_US
         ]
+        if not ratios:
+            return "no round measurable"
         return f"rounds {min(ratios):.2f}-{max(ratios):.2f}"
 
 
@@ -646,6 +663,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, help="load per round and target")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--megabytes", type=int)
+    parser.add_argument("--pause-us", type=int, default=5000,
+                        help="untimed pause after each latency request (microseconds)")  # fmt: skip
     parser.add_argument("--keep-peers", action="store_true",
                         help="leave squid and tinyproxy installed (services disabled)")  # fmt: skip
     parser.add_argument("--serve", choices=("alone", "broker"), help=argparse.SUPPRESS)
@@ -662,6 +681,8 @@ def main() -> int:
             setattr(args, key, value)
     if min(args.rounds, args.requests, args.clients, args.megabytes) < 1 or args.seconds <= 0:
         parser.error("rounds, requests, clients, megabytes and seconds must be positive")
+    if not 0 <= args.pause_us <= 1_000_000:
+        parser.error("--pause-us is 0 to 1000000")
     if args.clients > 256:
         parser.error("at most 256 clients")
     return run(args)

@@ -4,6 +4,7 @@
  *   client lat    HOST PORT MODE TARGET N        N requests one after another
  *   client rps    HOST PORT MODE TARGET CLIENTS MS   CLIENTS threads for MS ms
  *   client tunnel HOST PORT MODE TARGET MB       one download of MB MiB
+ *   client mix    HOST TARGET N PAUSE_US PORT:MODE...  N requests to each, alternating
  *
  * HOST:PORT is where it connects (the proxy, or the upstream for MODE
  * "direct"); TARGET is the upstream's host:port. MODE "proxy" sends an
@@ -12,8 +13,13 @@
  * request does not ask to close: the client reads one whole response (by
  * Content-Length, chunked, or to end of file) and closes. Every socket
  * operation gives up after 30 s; a request that fails is counted, not retried.
- * Prints one JSON line: latencies in microseconds (lat), requests done and
- * the elapsed seconds (rps), bytes and seconds (tunnel), errors in each.
+ * "mix" takes turns between the endpoints request by request (one request to
+ * each, then the next round), so that a burst of load on a shared machine falls
+ * on all of them alike; it waits PAUSE_US after each request, untimed, so that
+ * work an endpoint does after its answer (a log line, a record) is not charged
+ * to the next one. Prints one JSON line: latencies in microseconds (lat;
+ * mix: a list per endpoint, errors too), requests done and the elapsed seconds
+ * (rps), bytes and seconds (tunnel), errors in each.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -34,11 +40,15 @@
 #define HEAD_MAX 16384
 #define IO_SECONDS 30
 
-static struct sockaddr_in where;
+struct endpoint {
+    struct sockaddr_in where;
+    char request[1024];
+    size_t request_len;
+};
+
+static struct endpoint main_endpoint;
 static int direct;
 static char target[256];
-static char request[1024];
-static size_t request_len;
 
 static double now(void) {
     struct timespec ts;
@@ -59,7 +69,7 @@ static int send_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
-static int dial(void) {
+static int dial(const struct sockaddr_in *where) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     struct timeval io = {IO_SECONDS, 0};
@@ -67,7 +77,7 @@ static int dial(void) {
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &io, sizeof io);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (connect(fd, (struct sockaddr *)&where, sizeof where)) {
+    if (connect(fd, (const struct sockaddr *)where, sizeof *where)) {
         close(fd);
         return -1;
     }
@@ -188,11 +198,11 @@ static long long read_response(int fd) {
 }
 
 /* One request on a connection of its own; its body length, or -1. */
-static long long one_request(void) {
-    int fd = dial();
+static long long one_request(const struct endpoint *e) {
+    int fd = dial(&e->where);
     if (fd < 0) return -1;
     long long n = -1;
-    if (send_all(fd, request, request_len) == 0) n = read_response(fd);
+    if (send_all(fd, e->request, e->request_len) == 0) n = read_response(fd);
     close(fd);
     return n;
 }
@@ -205,7 +215,7 @@ struct load {
 static void *load_thread(void *arg) {
     struct load *l = arg;
     while (now() < l->until) {
-        if (one_request() == 2)
+        if (one_request(&main_endpoint) == 2)
             l->done++;
         else
             l->errors++;
@@ -215,17 +225,83 @@ static void *load_thread(void *arg) {
 
 static int usage(void) {
     fprintf(stderr,
-            "usage: client lat|rps|tunnel HOST PORT direct|proxy TARGET N|CLIENTS MS|MB\n");
+            "usage: client lat|rps|tunnel HOST PORT direct|proxy TARGET N|CLIENTS MS|MB\n"
+            "       client mix HOST TARGET N PAUSE_US PORT:direct|proxy...\n");
     return 2;
 }
 
+/* The GET that MODE sends to TARGET: origin-form to the upstream itself,
+ * absolute-form to a proxy. */
+static int prepare(struct endpoint *e, const char *host, int port, const char *mode,
+                   const char *to) {
+    memset(e, 0, sizeof *e);
+    e->where.sin_family = AF_INET;
+    e->where.sin_port = htons((unsigned short)port);
+    if (port <= 0 || port > 65535 || inet_pton(AF_INET, host, &e->where.sin_addr) != 1) return -1;
+    if (strcmp(mode, "direct") == 0)
+        e->request_len = (size_t)snprintf(e->request, sizeof e->request,
+                                          "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", to);
+    else if (strcmp(mode, "proxy") == 0)
+        e->request_len = (size_t)snprintf(e->request, sizeof e->request,
+                                          "GET http://%s/ HTTP/1.1\r\nHost: %s\r\n\r\n", to,
+                                          to);
+    else
+        return -1;
+    return 0;
+}
+
+#define MIX_MAX 16
+
+static int mix(int argc, char **argv) {
+    /* client mix HOST TARGET N PAUSE_US PORT:MODE... */
+    int count = argc - 6;
+    long n = atol(argv[4]);
+    long pause_us = atol(argv[5]);
+    if (count < 1 || count > MIX_MAX || n < 1 || pause_us < 0 || pause_us > 1000000)
+        return usage();
+    struct timespec pause = {pause_us / 1000000, (pause_us % 1000000) * 1000};
+    static struct endpoint ends[MIX_MAX];
+    static double *samples[MIX_MAX];
+    long kept[MIX_MAX] = {0}, errors[MIX_MAX] = {0};
+    for (int i = 0; i < count; i++) {
+        char mode[16] = "";
+        int port = 0;
+        if (sscanf(argv[6 + i], "%d:%15s", &port, mode) != 2 ||
+            prepare(&ends[i], argv[2], port, mode, argv[3]))
+            return usage();
+        samples[i] = calloc((size_t)n, sizeof(double));
+        if (!samples[i]) return 1;
+    }
+    for (long r = 0; r < n; r++) {
+        for (int i = 0; i < count; i++) {
+            double t = now();
+            long long got = one_request(&ends[i]);
+            double us = (now() - t) * 1e6;
+            if (got == 2)
+                samples[i][kept[i]++] = us;
+            else
+                errors[i]++;
+            if (pause_us) nanosleep(&pause, NULL);
+        }
+    }
+    printf("{\"lat_us\": [");
+    for (int i = 0; i < count; i++) {
+        printf("%s[", i ? ", " : "");
+        for (long j = 0; j < kept[i]; j++) printf("%s%.1f", j ? ", " : "", samples[i][j]);
+        printf("]");
+    }
+    printf("], \"errors\": [");
+    for (int i = 0; i < count; i++) printf("%s%ld", i ? ", " : "", errors[i]);
+    printf("]}\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 7) return usage();
     signal(SIGPIPE, SIG_IGN);
+    if (argc >= 7 && strcmp(argv[1], "mix") == 0) return mix(argc, argv);
+    if (argc < 7) return usage();
     const char *what = argv[1];
-    where.sin_family = AF_INET;
-    where.sin_port = htons((unsigned short)atoi(argv[3]));
-    if (inet_pton(AF_INET, argv[2], &where.sin_addr) != 1) return usage();
+    if (prepare(&main_endpoint, argv[2], atoi(argv[3]), argv[4], argv[5])) return usage();
     direct = strcmp(argv[4], "direct") == 0;
     snprintf(target, sizeof target, "%s", argv[5]);
     if (strcmp(what, "tunnel") == 0) {
@@ -234,7 +310,7 @@ int main(int argc, char **argv) {
         int gl = snprintf(get, sizeof get, "GET /mb/%lld HTTP/1.1\r\nHost: %s\r\n\r\n", mb,
                           target);
         double t = now();
-        int fd = dial();
+        int fd = dial(&main_endpoint.where);
         long long n = -1;
         if (fd >= 0) {
             int ok = 1;
@@ -255,20 +331,13 @@ int main(int argc, char **argv) {
         printf("{\"bytes\": %lld, \"seconds\": %.6f, \"errors\": %d}\n", bad ? 0 : n, s, bad);
         return 0;
     }
-    if (direct)
-        request_len = (size_t)snprintf(request, sizeof request,
-                                       "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", target);
-    else
-        request_len = (size_t)snprintf(request, sizeof request,
-                                       "GET http://%s/ HTTP/1.1\r\nHost: %s\r\n\r\n", target,
-                                       target);
     if (strcmp(what, "lat") == 0) {
         long n = atol(argv[6]), errors = 0;
         printf("{\"lat_us\": [");
         int first = 1;
         for (long i = 0; i < n; i++) {
             double t = now();
-            long long got = one_request();
+            long long got = one_request(&main_endpoint);
             double us = (now() - t) * 1e6;
             if (got != 2) {
                 errors++;

@@ -158,8 +158,12 @@ class FakeProxy:
     """A loopback server that records each connection's first request and answers it
     with ``answer(head)`` (the whole bytes to send), then closes."""
 
-    def __init__(self, answer: Callable[[bytes, socket.socket], None]) -> None:
+    def __init__(
+        self, answer: Callable[[bytes, socket.socket], None], arrivals: list[str] | None = None
+    ) -> None:
         self.heads: list[bytes] = []
+        #: Shared by several proxies: which of them each request reached, in order.
+        self.arrivals = arrivals if arrivals is not None else []
         self.answer = answer
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -180,6 +184,7 @@ class FakeProxy:
                         break
                     head += chunk
                 self.heads.append(head)
+                self.arrivals.append(str(self.port))
                 self.answer(head, conn)
 
     def close(self) -> None:
@@ -240,3 +245,33 @@ def test_client_tunnel_sends_connect_then_the_get_inside(built: Path) -> None:
     assert got["errors"] == 0 and got["bytes"] == 1 << 20
     assert proxy.heads == [b"CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n"]
     assert inside == [b"GET /mb/1 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n"]
+
+
+def test_client_mix_takes_turns_request_by_request(
+    built: Path, upstream: tuple[int, subprocess.Popen[bytes]]
+) -> None:
+    port, _ = upstream
+    target = f"127.0.0.1:{port}"
+
+    def ok(head: bytes, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    def refuse(head: bytes, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+
+    arrivals: list[str] = []
+    first, second = FakeProxy(ok, arrivals), FakeProxy(refuse, arrivals)
+    try:
+        got = client(built, "mix", "127.0.0.1", target, "3", "1000", f"{first.port}:proxy",
+                     f"{port}:direct", f"{second.port}:proxy")  # fmt: skip
+    finally:
+        first.close()
+        second.close()
+    assert [len(x) for x in got["lat_us"]] == [3, 3, 0]
+    assert got["errors"] == [0, 0, 3]
+    assert arrivals == [str(first.port), str(second.port)] * 3
+    assert first.heads == [f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()] * 3
+    # A malformed endpoint is refused before anything is sent.
+    bad = subprocess.run([str(built / "client"), "mix", "127.0.0.1", target, "1", "0", "1:sideways"],
+                         capture_output=True, timeout=60, check=False)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == b""
