@@ -337,17 +337,19 @@ class Runtime:
         """
         with self.store.read() as conn:
             rows = conn.query(
-                "SELECT id, tenant, deployment, digest, supervisor FROM runs"
+                "SELECT id, tenant, deployment, digest, supervisor, started_at FROM runs"
                 " WHERE status = 'running'"
             )
         host = os.uname().nodename
         dead = []
-        for run_id, tenant, name, digest, supervisor in rows:
+        started: dict[str, str] = {}
+        for run_id, tenant, name, digest, supervisor, started_at in rows:
             owner = "" if supervisor is None else str(supervisor)
             if owner == skip or (not other_hosts and owner.partition(":")[0] != host):
                 continue
             if not run_owner_alive(owner):
                 dead.append((str(run_id), str(tenant), str(name), str(digest)))
+                started[str(run_id)] = str(started_at) if started_at else ""
         if not dead:
             return []
         self._reap_dead_owners()
@@ -368,6 +370,7 @@ class Runtime:
                 if changed != 1:
                     raise _AlreadyClosed(f"run {run_id} is closed already")
 
+            self._complete_orphaned_calls(tenant, run_id, started[run_id], actor)
             try:
                 self.ledger.append(
                     tenant,
@@ -384,6 +387,39 @@ class Runtime:
             self._revoke_run_grants(tenant, run_id)
             closed.append((tenant, run_id))
         return closed
+
+    def _complete_orphaned_calls(
+        self, tenant: str, run_id: str, started_at: str, actor: Actor
+    ) -> None:
+        """An egress call whose completion record its dead owner never wrote (its
+        answer went out first: docs/architecture.md, "One durable event on the
+        hot path") gets one now, marked incomplete: the log says the call was let
+        through and that what it moved is not known."""
+        from proctor.ledger import EventFilter, iter_events
+
+        decided: dict[int, dict[str, Any]] = {}
+        ended: set[int] = set()
+        flt = EventFilter(run=run_id, since=started_at or None)
+        for data in iter_events(self.ledger, tenant, flt):
+            ev = json.loads(data)
+            if ev.get("action") == Action.HTTP_REQUEST and ev.get("decision") == "allow":
+                decided[int(ev["seq"])] = ev
+            elif ev.get("action") == Action.HTTP_REQUEST_END:
+                ended.add(int(ev.get("details", {}).get("decision_seq", -1)))
+        for seq, ev in sorted(decided.items()):
+            if seq in ended:
+                continue
+            details = ev.get("details", {})
+            self.ledger.append(
+                tenant,
+                EventDraft(actor, Action.HTTP_REQUEST_END, ev["resource"],
+                           reason=f"incomplete: {OWNER_DIED} before its completion was recorded",
+                           deployment=ev.get("deployment"), run=run_id,
+                           artifact=ev.get("artifact"),
+                           details={"decision_seq": seq, "host": details.get("host"),
+                                    "port": details.get("port"), "incomplete": True,
+                                    "error": f"incomplete: {OWNER_DIED}"}),
+            )  # fmt: skip
 
     def _revoke_run_grants(self, tenant: str, run_id: str) -> None:
         # The dead owner's run logins on PostgreSQL datasets (see docs/postgres.md).

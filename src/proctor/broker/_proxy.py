@@ -280,6 +280,7 @@ class EgressProxy:
             status, down = await _relay_response(up_reader, writer, method, relay, meter)
             outcome.kept = relay.kept
             outcome.status, outcome.bytes_down = status, down
+            _answered(writer, relay)
         except (RuleRefused, ResponseCut) as exc:  # a bound of the host's request rules
             up_writer.transport.abort()  # the upstream has no whole request, or no more
             answer = await record_rule_refusal(scope, admitted, exc)
@@ -613,6 +614,15 @@ class Forward:
         acted = await _carry(call, ruling, carry, outcome)
         call.keep_alive = outcome.kept and outcome.error is None and acted.answer is None
         return acted
+
+
+def _answered(writer: asyncio.StreamWriter, relay: RelayState) -> None:
+    """The answer is whole: unless the connection is kept for the next request, the
+    guest sees its end now, not after the completion record (the one write left on
+    the call's path, in the next group commit)."""
+    if not relay.kept and writer.can_write_eof():
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            writer.write_eof()
 
 
 def _persistent(head: RequestHead) -> bool:

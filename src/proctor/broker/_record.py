@@ -159,5 +159,11 @@ async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> 
         )
     except CallRefused as exc:
         log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
+        # Fail closed from here on: the run's next call is refused, not one more
+        # call made whose end the log may also miss.
+        scope.completion_lost = (
+            f"the completion record of {admitted.resource} (event {admitted.seq}) "
+            "could not be written"
+        )
         return False
     return True

@@ -447,6 +447,9 @@ class RunScope:
     #: refused because the bound or the tenant's quota was reached.
     calls: int = field(default=0, init=False)
     refused_over_bound: int = field(default=0, init=False)
+    #: Why a call's completion record could not be written (its answer had gone
+    #: out already): every later call of the run is refused.
+    completion_lost: str | None = field(default=None, init=False)
     refused_over_quota: int = field(default=0, init=False)
     #: Body bytes sent and received under each egress rule so far (by entry): the
     #: rules' totals per run are held against these, across all the run's connections.
@@ -610,7 +613,12 @@ class RunScope:
         Past the run's bound or its tenant's quota of the day it raises
         :class:`Exhausted`, whose one event (per run; per tenant and day) is
         recorded by the first refusal and named by every one.
+
+        After a completion record that could not be written, every call is
+        refused (``not_recorded``): the ledger already misses one call's end.
         """
+        if self.completion_lost is not None:
+            raise CallRefused(f"the run's calls are refused: {self.completion_lost}")
         bound = self.call_bound if self.call_bound is not None else DEFAULT_CALL_BOUND
         if self.calls >= bound:
             self.refused_over_bound += 1
