@@ -65,7 +65,14 @@ from proctor.broker._inject import bindings_for
 from proctor.broker._proxy import ConnectRequest, EgressProxy, _close, _relay
 from proctor.broker._record import complete
 from proctor.broker._rules import rules_for
-from proctor.broker._scope import BadCall, BrokerError, RunScope, SecretBinding
+from proctor.broker._scope import (
+    BadCall,
+    BrokerError,
+    Exhausted,
+    RateLimited,
+    RunScope,
+    SecretBinding,
+)
 from proctor.broker._splice import relay_pair
 from proctor.ledger import Action
 from proctor.policy import normalize_host
@@ -398,6 +405,20 @@ class TransparentEgress:
 
         call = Call(self.scope, reader, writer, None, proxy=self.proxy,
                     speaks_http=origin.protocol == "http", origin=origin)  # fmt: skip
+        try:
+            # A call, as each request on the run's socket is: charged to the run's
+            # rate, its bound (limits.calls) and its tenant's ledger quota first.
+            self.scope.admit_call()
+        except BrokerError as exc:
+            from proctor.broker._answer import refuse, send_error
+
+            with contextlib.suppress(BrokerError, ConnectionError, OSError, EOFError):
+                # The peeked bytes read first: closing on unread ones resets the answer away.
+                await reader.readexactly(len(peeked))
+                await (refuse(call, exc) if isinstance(exc, RateLimited | Exhausted)
+                       else send_error(call, exc))  # fmt: skip
+            writer.close()
+            return
         await serve_kind(call, TRANSPARENT)
 
 
