@@ -963,3 +963,58 @@ def test_a_dns_flood_gets_a_bounded_share_of_the_brokers_loop(
     assert res["answers"] <= bound, res
     assert res["answers"] > 0, res  # DNS still works under the budget
     assert res["sent"] > bound, res  # the guest did send past it
+
+
+MANY_CONNECTIONS = r"""
+import json, socket
+addr = socket.gethostbyname("deny.test")
+out = []
+for i in range(12):
+    s = socket.create_connection((addr, 80), timeout=10)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: deny.test\r\n\r\n")
+    data = b""
+    while chunk := s.recv(4096):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    out.append([head.split(b"\r\n", 1)[0].decode(), json.loads(body or b"{}").get("policies")])
+    s.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_redirected_connections_are_calls_charged_to_the_run(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    # Each connection is a call as each request on the socket is: held to the run's
+    # bound (limits.calls) and its rate, so a guest cannot decide, and write to the
+    # ledger, without end by opening connections instead of calling the proxy.
+    from proctor.broker import RateLimit
+    from proctor.broker._scope import CALL_BOUND_RULE, RATE_LIMIT_RULE
+
+    backend = any_backend()[0]
+    ledger_env.ledger.create_log("acme", draft(0))
+    bounded = _scope(ledger_env.ledger, "bounded", call_bound=5)
+    slowed = _scope(ledger_env.ledger, "slowed", rate_limit=RateLimit(per_second=0.5, burst=3))
+    proxy = EgressProxy(tmp_path / "ca", resolver=_Resolver(), connect_timeout=5)
+    code = _code(tmp_path, MANY_CONNECTIONS)
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        over_bound, _ = _run_guest(broker, bounded, code, backend, {})
+        over_rate, _ = _run_guest(broker, slowed, code, backend, {})
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+
+    def of(run: str) -> list[dict[str, Any]]:
+        return [e for e in events if e["actor"]["id"].endswith(f"/run/{run}")]
+
+    decided = [e for e in of("bounded") if e["action"] == "http.request"]
+    assert len(decided) == 5, len(decided)
+    assert [e["action"] for e in of("bounded")].count("broker.call_bound") == 1
+    # Five decided (denied by policy: no permit), then refused naming the bound.
+    assert over_bound[:5] == [["HTTP/1.1 403 Forbidden", []]] * 5, over_bound
+    assert over_bound[5:] == [["HTTP/1.1 403 Forbidden", [CALL_BOUND_RULE]]] * 7, over_bound
+    decided = [e for e in of("slowed") if e["action"] == "http.request"]
+    assert len(decided) <= 4, len(decided)
+    assert "broker.rate_limited" in [e["action"] for e in of("slowed")]
+    limited = [a for a in over_rate if a == ["HTTP/1.1 429 Too Many Requests", [RATE_LIMIT_RULE]]]
+    assert len(limited) >= 8, over_rate
