@@ -129,6 +129,25 @@ def _until_stdin_closes() -> None:
     sys.stdin.buffer.read()
 
 
+def guard(argv: list[str]) -> int:
+    """Run a peer until this process's stdin closes (the bench stops it, or dies),
+    the peer exits, or LIFETIME passes; then stop the peer. A peer that drops to
+    its own user loses a parent-death signal, so this is what bounds its life."""
+    child = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    watch = threading.Thread(target=sys.stdin.buffer.read, daemon=True)
+    watch.start()
+    deadline = time.monotonic() + LIFETIME
+    while watch.is_alive() and child.poll() is None and time.monotonic() < deadline:
+        watch.join(0.5)
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return child.wait()
+
+
 def serve_alone(home: Path, upstream: int) -> None:
     """The egress proxy's handlers on a TCP port, as bench/broker_proxy.py runs them."""
     from proctor.broker import EgressProxy
@@ -372,14 +391,23 @@ cache_log {d}/cache.log
 access_log daemon:{d}/access.log squid
 coredump_dir {d}
 netdb_filename none
+# No ICMP helper: it can outlive squid, and loopback has nothing to measure.
+pinger_enable off
 shutdown_lifetime 1 seconds
 """
         )
         proxy = pwd.getpwnam("proxy")
         os.chown(d, proxy.pw_uid, proxy.pw_gid)
-        proc = self.spawn([SQUID, "-N", "-f", str(d / "squid.conf")],
+        proc = self.spawn([sys.executable, __file__, "--guard", SQUID, "-N", "-f",
+                           str(d / "squid.conf")], stdin=subprocess.PIPE,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        wait_port(port, proc, "squid")
+        try:
+            wait_port(port, proc, "squid")
+        except SystemExit as exc:
+            log = (
+                (d / "cache.log").read_text(errors="replace") if (d / "cache.log").exists() else ""
+            )
+            raise SystemExit(f"{exc}; its cache.log ends:\n{log[-1000:]}") from None
         self.targets.append(
             Target(
                 "squid", version([SQUID, "-v"]).replace("Squid Cache: ", "squid "), port, "proxy"
@@ -407,7 +435,8 @@ ViaProxyName "tinyproxy"
         )
         nobody = pwd.getpwnam("nobody")
         os.chown(d, nobody.pw_uid, nobody.pw_gid)
-        proc = self.spawn([TINYPROXY, "-d", "-c", str(d / "tinyproxy.conf")],
+        proc = self.spawn([sys.executable, __file__, "--guard", TINYPROXY, "-d", "-c",
+                           str(d / "tinyproxy.conf")], stdin=subprocess.PIPE,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         wait_port(port, proc, "tinyproxy")
         self.targets.append(Target("tinyproxy", version([TINYPROXY, "-v"]), port, "proxy"))
@@ -499,7 +528,7 @@ ViaProxyName "tinyproxy"
             else:
                 proc.terminate()
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=30)  # a guard gives its peer 15 s
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -668,9 +697,12 @@ def main() -> int:
     parser.add_argument("--keep-peers", action="store_true",
                         help="leave squid and tinyproxy installed (services disabled)")  # fmt: skip
     parser.add_argument("--serve", choices=("alone", "broker"), help=argparse.SUPPRESS)
+    parser.add_argument("--guard", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--home", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.guard:
+        return guard(args.guard)
     if args.serve:
         (serve_alone if args.serve == "alone" else serve_broker)(args.home, args.upstream)
         return 0
