@@ -152,3 +152,44 @@ def test_a_connection_asking_to_close_or_without_a_token_is_not_kept(
                 assert status.startswith("HTTP/1.1 401")
         finally:
             broker.close_run(scope.run_id)
+
+
+def test_a_completion_that_cannot_be_recorded_refuses_the_runs_next_call(
+    ledger_env: LedgerEnv, upstream: int
+) -> None:
+    from proctor.broker import CallRefused
+
+    ledger_env.ledger.create_log("acme", draft(0))
+    entry = f"127.0.0.1:{upstream}"
+    scope = _scope(ledger_env.ledger, "k3", allowed_ranges=("127.0.0.0/8",))
+    scope.policies = compile_policies(capability_policies("acme", "churn", {"egress": [entry]}))
+    real = scope.record
+
+    async def no_completions(action: str, *args: Any, **kwargs: Any) -> Any:
+        if action == "http.request.end":
+            raise CallRefused("the ledger cannot record it (test)")
+        return await real(action, *args, **kwargs)
+
+    scope.record = no_completions  # type: ignore[method-assign]
+    proxy = EgressProxy(None, connect_timeout=5)
+    answers = []
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        channel = broker.open_run(scope, ttl=60)
+        try:
+            for path in ("/first", "/second"):
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(10)
+                    s.connect(str(channel.socket))
+                    s.sendall(f"GET http://{entry}{path} HTTP/1.1\r\nHost: {entry}\r\n"
+                              f"Connection: close\r\n{TOKEN_HEADER}: {channel.token}\r\n\r\n"
+                              .encode())  # fmt: skip
+                    answers.append(_read_response(s.makefile("rb")))
+        finally:
+            broker.close_run(scope.run_id)
+    # The first answer had gone out before its completion failed; the run's next
+    # call is refused, and nothing more reaches the upstream.
+    assert answers[0][0] == "HTTP/1.1 200 OK" and answers[0][2] == b"got /first"
+    assert answers[1][0].startswith("HTTP/1.1 503")
+    assert json.loads(answers[1][2])["error"] == "not_recorded"
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    assert [e["details"]["path"] for e in events if e["action"] == "http.request"] == ["/first"]
