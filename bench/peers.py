@@ -532,6 +532,7 @@ ViaProxyName "tinyproxy"
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.reap_helpers()
         named = {"alone": "proctor-proxy", "broker": "proctor-guest"}
         counts: dict[str, tuple[int, str]] = {}
         for kind, proc in self.finals.items():
@@ -547,6 +548,29 @@ ViaProxyName "tinyproxy"
             if t.name in counts and t.requests:
                 n, what = counts[t.name]
                 t.logged = f"{n:,} {what}, {n / t.requests:.1f} a request"
+
+    def reap_helpers(self, timeout: float = 10) -> None:
+        """Wait for the peers' helpers (squid's log daemon finishing its writes)
+        to go; stop any still there. Found by this run's own directory in their
+        command lines, so nothing else on the machine is touched."""
+        mark = str(self.tmp).encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            left = []
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit() and int(entry.name) != os.getpid():
+                    with contextlib.suppress(OSError):
+                        if mark in (entry / "cmdline").read_bytes():
+                            left.append(int(entry.name))
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                for pid in left:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                self.notes.append(f"stopped {len(left)} peer helper(s) that outlived their peer")
+                return
+            time.sleep(0.1)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
