@@ -398,6 +398,14 @@ def test_the_name_pool_is_bounded_and_each_runs_own() -> None:
 
 # -- in a real sandbox: the guest opens every connection itself --------------------
 
+
+@pytest.fixture
+def store_engine() -> str:
+    # The ledger's engine is not what these tests attack (both are tested elsewhere
+    # with the same events): SQLite alone keeps the sandboxed runs few.
+    return "sqlite"
+
+
 SEAMS_POLICY = """
 @id("api")
 permit(principal, action == Proctor::Action::"http.request", resource == Proctor::Host::"api.test");
