@@ -627,6 +627,9 @@ class Transparent:
         outcome = Outcome(requests=1) if fwd is not None else Outcome()
         try:
             if fwd is not None:
+                # The head was peeked, not read: read it off, so what is forwarded as
+                # the body (metered, hashed, scanned) is the body, not the head again.
+                await reader.readexactly(request.origin.peeked.find(b"\r\n\r\n") + 4)
                 await proxy._forward(call.scope, admitted, fwd.method, fwd.origin, fwd.authority,
                                      fwd.headers, fwd.framing, reader, writer, outcome)  # fmt: skip
             else:
