@@ -1,7 +1,9 @@
 """Proctor's egress against the proxies users would pick instead (issue 22, item 5).
 
 ``python bench/peers.py [--quick] [--rounds R] [--requests N] [--seconds S]
-[--clients C] [--megabytes M] [--keep-peers]`` (as root, for the peers).
+[--clients C] [--megabytes M] [--pause-us P] [--keep-peers]`` (as root, for
+the peers; without root, or without gcc, what cannot be measured is skipped
+and said so).
 
 One run measures every target side by side, on loopback, with one native
 client and one native upstream (``bench/peers/client.c``, ``upstream.c``,
@@ -21,16 +23,18 @@ built with gcc into a temporary directory):
   own process) bridging to a real broker's run socket (another process),
   which decides, records and proxies.
 
-Each round measures every target in turn, the order rotated each round, so
-that the machine's noise falls on all of them: latency (one connection per
-request, one request at a time), requests per second with C clients (each
-request on a connection of its own) and one CONNECT download of M MiB (direct:
-the same GET without a proxy). It prints a table and the ratios issue 22
-names. Everything is stopped at the end (the servers here are this script's
-children; the upstream and the Proctor servers also end when their stdin
-closes, and the upstream after an hour in any case). A peer the bench
-installed is purged again at the end (the exact packages apt added) unless
-``--keep-peers``; a service apt started is stopped, and none is left enabled.
+Each round measures every target, the order rotated each round, so that the
+machine's noise falls on all of them: latency, the targets taking turns
+request by request (one connection per request, one request at a time, an
+untimed pause of P us after each), then, one target after another, requests
+per second with C clients (each request on a connection of its own) and one
+CONNECT download of M MiB (direct: the same GET without a proxy). It prints a
+table and the ratios issue 22 names. Everything is stopped at the end (the
+servers here are this script's children; the upstream and the Proctor servers
+also end when their stdin closes, and the upstream after an hour in any case).
+A peer the bench installed is purged again at the end (the exact packages apt
+added) unless ``--keep-peers``; a service apt started is stopped, and none is
+left enabled.
 """
 
 from __future__ import annotations
@@ -730,7 +734,7 @@ def main() -> int:
     if args.serve:
         (serve_alone if args.serve == "alone" else serve_broker)(args.home, args.upstream)
         return 0
-    quick = {"rounds": 2, "requests": 50, "seconds": 1.0, "megabytes": 20}
+    quick = {"rounds": 2, "requests": 50, "seconds": 1.0, "megabytes": 100}
     full = {"rounds": 5, "requests": 200, "seconds": 3.0, "megabytes": 100}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
