@@ -29,12 +29,12 @@ request by request (one connection per request, one request at a time, an
 untimed pause of P us after each), then, one target after another, requests
 per second with C clients (each request on a connection of its own) and one
 CONNECT download of M MiB (direct: the same GET without a proxy). It prints a
-table and the ratios issue 22 names. Everything is stopped at the end (the
-servers here are this script's children; the upstream and the Proctor servers
-also end when their stdin closes, and the upstream after an hour in any case).
-A peer the bench installed is purged again at the end (the exact packages apt
-added) unless ``--keep-peers``; a service apt started is stopped, and none is
-left enabled.
+table and the ratios issue 22 names. Everything is stopped at the end (all of
+it this script's children: the upstream, the Proctor servers and a guard
+around each peer end when their stdin closes, so also when the bench dies, and
+after an hour in any case). A peer the bench installed is purged again at the
+end (the exact packages apt added) unless ``--keep-peers``; a service apt
+started is stopped, and none is left enabled.
 """
 
 from __future__ import annotations
