@@ -78,6 +78,23 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def fsync_ms(directory: Path, count: int = 50) -> float:
+    """The median time of appending a log line and syncing it, here: tinyproxy
+    pays it seven times a request, one line at a time; Proctor's ledger syncs
+    two events a request, several requests' to a commit under load."""
+    path = directory / "fsync-probe"
+    times = []
+    with path.open("ab") as f:
+        for _ in range(count):
+            started = time.perf_counter()
+            f.write(b"x" * 120 + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+            times.append((time.perf_counter() - started) * 1000)
+    path.unlink()
+    return statistics.median(times)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -342,6 +359,7 @@ class Bench:
         self.finals: dict[str, subprocess.Popen[bytes]] = {}
         self.notes: list[str] = []
         self.load = os.getloadavg()
+        self.fsync = (fsync_ms(self.tmp), 0.0)
         self.upstream = 0
 
     # helpers
@@ -523,6 +541,7 @@ ViaProxyName "tinyproxy"
     # stopping
 
     def stop(self) -> None:
+        self.fsync = (self.fsync[0], fsync_ms(self.tmp))
         for proc in reversed(self.children):
             if proc.poll() is not None:
                 continue
@@ -592,7 +611,9 @@ ViaProxyName "tinyproxy"
               f"by request), {a.clients} clients for {a.seconds:g} s, one {a.megabytes} MiB "
               f"CONNECT download. Every request on a connection of its own. Load average "
               f"{self.load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
-              f"{os.cpu_count()} CPUs.")  # fmt: skip
+              f"{os.cpu_count()} CPUs; a log line appended and fsynced in the run's "
+              f"directory: {self.fsync[0]:.2f} ms before, {self.fsync[1]:.2f} ms after "
+              f"(median of 50).")  # fmt: skip
         print()
         print("| path | p50 | p95 | p99 | added p50 | req/s, "
               f"{a.clients} clients | CONNECT {a.megabytes} MiB | errors | logged |")  # fmt: skip
