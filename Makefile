@@ -33,6 +33,7 @@ bench: setup
 	$(PY) bench/broker_sql.py
 	$(PY) bench/broker_proxy.py
 	$(PY) bench/transparent.py
+	$(PY) bench/peers.py
 	$(PY) bench/evidence.py
 	$(PY) bench/api.py
 	$(PY) bench/fair.py
