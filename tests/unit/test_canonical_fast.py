@@ -1,0 +1,71 @@
+"""The ledger's fast paths for canonical JSON give exactly what the reference does.
+
+``parse_canonical`` leaves integers to C unless the bytes hold a run of 16 digits;
+it must still call exactly the bytes canonical that rfc8785 would write, for every
+number near the edge of the safe range and every string of digits.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import suppress
+
+import rfc8785
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proctor.errors import UsageError
+from proctor.ledger._canonical import canonical_json, parse_canonical
+
+_EDGE = 2**53
+numbers = (
+    st.integers(-(2**60), 2**60)
+    | st.integers(_EDGE - 3, _EDGE + 3)
+    | st.integers(-_EDGE - 3, -_EDGE + 3)
+    | st.integers(10**15 - 3, 10**15 + 3)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+texts = st.text(max_size=8) | st.from_regex(r"\A[0-9a-f]{10,40}\Z")
+values = st.recursive(
+    st.none() | st.booleans() | numbers | texts,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(texts, children, max_size=4),
+    max_leaves=16,
+)
+
+
+def _reference(data: bytes) -> bool:
+    """The slow path alone: every number read as a double, written by rfc8785."""
+    as_doubles = json.loads(data, parse_int=float)
+    try:
+        return canonical_json(as_doubles) == data
+    except UsageError:
+        return False
+
+
+def _spellings(value: object) -> list[bytes]:
+    out = [json.dumps(value, ensure_ascii=False).encode(), json.dumps(value).encode()]
+    out.append(
+        json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode()
+    )
+    with suppress(rfc8785.CanonicalizationError, ValueError, TypeError, UnicodeError):
+        out.append(rfc8785.dumps(value))
+    return out
+
+
+@settings(max_examples=400)
+@given(values)
+def test_parse_canonical_agrees_with_the_slow_path(value: object) -> None:
+    for data in _spellings(value):
+        parsed, ok = parse_canonical(data)
+        assert ok is _reference(data), data
+        assert parsed == json.loads(data)
+
+
+def test_integers_past_the_safe_range_are_not_canonical() -> None:
+    for n in (2**53 + 1, -(2**53) - 1, 10**17 + 1):
+        data = b'{"a":' + str(n).encode() + b"}"
+        assert parse_canonical(data)[1] is False
+        assert _reference(data) is False
+    # Inside the range, and a digest full of digits in a string, stay canonical.
+    assert parse_canonical(b'{"a":9007199254740991}')[1] is True
+    assert parse_canonical(b'{"a":"12345678901234567890"}')[1] is True
