@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from contextlib import suppress
 
+import pytest
 import rfc8785
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -69,3 +70,25 @@ def test_integers_past_the_safe_range_are_not_canonical() -> None:
     # Inside the range, and a digest full of digits in a string, stay canonical.
     assert parse_canonical(b'{"a":9007199254740991}')[1] is True
     assert parse_canonical(b'{"a":"12345678901234567890"}')[1] is True
+
+
+def test_subclasses_and_odd_keys_match_rfc8785() -> None:
+    from collections import OrderedDict
+    from enum import IntEnum, StrEnum
+
+    class Colour(StrEnum):
+        RED = "red"
+
+    class Size(IntEnum):
+        BIG = 7
+
+    value = {
+        "z": OrderedDict([("b", 1), ("a", [Colour.RED, Size.BIG, True, None])]),
+        Colour.RED: ("t", 2**53 - 1),
+        "\ufb01": 1,
+        "é": {"\u00ff": "x"},
+    }
+    assert canonical_json(value) == rfc8785.dumps(value)
+    for bad in ({1: "x"}, {"a": {None: 1}}, {"a": [{2.5: 1}]}):
+        with pytest.raises(UsageError):
+            canonical_json(bad)

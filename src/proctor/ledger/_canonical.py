@@ -25,29 +25,51 @@ _encode = json.JSONEncoder(
 ).encode
 
 
+_SCALARS = frozenset({str, bool, type(None)})
+_KNOWN = _SCALARS | {int, dict, list, tuple}
+
+
 def _fast_ok(value: Any) -> bool:
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str) or v is None or isinstance(v, bool):
+        t: type | None = type(v)
+        # Exact types by identity: the common shapes cost a set lookup each.
+        if t not in _KNOWN:
+            t = _base(v)
+            if t is None:
+                return False
+        if t in _SCALARS:
             continue
-        if isinstance(v, int):
+        if t is int:
             if -_MAX_SAFE <= v <= _MAX_SAFE:
                 continue
             return False
-        if isinstance(v, dict):
-            for k, item in v.items():
-                # JCS orders keys by UTF-16 code units, Python by code points:
-                # they differ only once a key leaves the BMP.
-                if not isinstance(k, str) or (not k.isascii() and max(k) > "\uffff"):
-                    return False
-                stack.append(item)
+        if t is dict:
+            if not _keys_ok(v):
+                return False
+            stack.extend(v.values())
             continue
-        if isinstance(v, list | tuple):
-            stack.extend(v)
-            continue
-        return False
+        stack.extend(v)  # a list or a tuple
     return True
+
+
+def _base(v: Any) -> type | None:
+    """The JSON type a subclass (a StrEnum, an OrderedDict) is encoded as."""
+    for t in (bool, str, int, dict, list, tuple):  # bool before int, its base
+        if isinstance(v, t):
+            return t
+    return None
+
+
+def _keys_ok(d: dict[Any, Any]) -> bool:
+    # JCS orders keys by UTF-16 code units, Python by code points: they differ
+    # only once a key leaves the BMP. ``join`` refuses a key that is no string.
+    try:
+        keys = "".join(d)
+    except TypeError:
+        return False
+    return keys.isascii() or max(keys, default="") <= "\uffff"
 
 
 def canonical_event(event: dict[str, Any]) -> bytes:
@@ -58,7 +80,7 @@ def canonical_event(event: dict[str, Any]) -> bytes:
     """
     try:
         if _fast_ok(event["details"]):
-            return _encode(event).encode("utf-8")
+            return "".join(_text_encoder(event, 0)).encode("utf-8")
     except (TypeError, ValueError, UnicodeError) as exc:
         raise UsageError(f"event cannot be encoded as canonical JSON: {exc}") from exc
     return canonical_json(event)
@@ -68,7 +90,7 @@ def canonical_json(value: Any) -> bytes:
     """The RFC 8785 encoding of ``value``; raises UsageError for what JSON cannot hold."""
     try:
         if _fast_ok(value):
-            return _encode(value).encode("utf-8")
+            return "".join(_text_encoder(value, 0)).encode("utf-8")
         out: bytes = rfc8785.dumps(value)
         return out
     except (TypeError, ValueError, UnicodeError, rfc8785.CanonicalizationError) as exc:
@@ -105,7 +127,8 @@ _LONG_RUN = b"0" * 16
 
 def _make_text_encoder() -> Any:
     # The C encoder, made once: ``JSONEncoder.encode`` makes one per call, with a
-    # cycle check a decoded value never needs. Same arguments as ``_encode``'s.
+    # cycle check that neither a decoded value nor one ``_fast_ok`` walked to its
+    # end needs. Same arguments as ``_encode``'s.
     make = getattr(_json_encoder, "c_make_encoder", None)
     if make is None:  # pragma: no cover - CPython always has it
         return lambda value, _: [_encode(value)]
