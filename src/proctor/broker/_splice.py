@@ -72,9 +72,19 @@ async def relay_pair(
     except BaseException:
         a_dup.detach()
         raise
+
+    def stop() -> None:
+        # The duplicates hold the sockets open past the transports' abort: shut
+        # them down too, or the other direction would wait on a peer that never
+        # sends again.
+        for dup in (a_dup, b_dup):
+            with contextlib.suppress(OSError):
+                dup.shutdown(socket.SHUT_RDWR)
+        abort()
+
     try:
         up, down = await asyncio.gather(
-            _one_way(a_dup, b_dup, first_up, abort), _one_way(b_dup, a_dup, first_down, abort)
+            _one_way(a_dup, b_dup, first_up, stop), _one_way(b_dup, a_dup, first_down, stop)
         )
     finally:
         a_dup.close()
