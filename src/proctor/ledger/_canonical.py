@@ -148,12 +148,27 @@ def parse_canonical(data: bytes) -> tuple[Any, bool]:
     """
     if data.isascii() or _ASTRAL.search(data) is None:
         decoder = _fast_decoder if _LONG_RUN in data.translate(_DIGITS) else _plain_decoder
+        text = data.decode("utf-8")
         try:
-            value = decoder.decode(data.decode("utf-8"))
+            try:
+                # No whitespace may come before or after canonical JSON; when some
+                # does, ``decode`` reads it (or refuses what follows) as it always has.
+                value, end = decoder.raw_decode(text)
+            except ValueError:
+                value, end = decoder.decode(text), -1
+            if end != len(text):
+                value, end = decoder.decode(text), -1
         except _NotFast:
             pass
         else:
-            return value, "".join(_text_encoder(value, 0)).encode("utf-8") == data
+            # Compared as text (``text`` is ``data`` strictly decoded: equal text is
+            # equal bytes); only an output unequal is encoded, which raises for a
+            # lone surrogate, as encoding every output did.
+            out = "".join(_text_encoder(value, 0))
+            if end >= 0 and out == text:
+                return value, True
+            out.encode("utf-8")
+            return value, False
     value = json.loads(data)
     # JCS numbers are IEEE doubles: compare the float reading of every number.
     as_doubles = json.loads(data, parse_int=float)
