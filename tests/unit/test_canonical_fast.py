@@ -92,3 +92,69 @@ def test_subclasses_and_odd_keys_match_rfc8785() -> None:
     for bad in ({1: "x"}, {"a": {None: 1}}, {"a": [{2.5: 1}]}):
         with pytest.raises(UsageError):
             canonical_json(bad)
+
+
+# -- orjson, when installed: the same bytes as the stdlib's encoder and rfc8785 -----
+
+_any_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=10)
+fast_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | _any_text,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(_any_text, children, max_size=4)
+    ),
+    max_leaves=16,
+)
+
+
+@settings(max_examples=500)
+@given(fast_values)
+def test_orjson_writes_what_the_stdlib_and_rfc8785_write(value: object) -> None:
+    pytest.importorskip("orjson")
+    from proctor.ledger import _canonical as c
+
+    if not c._fast_ok(value):
+        return  # an astral key: rfc8785 alone
+    assert c._dumps is not None
+    stdlib = "".join(c._text_encoder(value, 0)).encode("utf-8")
+    assert c._dumps(value) == stdlib == rfc8785.dumps(value)
+
+
+@settings(max_examples=400)
+@given(values)
+def test_orjson_reading_agrees_with_the_stdlib_reading(value: object) -> None:
+    pytest.importorskip("orjson")
+    from unittest import mock
+
+    from proctor.ledger import _canonical as c
+
+    for data in _spellings(value):
+        with mock.patch.object(c, "_loads", None):
+            expected = parse_canonical(data)
+        assert parse_canonical(data) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"a":1.0}',
+        b'{"a":1e2}',
+        b'{"a":9007199254740993}',
+        b'{"b":1,"a":2}',
+        b'{"a":1,"a":1}',
+        b' {"a":1}',
+        b'{"a":"\\u0041"}',
+        b'{"a":"\\/"}',
+        b'{"\xf0\x9f\x98\x80":1,"\xef\xac\x81":2}',
+        b'{"a":-0}',
+    ],
+)
+def test_orjson_accepts_no_spelling_the_stdlib_refuses(text: bytes) -> None:
+    pytest.importorskip("orjson")
+    from unittest import mock
+
+    from proctor.ledger import _canonical as c
+
+    with mock.patch.object(c, "_loads", None):
+        expected = parse_canonical(text)
+    assert parse_canonical(text) == expected
+    assert expected[1] is False or text == b'{"\xf0\x9f\x98\x80":1,"\xef\xac\x81":2}'
