@@ -46,7 +46,13 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(len(values) * p))]
 
 
+def _fresh(path: Path) -> None:
+    for old in path.parent.glob(path.name + "*"):
+        old.unlink()
+
+
 def appends(dirpath: Path, writers: int, total: int) -> dict[str, float]:
+    _fresh(dirpath / f"w{writers}.db")
     store = open_store(str(dirpath / f"w{writers}.db"), create=True)
     ledger = Ledger(store, Signer.generate("bench.local"), "bench.local")
     ledger.create_log("acme", draft(0))
@@ -86,6 +92,7 @@ def appends(dirpath: Path, writers: int, total: int) -> dict[str, float]:
 
 def appends_async(dirpath: Path, writers: int, total: int) -> dict[str, float]:
     """The same, as asyncio tasks on one event loop: how the broker appends."""
+    _fresh(dirpath / f"a{writers}.db")
     store = open_store(str(dirpath / f"a{writers}.db"), create=True)
     ledger = Ledger(store, Signer.generate("bench.local"), "bench.local")
     ledger.create_log("acme", draft(0))
@@ -135,8 +142,7 @@ _FLOOR_SCHEMA = (
 
 class _RawWriter:
     def __init__(self, path: Path, max_batch: int = 2048) -> None:
-        for old in path.parent.glob(path.name + "*"):
-            old.unlink()
+        _fresh(path)
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -271,21 +277,26 @@ def main() -> None:
     ap.add_argument("--appends", type=int, default=40_000, help="appends per writer run")
     ap.add_argument("--writers", default="1,8,64", help="writer counts to run (comma-separated)")
     ap.add_argument("--only", choices=("appends", "verify"), help="run one half of the bench")
+    ap.add_argument("--rounds", type=int, default=3, help="ledger runs per writer count")
     args = ap.parse_args()
     counts = [int(w) for w in args.writers.split(",")]
     with tempfile.TemporaryDirectory(prefix="proctor-bench-", dir=os.environ.get("BENCH_DIR")) as d:
         tmp = Path(d)
         if args.only != "verify":
-            durable_appends(tmp, counts, args.appends)
+            durable_appends(tmp, counts, args.appends, max(1, args.rounds))
         if args.only != "appends":
             verify_and_proofs(tmp, args.events)
 
 
-def durable_appends(tmp: Path, counts: list[int], per_run: int) -> None:
+def durable_appends(tmp: Path, counts: list[int], per_run: int, rounds: int) -> None:
     print("durable appends (WAL, synchronous=FULL, one fsync per batch)")
     print(
-        f"{'writers':>14} {'events/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ev/batch':>9}"
-        f" {'raw floor/s':>12} {'ratio':>6}"
+        "the raw floor: the same event bytes, one writer thread, one executemany INSERT"
+        " and one COMMIT per batch, no ledger"
+    )
+    print(
+        f"{'writers':>16} {'events/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'ev/batch':>9}"
+        f" {'raw floor/s':>12} {'ratio':>6}  ratios of the rounds"
     )
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for kind, fn, floor in (
@@ -294,16 +305,24 @@ def durable_appends(tmp: Path, counts: list[int], per_run: int) -> None:
     ):
         for writers in counts:
             total = per_run if writers > 1 else min(per_run, 3_000)
-            # The floor before and after the ledger's run, averaged, so that a change
-            # of the machine's load during the run weighs on both alike.
-            f1 = floor(tmp, writers, total)["events_per_s"]
-            r = fn(tmp, writers, total)
-            f2 = floor(tmp, writers, total)["events_per_s"]
-            base = (f1 + f2) / 2
+            # Floor and ledger alternate (floor, ledger, floor, ...); each ledger run is
+            # divided by the mean of the floors either side of it, and the median of
+            # the rounds is printed: the machine's load moves during a run.
+            floors = [floor(tmp, writers, total)["events_per_s"]]
+            runs: list[dict[str, float]] = []
+            for _ in range(rounds):
+                runs.append(fn(tmp, writers, total))
+                floors.append(floor(tmp, writers, total)["events_per_s"])
+            ratios = [
+                r["events_per_s"] / ((floors[i] + floors[i + 1]) / 2) for i, r in enumerate(runs)
+            ]
+            mid = sorted(range(rounds), key=lambda i: ratios[i])[rounds // 2]
+            r = runs[mid]
+            base = (floors[mid] + floors[mid + 1]) / 2
             print(
-                f"{writers:>3} {kind:>10} {r['events_per_s']:>10,.0f} {r['p50_ms']:>8.2f} "
+                f"{writers:>3} {kind:>12} {r['events_per_s']:>10,.0f} {r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['events_per_batch']:>9.1f} {base:>12,.0f}"
-                f" {r['events_per_s'] / base:>5.2f}x"
+                f" {ratios[mid]:>5.2f}x  {' '.join(f'{x:.2f}' for x in ratios)}"
             )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
