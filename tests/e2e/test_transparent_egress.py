@@ -148,7 +148,7 @@ def late(server_hostname):
     ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
     ctx.check_hostname = False
     raw = socket.create_connection(("api.test", S), timeout=10)
-    time.sleep(0.8)
+    time.sleep(1.5)
     t = ctx.wrap_socket(raw, server_hostname=server_hostname)
     t.sendall(b"GET / HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n")
     return t.recv(200).decode().split("\r\n")[0]
@@ -512,8 +512,11 @@ def test_java_and_go_without_proxy_settings_are_brokered(
     events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
     allowed = [e for e in events if e["action"] == "http.request" and e["decision"] == "allow"]
     assert len(allowed) == len(programs), [e["details"] for e in allowed]
-    assert all(e["details"]["via"] == "transparent" and e["details"].get("sni") == "api.test"
-               for e in allowed), [(e["details"]["protocol"], e["details"].get("sni")) for e in allowed]  # fmt: skip
+    # A JVM slow to send its ClientHello (gVisor under load) is decided as raw TCP
+    # first and its ClientHello held to the name when it comes (the late path).
+    seen = [(e["details"]["protocol"], e["details"].get("sni")) for e in allowed]
+    assert all(e["details"]["via"] == "transparent" for e in allowed)
+    assert all(p == ("tls", "api.test") or p == ("tcp", None) for p in seen), seen
 
 
 def test_a_warm_pool_never_shares_a_run_network() -> None:

@@ -520,10 +520,10 @@ for key, data in http.items():
 slow = {
     "tls_one_byte": (S, [other[:1], other[1:]], 0.0),
     "http_one_word": (H, [b"GET", b" / HTTP/1.1\r\nHost: other.test\r\n\r\n"], 0.0),
-    "late_tls_one_byte": (S, [other[:1], other[1:]], 0.6),
-    "late_http_one_word": (H, [b"GET", b" / HTTP/1.1\r\nHost: other.test\r\n\r\n"], 0.6),
-    "late_http_bare_lf": (H, [b"GET / HTTP/1.1\nHost: other.test\n\r\n\r\n"], 0.6),
-    "late_http_dup_host": (H, [b"GET / HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n"], 0.6),
+    "late_tls_one_byte": (S, [other[:1], other[1:]], 1.0),
+    "late_http_one_word": (H, [b"GET", b" / HTTP/1.1\r\nHost: other.test\r\n\r\n"], 1.0),
+    "late_http_bare_lf": (H, [b"GET / HTTP/1.1\nHost: other.test\n\r\n\r\n"], 1.0),
+    "late_http_dup_host": (H, [b"GET / HTTP/1.1\r\nHost: api.test\r\nHost: other.test\r\n\r\n"], 1.0),
 }
 def run_slow(key, port, parts, wait):
     res["slow " + key] = send_raw(A, port, parts, pause=5.6, wait=wait)[:80].decode(errors="replace") or "closed"

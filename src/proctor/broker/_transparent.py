@@ -93,8 +93,10 @@ MAX_UDP_RECORDED: Final = 32
 #: microseconds, so one run's flood would otherwise hold the loop from all others.
 MAX_UDP_PER_SECOND: Final = 500
 #: How long a connection may stay silent before it is decided as raw TCP (a
-#: protocol whose server speaks first: SMTP, SSH, MySQL).
-PEEK_WAIT: Final = 0.3
+#: protocol whose server speaks first: SMTP, SSH, MySQL). Long enough for a slow
+#: client's ClientHello (a JVM under gVisor), whose late first flight is held to
+#: the name all the same; short enough that a server-first protocol barely waits.
+PEEK_WAIT: Final = 0.5
 #: The most of a connection's first bytes looked at (a ClientHello, an HTTP head).
 PEEK_BYTES: Final = 16 * 1024
 NAME_MISMATCH_RULE: Final = "proctor:egress:name-mismatch"
