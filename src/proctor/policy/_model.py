@@ -233,6 +233,10 @@ class Request:
         }
 
 
+#: Additions one entity set keeps parsed (see :meth:`EntitySet.with_added`).
+ADDED_KEPT = 256
+
+
 class EntitySet:
     """Entities parsed (and checked against the schema) once, reusable across decisions.
 
@@ -241,7 +245,7 @@ class EntitySet:
     parses only the addition.
     """
 
-    __slots__ = ("_handle",)
+    __slots__ = ("_added", "_handle")
 
     def __init__(self, entities: Iterable[Entity] = ()) -> None:
         text = _entities_json(entities)
@@ -249,20 +253,33 @@ class EntitySet:
             self._handle = cedarpy.Entities.from_json_str(text, schema_handle())
         except ValueError as exc:
             raise PolicyError(f"entities rejected by Cedar: {exc}") from exc
+        self._added: dict[str, EntitySet] = {}
 
     @classmethod
     def _wrap(cls, handle: cedarpy.Entities) -> EntitySet:
         made = cls.__new__(cls)
         made._handle = handle
+        made._added = {}
         return made
 
     def with_added(self, entities: Iterable[Entity]) -> EntitySet:
-        """A new set: this one plus ``entities``. This set is unchanged."""
+        """A new set: this one plus ``entities``. This set is unchanged.
+
+        The last :data:`ADDED_KEPT` additions are kept: a run asks about the same
+        few hosts, datasets and secrets again and again, and Cedar's parse of an
+        addition costs about as much as the decision itself."""
         text = _entities_json(entities)
+        hit = self._added.get(text)
+        if hit is not None:
+            return hit
         try:
-            return EntitySet._wrap(self._handle.with_added_json_str(text, schema_handle()))
+            made = EntitySet._wrap(self._handle.with_added_json_str(text, schema_handle()))
         except ValueError as exc:
             raise PolicyError(f"entities rejected by Cedar: {exc}") from exc
+        if len(self._added) >= ADDED_KEPT:
+            self._added.clear()
+        self._added[text] = made
+        return made
 
     def __len__(self) -> int:
         return len(self._handle)
