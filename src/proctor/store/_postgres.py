@@ -207,7 +207,7 @@ class PostgresStore:
             with suppress(psycopg.Error):
                 db.close()
             return None
-        return _SessionLock(db)
+        return _SessionLock(db, lock_key(name))
 
     def scrub(self) -> None:
         """Nothing to do: see ``_PGConn.secure_delete``."""
@@ -387,13 +387,19 @@ class PostgresStore:
 class _SessionLock(AbstractContextManager[None]):
     """A held session lock: its connection, closed (and the lock with it) on exit."""
 
-    def __init__(self, db: psycopg.Connection[Any]) -> None:
+    def __init__(self, db: psycopg.Connection[Any], key: int) -> None:
         self._db = db
+        self._key = key
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, *exc: object) -> None:
+        # Unlocked before the close: a closed connection's server process lets go
+        # of its locks only as it exits, a moment after, so a caller taking the
+        # lock again at once would find it still held.
+        with suppress(Exception):
+            self._db.execute("SELECT pg_advisory_unlock(%s)", (self._key,))
         with suppress(Exception):
             self._db.close()
 
