@@ -22,11 +22,12 @@ import rfc8785
 from proctor.errors import UsageError
 
 _dumps: Callable[[Any], bytes] | None
+_strict: Callable[[Any], bytes] | None
 _loads: Callable[[bytes], Any] | None
 try:
     import orjson
 except ImportError:  # pragma: no cover - the stdlib's encoder is exact too, only slower
-    _dumps = _loads = None
+    _dumps = _loads = _strict = None
 else:
     _SORTED = orjson.OPT_SORT_KEYS
 
@@ -34,6 +35,25 @@ else:
         return orjson.dumps(value, option=_SORTED)
 
     _loads = orjson.loads
+    _STRICT = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
+
+    def _strict(value: Any) -> bytes:
+        return orjson.dumps(value, option=_STRICT)
+
+
+def _no_floats(value: Any) -> bool:
+    """Whether a value orjson read (exact dicts, lists and scalars) holds no float."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is dict:
+            stack.extend(v.values())
+        elif t is list:
+            stack.extend(v)
+        elif t is float:
+            return False
+    return True
 
 
 _MAX_SAFE = 2**53 - 1
@@ -166,6 +186,27 @@ def _make_text_encoder() -> Any:
 _text_encoder = _make_text_encoder()
 
 
+def _plainly_canonical(data: bytes) -> tuple[Any] | None:
+    """orjson's reading of ``data`` when orjson writes it back byte for byte and it
+    is inside the fast domain; None for anything else (not JSON to orjson, a float,
+    an integer past 2**53, an astral key, bytes that differ), which
+    ``parse_canonical`` then judges exactly as without orjson, errors included."""
+    if _loads is None or _dumps is None or _strict is None:
+        return None
+    try:
+        value = _loads(data)
+        # ASCII bytes hold no astral key, and ``_strict`` refuses an integer past
+        # 2**53: only floats are left to look for.
+        if data.isascii():
+            if _no_floats(value) and _strict(value) == data:
+                return (value,)
+        elif _fast_ok(value) and _dumps(value) == data:
+            return (value,)
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
 def parse_canonical(data: bytes) -> tuple[Any, bool]:
     """Parse JSON bytes; also say whether they are exactly their RFC 8785 form.
 
@@ -173,16 +214,9 @@ def parse_canonical(data: bytes) -> tuple[Any, bool]:
     the fast encoder's exact domain, so verification need not walk every event.
     Raises ``ValueError`` (or ``UnicodeDecodeError``) for bytes that are not JSON.
     """
-    if _loads is not None and _dumps is not None:
-        # orjson accepts at once what is plainly canonical; anything else (not
-        # JSON to orjson, a float, an integer past 2**53, an astral key, or bytes
-        # that differ) is judged below exactly as without it, errors included.
-        try:
-            value = _loads(data)
-            if _fast_ok(value) and _dumps(value) == data:
-                return value, True
-        except (TypeError, ValueError):
-            pass
+    accepted = _plainly_canonical(data)
+    if accepted is not None:
+        return accepted[0], True
     if data.isascii() or _ASTRAL.search(data) is None:
         decoder = _fast_decoder if _LONG_RUN in data.translate(_DIGITS) else _plain_decoder
         text = data.decode("utf-8")
