@@ -161,17 +161,20 @@ class EgressProxy:
     async def connect(
         self, call: Call, request: ConnectRequest, admitted: Admitted, outcome: Outcome
     ) -> None:
-        """The act of an admitted CONNECT: a tunnel, or TLS ended with a secret injected."""
+        """The act of an admitted CONNECT, or of a redirected connection whose first
+        bytes were checked (``call.origin``: no CONNECT to answer, they are still
+        in the reader): a tunnel, or TLS ended with a secret injected."""
         assert call.reader is not None and call.writer is not None
+        answer_connect = call.origin is None
         # TLS is ended where a secret is injected or the host has request rules
         # (each request inside is then checked against them, ``_inject``).
         if request.bindings or rules_for(call.scope.egress_rules, admitted.host, admitted.port):
             await self._injector.run(
                 call.scope, admitted, request.bindings, call.reader, call.writer, outcome,
-                answer_connect=call.origin is None,
+                answer_connect=answer_connect,
             )  # fmt: skip
         else:
-            await self._tunnel(admitted, call.reader, call.writer, outcome)
+            await self._tunnel(admitted, call.reader, call.writer, outcome, answer_connect)
 
     async def _tunnel(
         self,
@@ -179,19 +182,21 @@ class EgressProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         outcome: Outcome,
+        answer_connect: bool = True,
     ) -> None:
         try:
             up_reader, up_writer = await self._dial(admitted, None)
         except UpstreamFailed as exc:
             outcome.answer = exc
             return
-        writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
-        try:
-            await writer.drain()
-        except (ConnectionError, OSError):
-            await _close(up_writer)
-            outcome.error = "guest went away"
-            return
+        if answer_connect:
+            writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+            try:
+                await writer.drain()
+            except (ConnectionError, OSError):
+                await _close(up_writer)
+                outcome.error = "guest went away"
+                return
 
         def abort() -> None:
             up_writer.transport.abort()

@@ -108,7 +108,7 @@ async def _one_way(
             try:
                 n = _SPLICE(src, w, CHUNK, flags=_FLAGS)  # type: ignore[misc]
             except BlockingIOError:
-                await _ready(src, readable=True)
+                await wait_ready(src, readable=True)
                 continue
             if n == 0:
                 break
@@ -117,7 +117,7 @@ async def _one_way(
                 try:
                     left -= _SPLICE(r, dst, left, flags=_FLAGS)  # type: ignore[misc]
                 except BlockingIOError:
-                    await _ready(dst, readable=False)
+                    await wait_ready(dst, readable=False)
             total += n
         with contextlib.suppress(OSError):
             dst_sock.shutdown(socket.SHUT_WR)
@@ -136,10 +136,11 @@ async def _send_all(fd: int, data: bytes) -> None:
         try:
             view = view[os.write(fd, view) :]
         except BlockingIOError:
-            await _ready(fd, readable=False)
+            await wait_ready(fd, readable=False)
 
 
-async def _ready(fd: int, *, readable: bool) -> None:
+async def wait_ready(fd: int, *, readable: bool) -> None:
+    """Until ``fd`` (one no transport of the loop owns) is readable, or writable."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 

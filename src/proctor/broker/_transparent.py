@@ -73,7 +73,7 @@ from proctor.broker._scope import (
     RunScope,
     SecretBinding,
 )
-from proctor.broker._splice import relay_pair
+from proctor.broker._splice import wait_ready
 from proctor.ledger import Action
 from proctor.policy import normalize_host
 from proctor.sandbox import GuestNetwork
@@ -454,20 +454,10 @@ def _whole(data: bytes) -> bool:
 
 
 async def _readable(conn: socket.socket, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(conn.fileno(), wake)
     try:
-        await asyncio.wait_for(ready, timeout)
+        await asyncio.wait_for(wait_ready(conn.fileno(), readable=True), timeout)
     except TimeoutError:
         return False
-    finally:
-        loop.remove_reader(conn.fileno())
     return True
 
 
@@ -634,18 +624,18 @@ class Transparent:
                 await reader.readexactly(request.origin.peeked.find(b"\r\n\r\n") + 4)
                 await proxy._forward(call.scope, admitted, fwd.method, fwd.origin, fwd.authority,
                                      fwd.headers, fwd.framing, reader, writer, outcome)  # fmt: skip
+            elif (
+                request.origin.peeked
+                or request.bindings
+                or rules_for(call.scope.egress_rules, request.host, request.origin.port)
+            ):
+                # As a CONNECT is carried (a tunnel by splice, or TLS ended with a
+                # secret injected and request rules held): the checked first bytes
+                # are still unread, for the upstream or the broker's TLS.
+                connect = ConnectRequest(request.host, request.origin.port, list(request.bindings))
+                await proxy.connect(call, connect, admitted, outcome)
             else:
-                ended = request.bindings or rules_for(call.scope.egress_rules, request.host,
-                                                      request.origin.port)  # fmt: skip
-                if ended:
-                    # TLS ended as on a CONNECT (a secret injected, request rules held):
-                    # the guest's ClientHello is still unread, for the broker's TLS.
-                    connect = ConnectRequest(
-                        request.host, request.origin.port, list(request.bindings)
-                    )
-                    await proxy.connect(call, connect, admitted, outcome)
-                else:
-                    await _tunnel(proxy, call, request, admitted, outcome)
+                await _late_tunnel(proxy, call, request, admitted, outcome)
         finally:
             owed = await complete(call.scope, admitted, outcome)
         return Acted(answer=owed, inside=outcome.inside)
@@ -683,19 +673,18 @@ def _forward_request(call: Call, origin: Origin, host: Host) -> TransparentReque
     return TransparentRequest(origin, host, fwd)
 
 
-async def _tunnel(
+async def _late_tunnel(
     proxy: EgressProxy,
     call: Call,
     request: TransparentRequest,
     admitted: Admitted,
     outcome: Outcome,
 ) -> None:
-    """A connection relayed as it is (the peeked bytes are still in the reader).
-
-    One that said nothing before it was decided (a server that speaks first, or a
-    client slow to start its TLS) is still held to its name: its first bytes, when
-    they come, are read whole and checked like a peeked ClientHello or HTTP head
-    before any of them goes on (:func:`_first_flight`)."""
+    """A connection that said nothing before it was decided (a server that speaks
+    first, or a client slow to start its TLS), relayed as it is and still held to
+    its name: its first bytes, when they come, are read whole and checked like a
+    peeked ClientHello or HTTP head before any of them goes on
+    (:func:`_first_flight`)."""
     assert call.reader is not None and call.writer is not None
     reader, writer = call.reader, call.writer
     try:
@@ -709,29 +698,22 @@ async def _tunnel(
         writer.transport.abort()
 
     async def up() -> int:
-        sent = 0
-        if not request.origin.peeked:
-            first = await _first_flight(reader)
-            why = _late_mismatch(request, first)
-            if why is not None:
-                abort()
-                outcome.error = why
-                await _record_mismatch(call, request, first, why)
-                return 0
-            try:
-                up_writer.write(first)
-                await up_writer.drain()
-            except (ConnectionError, OSError, RuntimeError):
-                abort()
-                return 0
-            sent = len(first)
-        return sent + await _relay(reader, up_writer, abort)
+        first = await _first_flight(reader)
+        why = _late_mismatch(request, first)
+        if why is not None:
+            abort()
+            outcome.error = why
+            await _record_mismatch(call, request, first, why)
+            return 0
+        try:
+            up_writer.write(first)
+            await up_writer.drain()
+        except (ConnectionError, OSError, RuntimeError):
+            abort()
+            return 0
+        return len(first) + await _relay(reader, up_writer, abort)
 
-    if request.origin.peeked:
-        # Checked already: the bytes are moved by the kernel (splice).
-        sent, received = await relay_pair(reader, writer, up_reader, up_writer, abort, _relay)
-    else:
-        sent, received = await asyncio.gather(up(), _relay(up_reader, writer, abort))
+    sent, received = await asyncio.gather(up(), _relay(up_reader, writer, abort))
     outcome.bytes_up, outcome.bytes_down = sent, received
     await _close(up_writer)
 
