@@ -9,10 +9,8 @@ inside TLS, naming the rule, recorded, and never reach the API.
 from __future__ import annotations
 
 import json
-import ssl
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,7 +18,7 @@ import pytest
 
 from proctor.lifecycle import Supervisor
 from tests.e2e.conftest_gov import Gov, build_gov
-from tests.integration.test_broker_proxy import UpstreamCA
+from tests.integration.test_broker_proxy import UpstreamCA, https_upstream
 from tests.sandbox_conftest_helpers import BACKENDS
 
 pytestmark = pytest.mark.sandbox
@@ -63,16 +61,8 @@ class _Crm(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def crm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, UpstreamCA]]:
-    d = tmp_path_factory.mktemp("crm")
-    ca = UpstreamCA.make()
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(ca.issue(["localhost"], d / "leaf.pem"))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Crm)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1], ca
-    server.shutdown()
-    server.server_close()
+    with https_upstream(_Crm, ["localhost"], tmp_path_factory.mktemp("crm")) as up:
+        yield up
 
 
 @pytest.fixture

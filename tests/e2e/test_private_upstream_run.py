@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import ssl
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,7 +23,7 @@ from cryptography.hazmat.primitives import hashes
 
 from proctor.lifecycle import Supervisor
 from tests.e2e.conftest_gov import Gov, build_gov
-from tests.integration.test_broker_proxy import UpstreamCA
+from tests.integration.test_broker_proxy import UpstreamCA, https_upstream
 from tests.sandbox_conftest_helpers import BACKENDS
 
 pytestmark = pytest.mark.sandbox
@@ -60,16 +58,8 @@ class _Private(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, UpstreamCA]]:
-    d = tmp_path_factory.mktemp("private")
-    ca = UpstreamCA.make()
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(ca.issue(["localhost"], d / "leaf.pem"))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Private)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1], ca
-    server.shutdown()
-    server.server_close()
+    with https_upstream(_Private, ["localhost"], tmp_path_factory.mktemp("private")) as up:
+        yield up
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from proctor.policy import compile_policies
 from proctor.sandbox import GuestNetwork, Limits, get_driver, network_available
 from tests.conftest import LedgerEnv, draft
 from tests.integration.test_broker_core import _scope
-from tests.integration.test_broker_proxy import UpstreamCA
+from tests.integration.test_broker_proxy import UpstreamCA, https_upstream
 from tests.sandbox_conftest_helpers import BACKENDS
 
 pytestmark = [
@@ -310,6 +310,17 @@ class _Authed(_Hello):
 
 SECRET = "s3cr3t-" + os.urandom(8).hex()
 
+
+@pytest.fixture
+def authed(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """An HTTPS API on loopback that says whether it got the secret: (port, its CA file)."""
+    d = tmp_path / "up"
+    d.mkdir()
+    with https_upstream(_Authed, ["api.test"], d) as (port, ca):
+        (d / "ca.pem").write_bytes(ca.pem())
+        yield port, d / "ca.pem"
+
+
 RULED_GUEST = r"""
 import json, os, urllib.request, urllib.error
 for k in [k for k in os.environ if k.lower().endswith("_proxy")]:
@@ -332,21 +343,12 @@ print(json.dumps(res), flush=True)
 @pytest.mark.parametrize("store_engine", ["sqlite"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
-    ledger_env: LedgerEnv, tmp_path: Path, backend: str
+    ledger_env: LedgerEnv, tmp_path: Path, backend: str, authed: tuple[int, Path]
 ) -> None:
     from proctor.broker import SecretBinding
     from proctor.policy import EgressRule, capability_policies
 
-    d = tmp_path / "up"
-    d.mkdir()
-    ca = UpstreamCA.make()
-    (d / "ca.pem").write_bytes(ca.pem())
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(ca.issue(["api.test"], d / "leaf.pem"))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Authed)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
+    port, upstream_ca = authed
     ledger_env.ledger.create_log("acme", _draft())
     entry = f"api.test:{port}"
     rules = {"methods": ["GET"], "paths": ["/v1/customers/*"]}
@@ -356,7 +358,7 @@ def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
                    secrets={"tok": SecretBinding("tok", SECRET, (entry,))})  # fmt: skip
     scope.policies = compile_policies(capability_policies("acme", "churn", caps))
     proxy = EgressProxy(tmp_path / "ca", resolver=_resolver, connect_timeout=5,
-                        upstream_cafile=str(d / "ca.pem"))  # fmt: skip
+                        upstream_cafile=str(upstream_ca))  # fmt: skip
     code = tmp_path / "code"
     code.mkdir()
     (code / "main.py").write_text(RULED_GUEST)
@@ -366,22 +368,18 @@ def test_redirected_tls_to_a_host_with_a_secret_or_rules_is_ended_and_held(
         f.chmod(0o644)
     out: list[bytes] = []
     err: list[bytes] = []
-    try:
-        with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
-            channel = broker.open_run(scope, ttl=300)
-            network = GuestNetwork.create()
-            try:
-                broker.attach_network(scope.run_id, network)
-                spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code,
-                                     env={"UP_HTTPS": str(port), "SSL_CERT_FILE": "/code/ca.pem"},
-                                     network=network)  # fmt: skip
-                result = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
-            finally:
-                broker.close_run(scope.run_id)
-                network.close()
-    finally:
-        server.shutdown()
-        server.server_close()
+    with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+        channel = broker.open_run(scope, ttl=300)
+        network = GuestNetwork.create()
+        try:
+            broker.attach_network(scope.run_id, network)
+            spec = brokered_spec(channel, ("python3", "/code/main.py"), code_dir=code,
+                                 env={"UP_HTTPS": str(port), "SSL_CERT_FILE": "/code/ca.pem"},
+                                 network=network)  # fmt: skip
+            result = get_driver(backend).run(spec, on_stdout=out.append, on_stderr=err.append)
+        finally:
+            broker.close_run(scope.run_id)
+            network.close()
     assert result.exit_code == 0, b"".join(err).decode(errors="replace")[-2000:]
     res = json.loads(b"".join(out).decode().strip().splitlines()[-1])
     # The secret is injected inside the broker's TLS; the rules hold each request.

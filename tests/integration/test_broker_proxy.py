@@ -20,6 +20,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -112,6 +113,25 @@ class UpstreamCA:
 
 
 # -- upstream servers ------------------------------------------------------------
+
+
+@contextmanager
+def https_upstream(
+    handler: type[BaseHTTPRequestHandler], names: list[str], directory: Path
+) -> Iterator[tuple[int, UpstreamCA]]:
+    """A real HTTPS server on 127.0.0.1 serving ``handler``, its certificate for
+    ``names`` from a CA of its own: (port, that CA), shut down on exit."""
+    ca = UpstreamCA.make()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(ca.issue(names, directory / "leaf.pem"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1], ca
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class Upstream(ThreadingHTTPServer):
