@@ -370,6 +370,9 @@ def test_code_of_mode_0700_runs_on_both_backends(backend: str, owner: str, tmp_p
     )
 
 
+# Host: its leftover check reads the machine's tables, which another group's
+# sandboxes change while it runs (it failed so on a clean clone's run).
+@pytest.mark.host
 def test_bubblewrap_without_the_guest_user_fails_closed(tmp_path: Path) -> None:
     driver = BubblewrapDriver(guest_user="proctor-no-such-user")
     status = driver.status()
