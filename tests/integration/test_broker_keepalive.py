@@ -8,6 +8,7 @@ what crosses the connection.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -157,20 +158,21 @@ def test_a_connection_asking_to_close_or_without_a_token_is_not_kept(
 def test_a_completion_that_cannot_be_recorded_refuses_the_runs_next_call(
     ledger_env: LedgerEnv, upstream: int
 ) -> None:
-    from proctor.broker import CallRefused
+    from proctor.errors import LedgerError
 
     ledger_env.ledger.create_log("acme", draft(0))
     entry = f"127.0.0.1:{upstream}"
     scope = _scope(ledger_env.ledger, "k3", allowed_ranges=("127.0.0.0/8",))
     scope.policies = compile_policies(capability_policies("acme", "churn", {"egress": [entry]}))
-    real = scope.record
 
-    async def no_completions(action: str, *args: Any, **kwargs: Any) -> Any:
-        if action == "http.request.end":
-            raise CallRefused("the ledger cannot record it (test)")
-        return await real(action, *args, **kwargs)
+    def completions_fail(log: str, event: Any) -> Any:
+        # As a commit that fails after the answer went out: the queued completion's
+        # future fails in the broker's loop, and nothing of it is written.
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(LedgerError("the disk is gone (test)"))
+        return future
 
-    scope.record = no_completions  # type: ignore[method-assign]
+    ledger_env.ledger.append_later = completions_fail  # type: ignore[method-assign]
     proxy = EgressProxy(None, connect_timeout=5)
     answers = []
     with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:

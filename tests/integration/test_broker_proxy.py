@@ -343,6 +343,8 @@ class Env:
 
     def raw_events(self) -> list[bytes]:
         self.harness.settle()
+        # Completion records go out after their answer, with the next commit.
+        self.ledger_env.ledger.flush()
         return list(self.ledger_env.ledger.entries(TENANT))[1:]
 
     def events(self) -> list[dict[str, Any]]:

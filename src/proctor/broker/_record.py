@@ -117,15 +117,19 @@ async def complete(scope: RunScope, admitted: Admitted, outcome: Outcome) -> Bro
     if answer is not None:
         outcome.error = outcome.error or answer.message
         outcome.answered = answer.status
-    recorded = await _completion(scope, admitted, outcome)
+    recorded = await _completion(scope, admitted, outcome, owed=answer is not None)
     if answer is not None and not recorded and not isinstance(answer, CallRefused):
         return CallRefused("the call was refused because the ledger cannot record it")
     return answer
 
 
-async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> bool:
+async def _completion(
+    scope: RunScope, admitted: Admitted, outcome: Outcome, *, owed: bool = False
+) -> bool:
     """The completion event. The call already happened, so a failure here is logged
-    (and the caller answers ``not_recorded`` instead of an error it still owed)."""
+    and the run's next call refused; the caller answers ``not_recorded`` instead of
+    an error it still ``owed``. With nothing owed, nobody waits on the event: it is
+    queued to commit with the next one anything waits on (one fsync a call)."""
     details: dict[str, Any] = {
         "decision_seq": admitted.seq,
         "host": admitted.host.name,
@@ -149,21 +153,23 @@ async def _completion(scope: RunScope, admitted: Admitted, outcome: Outcome) -> 
         details["error"] = outcome.error
     if outcome.answered is not None:
         details["answered"] = outcome.answered
+    reason = "closed" if outcome.error is None else "failed"
+    lost = (
+        f"the completion record of {admitted.resource} (event {admitted.seq}) could not be written"
+    )
+    if not owed:
+        scope.record_later(Action.HTTP_REQUEST_END, admitted.resource, admitted.decision,
+                           reason=reason, details=details, lost=lost)  # fmt: skip
+        return True
     try:
         await scope.record(
-            Action.HTTP_REQUEST_END,
-            admitted.resource,
-            admitted.decision,
-            reason="closed" if outcome.error is None else "failed",
-            details=details,
-        )
+            Action.HTTP_REQUEST_END, admitted.resource, admitted.decision,
+            reason=reason, details=details,
+        )  # fmt: skip
     except CallRefused as exc:
         log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
         # Fail closed from here on: the run's next call is refused, not one more
         # call made whose end the log may also miss.
-        scope.completion_lost = (
-            f"the completion record of {admitted.resource} (event {admitted.seq}) "
-            "could not be written"
-        )
+        scope.completion_lost = lost
         return False
     return True

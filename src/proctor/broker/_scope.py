@@ -506,21 +506,18 @@ class RunScope:
         ents = base.with_added(entities) if entities else base
         return decide(self.policies, Request(self.principal, action, resource, dict(context)), ents)
 
-    async def record(
+    def _draft(
         self,
         action: str,
         resource: str,
         decision: Decision | None,
-        *,
         reason: str,
         details: Mapping[str, Any],
         objects: tuple[LedgerObject, ...] = (),
-    ) -> Appended:
-        """Append this call's event (and ``objects``, which ``details`` references);
-        raise CallRefused if it cannot be made durable."""
+    ) -> EventDraft:
         # A broker event's text comes from the guest or an upstream: fixed budgets,
         # so that no call can make its event outgrow the ledger's bound.
-        draft = EventDraft(
+        return EventDraft(
             self.actor,
             action,
             clip(resource, 512),
@@ -539,6 +536,20 @@ class RunScope:
             ),
             objects=objects,
         )
+
+    async def record(
+        self,
+        action: str,
+        resource: str,
+        decision: Decision | None,
+        *,
+        reason: str,
+        details: Mapping[str, Any],
+        objects: tuple[LedgerObject, ...] = (),
+    ) -> Appended:
+        """Append this call's event (and ``objects``, which ``details`` references);
+        raise CallRefused if it cannot be made durable."""
+        draft = self._draft(action, resource, decision, reason, details, objects)
         standing = self.standing
         hook = None
         if standing is not None and draft.decision == "allow" and action not in _COMPLETIONS:
@@ -575,6 +586,48 @@ class RunScope:
             if draft.decision == "deny":
                 counter.refusal = (appended.seq, reason)
         return appended
+
+    def record_later(
+        self,
+        action: str,
+        resource: str,
+        decision: Decision | None,
+        *,
+        reason: str,
+        details: Mapping[str, Any],
+        lost: str,
+    ) -> None:
+        """Queue a completion event that nothing waits on (the answer is already
+        sent): it commits with the next event anything waits on, so a call costs one
+        fsync, not two. If it cannot be made durable, ``lost`` says so and the run's
+        next call is refused (:meth:`admit_call`); an event appended after it
+        never commits without it."""
+        draft = self._draft(action, resource, decision, reason, details)
+        passed(COMPLETE)
+        try:
+            future = self.ledger.append_later(self.tenant, draft)
+        except LedgerError as exc:
+            self._lose(lost, exc)
+            return
+        counter = REQUEST_EVENTS.get()
+        if counter is not None:
+            counter.count += 1
+
+        def settled(done: asyncio.Future[Appended]) -> None:
+            exc = None if done.cancelled() else done.exception()
+            if done.cancelled() or exc is not None:
+                self._lose(lost, exc)
+            elif self._quota is not None:
+                self._quota.observe(done.result().size)
+
+        future.add_done_callback(settled)
+
+    def _lose(self, lost: str, exc: BaseException | None) -> None:
+        why = exc.message if isinstance(exc, ProctorError) else str(exc or "cancelled")
+        log.error("%s: %s", lost, why)
+        # Fail closed from here on: the run's next call is refused, not one more
+        # call made whose end the log may also miss.
+        self.completion_lost = lost
 
     async def record_refusal(
         self,

@@ -4,6 +4,7 @@ import base64
 import json
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ class _Done:
 
 class _Pending:
     __slots__ = (
-        "create", "done", "draft", "error", "future", "hook", "log", "result", "then",
+        "create", "done", "draft", "error", "future", "hook", "lazy", "log", "result", "then",
     )  # fmt: skip
 
     def __init__(
@@ -137,8 +138,10 @@ class _Pending:
         create: bool,
         future: asyncio.Future[Appended] | None = None,
         then: Followup | None = None,
+        lazy: bool = False,
     ) -> None:
         self.log = log
+        self.lazy = lazy
         self.draft = draft
         self.hook = hook
         self.create = create
@@ -242,6 +245,7 @@ class Ledger:
         *,
         max_batch: int = 2048,
         clock: Callable[[], str] = utc_now,
+        linger: float = 0.005,
     ) -> None:
         # ``clock`` gives each batch its time (RFC 3339 UTC); a test of retention
         # back-dates a year of events through it instead of writing rows by hand.
@@ -251,7 +255,10 @@ class Ledger:
         self._origin_signers: dict[str, Signer] = {}
         self._trust_domain = trust_domain
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        # How long a batch of events nobody waits on (append_later) may wait for
+        # one somebody does, so that both share one commit and one fsync.
+        self._linger = linger
+        self._queue: queue.SimpleQueue[_Pending | _Done | None] = queue.SimpleQueue()
         self._states: dict[str, _LogState] = {}
         self._cache = FullTileCache()
         self._thread: threading.Thread | None = None
@@ -350,6 +357,30 @@ class Ledger:
         self._queue.put(_Pending(log, draft, hook, create=False, future=future))
         return await future
 
+    def append_later(self, log: str, draft: EventDraft) -> asyncio.Future[Appended]:
+        """Queue one event that nobody waits on now (what a call learned after its
+        answer); it commits with the next batch that somebody waits on, or after
+        ``linger`` seconds at the latest. Queued now, in order: an event appended
+        after this one never commits without it. The future settles as
+        :meth:`append_async`'s would, in the calling event loop."""
+        if self._closed:
+            raise LedgerError("the ledger is closed; the event was not recorded")
+        self._ensure_writer()
+        import asyncio
+
+        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
+        self._queue.put(_Pending(log, draft, None, create=False, future=future, lazy=True))
+        return future
+
+    def flush(self) -> None:
+        """Return once everything queued before now is committed (or failed): the
+        lazy events of :meth:`append_later` included."""
+        if self._closed or self._thread is None:
+            return
+        barrier = _Done()
+        self._queue.put(barrier)
+        barrier.wait()
+
     def _submit(self, item: _Pending) -> Appended:
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
@@ -379,6 +410,12 @@ class Ledger:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
+        # A flush that raced the close: nothing more will be committed.
+        with suppress(queue.Empty):
+            while True:
+                left = self._queue.get_nowait()
+                if isinstance(left, _Done):
+                    left.set()
 
     def _run(self) -> None:
         stop = False
@@ -386,22 +423,51 @@ class Ledger:
             first = self._queue.get()
             if first is None:
                 break
-            batch = [first]
-            while len(batch) < self._max_batch:
+            batch, barriers, stop = self._gather(first)
+            if batch:
                 try:
-                    item = self._queue.get_nowait()
+                    self._commit(batch)
+                except BaseException as exc:
+                    # Every waiter must be woken, whatever went wrong.
+                    self._fail(batch, exc)
+                _wake(batch)
+            for barrier in barriers:
+                barrier.set()
+
+    def _gather(self, first: _Pending | _Done) -> tuple[list[_Pending], list[_Done], bool]:
+        """``first`` and what else is queued: the batch, the flushes it ends, and
+        whether to stop after it. A batch of lazy events only waits up to
+        ``linger`` for something that is not."""
+        batch: list[_Pending] = []
+        barriers: list[_Done] = []
+        lazy = True
+        deadline = 0.0
+        item: _Pending | _Done | None = first
+        while True:
+            if item is None:
+                return batch, barriers, True
+            if isinstance(item, _Done):
+                barriers.append(item)
+                lazy = False
+            else:
+                batch.append(item)
+                lazy = lazy and item.lazy
+            if len(batch) >= self._max_batch:
+                break
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                if not lazy:
+                    break
+                now = time.monotonic()
+                deadline = deadline or now + self._linger
+                if now >= deadline:
+                    break
+                try:
+                    item = self._queue.get(timeout=deadline - now)
                 except queue.Empty:
                     break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            try:
-                self._commit(batch)
-            except BaseException as exc:
-                # Every waiter must be woken, whatever went wrong.
-                self._fail(batch, exc)
-            _wake(batch)
+        return batch, barriers, False
 
     def _fail(self, batch: list[_Pending], exc: BaseException) -> None:
         if isinstance(exc, LedgerError):
