@@ -36,6 +36,8 @@ class _Up(BaseHTTPRequestHandler):
         body = f"got {self.path}".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
+        if self.path == "/bye":  # the upstream ends its connection after this one
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
@@ -134,12 +136,15 @@ def test_a_connection_asking_to_close_or_without_a_token_is_not_kept(
     with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
         channel = broker.open_run(scope, ttl=60)
         try:
-            for version, extra in (("HTTP/1.1", "Connection: close\r\n"), ("HTTP/1.0", "")):
+            # The guest asks to close; an HTTP/1.0 guest; the upstream closes (what a
+            # client would have seen from it directly).
+            for version, extra, path in (("HTTP/1.1", "Connection: close\r\n", "/x"),
+                                         ("HTTP/1.0", "", "/x"), ("HTTP/1.1", "", "/bye")):  # fmt: skip
                 with socket.socket(socket.AF_UNIX) as s:
                     s.settimeout(10)
                     s.connect(str(channel.socket))
                     f = s.makefile("rb")
-                    s.sendall(f"GET http://{entry}/x {version}\r\nHost: {entry}\r\n{extra}"
+                    s.sendall(f"GET http://{entry}{path} {version}\r\nHost: {entry}\r\n{extra}"
                               f"{TOKEN_HEADER}: {channel.token}\r\n\r\n".encode())  # fmt: skip
                     status, headers, _ = _read_response(f)
                     assert status.endswith("200 OK") and headers["connection"] == "close"

@@ -1082,3 +1082,86 @@ def test_a_redirected_posts_body_is_its_body(ledger_env: LedgerEnv, tmp_path: Pa
         server.server_close()
     assert res == {"short": "HTTP/1.1 204 No Content", "long": "HTTP/1.1 204 No Content"}, res
     assert bodies == [b"0123456789", b"x" * 3000], bodies
+
+
+KEPT_GUEST = r"""
+import json, os, socket
+H = int(os.environ["UP_HTTP"])
+s = socket.create_connection(("api.test", H), timeout=10)
+f = s.makefile("rb")
+out = []
+def ask(path, host="api.test", close=False):
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n".encode()
+              + (b"Connection: close\r\n" if close else b"") + b"\r\n")
+    status = f.readline().decode().strip()
+    length = 0
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        if k.lower() == "content-length":
+            length = int(v)
+    out.append([status, f.read(length).decode()])
+# Three requests on one kept-alive connection, then one naming another host on it.
+for p in ("/one", "/two", "/three"):
+    ask(p)
+ask("/four", host="other.test", close=True)
+out.append(f.read().decode() or "closed")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.host
+@pytest.mark.skipif(not network_available(), reason="needs root, iproute2 and nftables")
+def test_a_kept_alive_redirected_connection_decides_each_request_and_holds_its_host(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    # A guest's HTTP/1.1 client keeps its connection for the next request: each one
+    # is a call (decided, recorded, charged) and each Host must still name what the
+    # connection's address stands for, or a first request to an allowed name could
+    # carry the next ones anywhere the upstream would route them.
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Hello(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Host")))
+            body = f"hello {self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    backend = any_backend()[0]
+    ledger_env.ledger.create_log("acme", draft(0))
+    scope = _scope(ledger_env.ledger, "kept", allowed_ranges=("127.0.0.0/8",))
+    scope.policies = compile_policies(SEAMS_POLICY)
+    proxy = EgressProxy(tmp_path / "ca", resolver=_Resolver(), connect_timeout=5)
+    code = _code(tmp_path, KEPT_GUEST)
+    try:
+        with Broker(Handlers.for_proxy(proxy), os.urandom(32)) as broker:
+            res, _ = _run_guest(broker, scope, code, backend,
+                                {"UP_HTTP": str(server.server_address[1])})  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert res[:3] == [["HTTP/1.1 200 OK", f"hello /{p}"] for p in ("one", "two", "three")], res
+    assert res[3][0].startswith("HTTP/1.1 403"), res
+    assert [path for path, _ in seen] == ["/one", "/two", "/three"], seen
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    decided = [e for e in events if e["action"] == "http.request"]
+    assert [(e["decision"], e["details"].get("path")) for e in decided[:3]] == [
+        ("allow", "/one"),
+        ("allow", "/two"),
+        ("allow", "/three"),
+    ], decided
+    assert all(e["details"]["via"] == "transparent" for e in decided)
+    assert decided[3]["decision"] == "deny"
+    assert decided[3]["policies"] == ["proctor:egress:name-mismatch"]
+    assert sum(e["action"] == "http.request.end" for e in events) == 3

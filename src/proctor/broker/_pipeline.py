@@ -116,7 +116,8 @@ async def serve_kind(call: Call, kind: CallKind) -> None:
         await send_error(call, exc)
     finally:
         CURRENT.reset(token)
-        if call.writer is not None and not call.writer.is_closing():
+        # A kept-alive connection carries the next request: its owner closes it.
+        if call.writer is not None and not call.writer.is_closing() and not call.keep_alive:
             call.writer.close()
             with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
                 await call.writer.wait_closed()

@@ -382,10 +382,16 @@ async def _relay_response(
         if meter is not None and announced and (cut := meter.announce_response(framing.length)):
             raise meter.cut(cut, status)
         out = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP - {"upgrade"}]
-        # Kept alive only where the guest asked and the response ends by its own
-        # framing (not by the upstream closing), so the next request's bytes are
-        # never read as this response's.
-        keep = relay.persistent and status != 101 and framing.kind != "eof"
+        # Kept alive only where the guest asked, the upstream would have kept it
+        # (a redirected guest thinks it speaks to the upstream itself), and the
+        # response ends by its own framing (not by the upstream closing), so the next
+        # request's bytes are never read as this response's.
+        keep = (
+            relay.persistent
+            and status != 101
+            and framing.kind != "eof"
+            and _upstream_keeps(first, headers)
+        )
         if status >= 200 and not keep:
             out.append(("Connection", "close"))
         data = serialize_head(first, out)
@@ -412,6 +418,17 @@ async def _relay_response(
         await writer.drain()
         relay.kept = keep
         return status, total
+
+
+def _upstream_keeps(first: str, headers: list[tuple[str, str]]) -> bool:
+    """Whether the upstream's response lets its connection carry another request
+    (RFC 9112 section 9.3: HTTP/1.1 unless ``close``; HTTP/1.0 only with ``keep-alive``)."""
+    tokens = {
+        t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")
+    }
+    if first.startswith("HTTP/1.0"):
+        return "keep-alive" in tokens
+    return "close" not in tokens
 
 
 async def _relay(

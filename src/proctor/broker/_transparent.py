@@ -238,6 +238,8 @@ class Origin:
     protocol: str  # "tls", "http", "tcp"
     sni: str | None = None
     http_host: str | None = None
+    #: A kept-alive connection's next request: its head already read off, not peeked.
+    head_read: bool = False
 
 
 @dataclass
@@ -405,8 +407,30 @@ class TransparentEgress:
             origin.http_host = _http_host(peeked)
         from proctor.broker._pipeline import serve_kind  # it imports the kinds
 
-        call = Call(self.scope, reader, writer, None, proxy=self.proxy,
-                    speaks_http=origin.protocol == "http", origin=origin)  # fmt: skip
+        while True:
+            call = Call(self.scope, reader, writer, None, proxy=self.proxy,
+                        speaks_http=origin.protocol == "http", origin=origin)  # fmt: skip
+            if not await self._admitted(call, origin, reader, writer):
+                return
+            await serve_kind(call, TRANSPARENT)
+            if not call.keep_alive or writer.is_closing():
+                return
+            # The next request on a kept-alive connection: read, then decided and
+            # recorded on its own, its Host held to the same name as the first's.
+            head = await _next_head(reader)
+            if head is None:
+                writer.close()
+                return
+            origin = Origin(address, port, name, head, "http", http_host=_http_host(head),
+                            head_read=True)  # fmt: skip
+
+    async def _admitted(
+        self,
+        call: Call,
+        origin: Origin,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
         try:
             # A call, as each request on the run's socket is: charged to the run's
             # rate, its bound (limits.calls) and its tenant's ledger quota first.
@@ -415,13 +439,30 @@ class TransparentEgress:
             from proctor.broker._answer import refuse, send_error
 
             with contextlib.suppress(BrokerError, ConnectionError, OSError, EOFError):
-                # The peeked bytes read first: closing on unread ones resets the answer away.
-                await reader.readexactly(len(peeked))
+                if not origin.head_read:
+                    # The peeked bytes read first: closing on unread ones resets the
+                    # answer away.
+                    await reader.readexactly(len(origin.peeked))
                 await (refuse(call, exc) if isinstance(exc, RateLimited | Exhausted)
                        else send_error(call, exc))  # fmt: skip
             writer.close()
-            return
-        await serve_kind(call, TRANSPARENT)
+            return False
+        return True
+
+
+#: How long a kept-alive redirected connection may sit idle between requests (the
+#: run socket's first-byte timeout).
+KEPT_IDLE = 10.0
+
+
+async def _next_head(reader: asyncio.StreamReader) -> bytes | None:
+    """A kept-alive connection's next request head, or None: the guest closed it,
+    stayed silent past :data:`KEPT_IDLE`, or sent a head over the reader's limit."""
+    try:
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), KEPT_IDLE)
+    except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            ConnectionError, OSError):  # fmt: skip
+        return None
 
 
 async def _peek(conn: socket.socket) -> bytes:
@@ -547,6 +588,8 @@ class TransparentRequest:
     forward: ForwardRequest | None = None
     #: The secrets bound to the host (TLS): injected as on a CONNECT.
     bindings: tuple[SecretBinding, ...] = ()
+    #: Plain HTTP whose request lets the connection carry another (HTTP/1.1).
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -619,11 +662,13 @@ class Transparent:
         outcome = Outcome(requests=1) if fwd is not None else Outcome()
         try:
             if fwd is not None:
-                # The head was peeked, not read: read it off, so what is forwarded as
-                # the body (metered, hashed, scanned) is the body, not the head again.
-                await reader.readexactly(request.origin.peeked.find(b"\r\n\r\n") + 4)
+                if not request.origin.head_read:
+                    # The head was peeked, not read: read it off, so what is forwarded as
+                    # the body (metered, hashed, scanned) is the body, not the head again.
+                    await reader.readexactly(request.origin.peeked.find(b"\r\n\r\n") + 4)
                 await proxy._forward(call.scope, admitted, fwd.method, fwd.origin, fwd.authority,
-                                     fwd.headers, fwd.framing, reader, writer, outcome)  # fmt: skip
+                                     fwd.headers, fwd.framing, reader, writer, outcome,
+                                     request.persistent)  # fmt: skip
             elif (
                 request.origin.peeked
                 or request.bindings
@@ -638,6 +683,11 @@ class Transparent:
                 await _late_tunnel(proxy, call, request, admitted, outcome)
         finally:
             owed = await complete(call.scope, admitted, outcome)
+        # A plain-HTTP response relayed whole on a connection both sides keep: the
+        # guest's next request on it is a call of its own (_connection).
+        call.keep_alive = (
+            fwd is not None and outcome.kept and outcome.error is None and owed is None
+        )
         return Acted(answer=owed, inside=outcome.inside)
 
 
@@ -653,7 +703,7 @@ def _details(origin: Origin) -> dict[str, Any]:
 
 def _forward_request(call: Call, origin: Origin, host: Host) -> TransparentRequest | Ruling:
     """A plain-HTTP connection's first request, read as the proxy reads one."""
-    from proctor.broker._proxy import ForwardRequest
+    from proctor.broker._proxy import ForwardRequest, _persistent
 
     scope = call.scope
     end = origin.peeked.find(b"\r\n\r\n")
@@ -670,7 +720,7 @@ def _forward_request(call: Call, origin: Origin, host: Host) -> TransparentReque
     authority = host.display if origin.port == 80 else f"{host.display}:{origin.port}"
     headers = [(k, v) for k, v in head.headers if k.lower() != "host"]
     fwd = ForwardRequest(head.method, host, origin.port, head.target, authority, headers, framing)
-    return TransparentRequest(origin, host, fwd)
+    return TransparentRequest(origin, host, fwd, persistent=_persistent(head))
 
 
 async def _late_tunnel(
