@@ -357,8 +357,27 @@ def event_base(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:
     raw_sql = request.get("sql")
     if isinstance(raw_sql, str):
         # A literal in a WHERE clause is a row value: the text is kept only as a keyed hash.
-        base["sql_hmac"] = scope.key_hmacs([raw_sql])[0]
+        base["sql_hmac"] = _sql_hmac(scope, raw_sql)
     return base
+
+
+#: Statement texts whose keyed hash one run keeps, and the longest kept.
+_HMACS_KEPT = 256
+_HMAC_SQL_LENGTH = 8192
+
+
+def _sql_hmac(scope: RunScope, sql: str) -> str:
+    """The statement's keyed hash, kept per run: a run sends the same text again and
+    again, and the run's lineage key does not change."""
+    kept: dict[str, str] = scope.__dict__.setdefault("_sql_hmacs", {})
+    hit = kept.get(sql)
+    if hit is None:
+        hit = scope.key_hmacs([sql])[0]
+        if len(sql) <= _HMAC_SQL_LENGTH:
+            if len(kept) >= _HMACS_KEPT:
+                kept.clear()
+            kept[sql] = hit
+    return hit
 
 
 # -- the Cedar questions -----------------------------------------------------------
@@ -379,7 +398,79 @@ def _combined(scope: RunScope, grants: Sequence[Grant], allowed: bool) -> Decisi
     return Decision(allowed, tuple(policies), scope.policies.version, errors)
 
 
+#: Statement shapes whose answers one run keeps (see :func:`decide_tables`).
+_DECISIONS_KEPT = 1024
+
+_Questions = tuple[tuple[str, str, frozenset[str], frozenset[str]], ...]
+
+
+class _Decisions:
+    """One run's answers to the same Cedar questions, asked again and again (a run
+    sends the same statement shape many times). Valid only for the policy set and
+    entities they were decided under: :func:`decide_tables` drops them all the
+    moment either is not the object it was (a changed set is a new object)."""
+
+    def __init__(self, policies: object, entities: object) -> None:
+        self.policies = policies
+        self.entities = entities
+        self.answers: dict[tuple[str, bool, int, _Questions], _Answers] = {}
+        self.lock = threading.Lock()
+
+
+class _Answers(NamedTuple):
+    grants: tuple[Grant, ...]
+    details: dict[str, Any]  # _grants_json(grants): never changed once made
+
+
+def _decisions(scope: RunScope) -> _Decisions:
+    policies, entities = scope.policies, scope.entities()
+    kept: _Decisions | None = scope.__dict__.get("_sql_decisions")
+    if kept is None or kept.policies is not policies or kept.entities is not entities:
+        kept = scope.__dict__["_sql_decisions"] = _Decisions(policies, entities)
+    return kept
+
+
 def decide_tables(
+    scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
+) -> list[Grant]:
+    """One Cedar question per table the statement reads or writes, and its answer
+    (see :func:`_decide_kept`)."""
+    return list(_decide_kept(scope, dataset, binding, accesses).grants)
+
+
+def _decide_kept(
+    scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
+) -> _Answers:
+    """One Cedar question per table the statement reads or writes, and its answer.
+
+    Cedar's answer is a function of the policy set, the entities and the request
+    alone (the context holds the dataset, the columns and the row limit, nothing
+    that changes between calls), so a run asking about the same tables and columns
+    again gets the answers it got, kept under the policy set and entities they were
+    decided with and dropped with them (:func:`_decisions`)."""
+    questions: _Questions = tuple(
+        sorted(
+            (t, "r", frozenset(c), frozenset(accesses.plan_columns(t)))
+            for t, c in accesses.reads.items()
+        )
+        + sorted((t, "w", frozenset(c), frozenset()) for t, c in accesses.writes.items())
+    )
+    kept = _decisions(scope)
+    key = (dataset, binding.synthetic, scope.row_limit, questions)
+    with kept.lock:
+        hit = kept.answers.get(key)
+    if hit is not None:
+        return hit
+    grants = _decide_tables(scope, dataset, binding, accesses)
+    answers = _Answers(tuple(grants), _grants_json(grants))
+    with kept.lock:
+        if len(kept.answers) >= _DECISIONS_KEPT:
+            kept.answers.clear()  # a run cycling through shapes: start over
+        kept.answers[key] = answers
+    return answers
+
+
+def _decide_tables(
     scope: RunScope, dataset: str, binding: DatasetBinding, accesses: Accesses
 ) -> list[Grant]:
     grants: list[Grant] = []
@@ -483,21 +574,22 @@ async def rule(
     the same trip (held, not answered; the act stage takes it, and the record stage
     makes its event durable before anything is answered)."""
 
-    def analyse_decide_read() -> tuple[Accesses, list[Grant], Outcome | Exception | None, Lineage]:
+    def analyse_decide_read() -> tuple[Accesses, _Answers, Outcome | Exception | None, Lineage]:
         accesses = stmt.analyse()
-        grants = decide_tables(scope, dataset, binding, accesses)
+        answers = _decide_kept(scope, dataset, binding, accesses)
+        grants = answers.grants
         if accesses.is_write or not grants or not all(g.decision.allowed for g in grants):
-            return accesses, grants, None, None
+            return accesses, answers, None, None
         try:
             outcome = stmt.run_read(accesses, scope.row_limit)
         except (TimedOut, Failed, DatabaseRefused, TooLarge) as exc:
-            return accesses, grants, exc, None
+            return accesses, answers, exc, None
         # Hashing one key per row is CPU work: here, not on the event loop.
-        return accesses, grants, outcome, _lineage(scope, outcome)
+        return accesses, answers, outcome, _lineage(scope, outcome)
 
     on = f"dataset/{dataset}"
     try:
-        accesses, grants, read, lineage = await run_blocking(scope, analyse_decide_read)
+        accesses, answers, read, lineage = await run_blocking(scope, analyse_decide_read)
     except Refused as exc:
         refused = Action.SQL_WRITE if exc.write else Action.SQL_SELECT
         error: BrokerError = CallDenied(f"sql: refused: {exc.reason}")
@@ -509,10 +601,11 @@ async def rule(
         error = StatementTimeout("sql: the statement was stopped at the time limit")
         return _refused(scope, Action.SQL_SELECT, on, "timeout", details, error)
 
+    grants = answers.grants
     action = Action.SQL_WRITE if accesses.is_write else Action.SQL_SELECT
     tables = sorted({g.table for g in grants})
     resource = _resource(dataset, tables)
-    details = {**details, **_grants_json(grants)}
+    details = {**details, **answers.details}
     if accesses.plan:
         details.update(_plan_json(accesses.plan))
     denied = [g for g in grants if not g.decision.allowed]

@@ -126,6 +126,29 @@ def keyed_variant(
     when the statement is not the one-row-per-table-row shape described above.
     With ``sentinel``, the string literal ``'<sentinel>'`` goes first (the caller
     checks it comes back right after the statement's own columns)."""
+    split = keyed_split(sql, table, key)
+    if split is None:
+        return None
+    return split.join(sentinel)
+
+
+@dataclass(frozen=True)
+class KeyedSplit:
+    """Where the key columns go in one statement: the scan is a function of the
+    text, the table and its key alone, so a caller running the same statement
+    again keeps this and adds only its fresh sentinel."""
+
+    head: str  # the statement up to its top-level FROM, then ", "
+    tail: str  # the key columns, then the statement from FROM on
+
+    def join(self, sentinel: str | None = None) -> str:
+        if sentinel is None:
+            return self.head + self.tail
+        return f"{self.head}'{sentinel}', {self.tail}"
+
+
+def keyed_split(sql: str, table: str, key: Sequence[str]) -> KeyedSplit | None:
+    """:func:`keyed_variant` cut where its sentinel goes (None: not the shape)."""
     if not _reads_like_sqlite(sql):
         return None
     toks = _tokens(sql)
@@ -166,7 +189,5 @@ def keyed_variant(
         return None
     rowid = ("rowid", "_rowid_", "oid")
     cols = ", ".join(f"{quote_name(qualifier)}.{k if k in rowid else quote_name(k)}" for k in key)
-    if sentinel is not None:
-        cols = f"'{sentinel}', {cols}"
     at = toks[from_at].start
-    return f"{sql[:at]}, {cols} {sql[at:]}"
+    return KeyedSplit(f"{sql[:at]}, ", f"{cols} {sql[at:]}")

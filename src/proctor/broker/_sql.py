@@ -61,7 +61,7 @@ from proctor.broker._datasets import (
     TimedOut,
 )
 from proctor.broker._fair import run_blocking
-from proctor.broker._lineage import key_text, keyed_variant, quote_name
+from proctor.broker._lineage import KeyedSplit, key_text, keyed_split, quote_name
 from proctor.broker._scope import DatasetBinding, RunScope
 from proctor.errors import UsageError
 from proctor.governance import DatasetKind
@@ -277,7 +277,78 @@ class _Misread(Exception):
     """The keyed variant's columns are not where they were put."""
 
 
-def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connection:
+# -- statement shapes ------------------------------------------------------------
+#
+# A run sends the same statement again and again with other parameters. What
+# step 2 learns of it (the accesses the authorizer reports, the b-trees its plan
+# reads through) and where its keyed variant puts the key are functions of the
+# text, the parameters' names or count, and the schema the connection compiled
+# it against (its tables and indexes, and the statistics it loaded with them):
+# not of the parameters' values, except where SQLite plans with them. It does
+# for a LIKE or GLOB whose pattern is a parameter (the pattern's prefix may pick
+# an index), and, where SQLite is built with STAT4 and the dataset holds
+# sqlite_stat4, for any parameter compared with an indexed column. Those
+# statements are analysed on every call, as all are on a cache miss.
+#
+# Kept per connection (each has its own schema and statistics loaded), for one
+# schema version (``PRAGMA schema_version``, read on every call before the cache
+# is consulted): a schema change drops them. What is enforced is unchanged: the
+# statement still runs under the enforcing authorizer built from the decision,
+# and Cedar is still asked (``decide_tables`` keeps its own answers per policy set).
+
+#: A statement that depends on the schema: running it reloads a stale one.
+_RELOAD = "SELECT 1 FROM main.sqlite_schema LIMIT 1"
+#: Statements whose plan may follow a parameter's value (see above): never kept.
+_VALUE_PLANNED = re.compile(r"like|glob", re.IGNORECASE)
+#: Statement shapes one connection keeps, and the longest statement kept.
+_SHAPES_KEPT = 128
+_SHAPE_SQL_LENGTH = 8192
+
+
+def _has_stat4() -> bool:
+    db = sqlite3.connect(":memory:")
+    try:
+        return any("ENABLE_STAT4" in str(r[0]) for r in db.execute("PRAGMA compile_options"))
+    finally:
+        db.close()
+
+
+#: Whether this SQLite plans with parameter values from sqlite_stat4.
+_STAT4 = _has_stat4()
+
+
+@dataclass
+class _Shape:
+    """What one statement shape compiled to on one connection (see above)."""
+
+    accesses: _Accesses
+    # Where the keyed variant puts the key, and whether the variant's plan reads
+    # through nothing undecided; None: not worked out yet (a write, or no read yet).
+    keyed: tuple[KeyedSplit | None, str | None, list[str] | None] | None = None
+    within: bool | None = None
+
+
+class _Conn(sqlite3.Connection):
+    """A read connection and the statement shapes it compiled (see above)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes: dict[tuple[str, object], _Shape] = {}
+        self.shapes_version = -1
+
+
+def _shape_key(sql: str, params: Any) -> tuple[str, object] | None:
+    """The cache key of a statement and its parameters' names or count; None: not kept."""
+    if len(sql) > _SHAPE_SQL_LENGTH or _VALUE_PLANNED.search(sql):
+        return None
+    if isinstance(params, dict):
+        return sql, tuple(sorted(params))
+    return sql, len(params)
+
+
+def _connect(
+    path: str, *, write: bool, busy_timeout: float, factory: type[sqlite3.Connection] = _Conn
+) -> sqlite3.Connection:
     mode = "rw" if write else "ro"
     uri = f"{Path(path).resolve().as_uri()}?mode={mode}"
     conn = sqlite3.connect(
@@ -290,6 +361,7 @@ def _connect(path: str, *, write: bool, busy_timeout: float) -> sqlite3.Connecti
         # expires prepared statements when the authorizer changes); a cache
         # would only hide that.
         cached_statements=0,
+        factory=factory,
     )
     conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
     conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_LENGTH)
@@ -308,21 +380,25 @@ class _ReadPool:
 
     def __init__(self, location: str) -> None:
         self.location = location
-        self._idle = IdleConnections[sqlite3.Connection]()
+        self._idle = IdleConnections[_Conn]()
         self._lock = threading.Lock()
         # Row keys by table and b-trees by root page, valid for one schema
         # version (PRAGMA schema_version).
         self._keys: dict[str, list[str] | None] = {}
         self._trees: dict[int, _Tree | None] = {}
         self._keys_version = -1
+        # Whether the dataset holds sqlite_stat4 (and this SQLite plans with it).
+        self._stat4 = False
 
-    def take(self, busy_timeout: float) -> sqlite3.Connection:
+    def take(self, busy_timeout: float) -> _Conn:
         conn = self._idle.pop()
         if conn is not None:
             return conn
-        return _connect(self.location, write=False, busy_timeout=busy_timeout)
+        made = _connect(self.location, write=False, busy_timeout=busy_timeout)
+        assert isinstance(made, _Conn)
+        return made
 
-    def give(self, conn: sqlite3.Connection) -> None:
+    def give(self, conn: _Conn) -> None:
         conn.set_authorizer(None)
         conn.set_progress_handler(None, 0)
         # A read-only statement that left a transaction open is not reused.
@@ -331,9 +407,33 @@ class _ReadPool:
 
     def _check_version(self, conn: sqlite3.Connection) -> None:
         version = int(conn.execute("PRAGMA schema_version").fetchone()[0])
+        if isinstance(conn, _Conn) and conn.shapes_version != version:
+            # The pragma reads the file; the connection's own copy of the schema is
+            # reloaded only when a statement that depends on it runs, and EXPLAIN
+            # lists a program without running it. Without this, a statement
+            # compiled after another connection changed the schema (an index
+            # added) would be analysed against the old schema and run against the
+            # new one, through an index nobody decided.
+            conn.execute(_RELOAD).fetchall()
+            conn.shapes.clear()
+            conn.shapes_version = version
+        with self._lock:
+            if version == self._keys_version:
+                return
+        stat4 = _STAT4 and _declared(conn, "sqlite_stat4") is not None
         with self._lock:
             if version != self._keys_version:
                 self._keys, self._trees, self._keys_version = {}, {}, version
+                self._stat4 = stat4
+
+    def shapes(self, conn: _Conn) -> dict[tuple[str, object], _Shape] | None:
+        """``conn``'s statement shapes, for the schema version it sees now (checked
+        here); None if the dataset's plans may follow parameter values."""
+        self._check_version(conn)
+        with self._lock:
+            if self._stat4:
+                return None
+        return conn.shapes
 
     def row_key(
         self, conn: sqlite3.Connection, table: str, *, check: bool = True
@@ -492,7 +592,8 @@ class _Statement:
         self.sql = sql
         self.params = params
         self.deadline = deadline
-        self.conn: sqlite3.Connection | None = None
+        self.conn: _Conn | None = None
+        self.shape: _Shape | None = None  # what this statement compiled to, if kept
         self.write_conn: sqlite3.Connection | None = None
         self.timed_out = False
         # The event loop may close the statement while a worker still runs it
@@ -527,6 +628,28 @@ class _Statement:
             )
         self.conn = conn = self.pool.take(self._busy_timeout())
         conn.set_progress_handler(self._progress, _PROGRESS_STEPS)
+        # The schema version is read (and the connection's schema made current)
+        # before anything is compiled or taken from what was kept.
+        try:
+            shapes = self.pool.shapes(conn)
+        except sqlite3.Error:
+            checked = False  # the compile below meets it and says why
+            shapes = None
+        else:
+            checked = True
+        key = _shape_key(self.sql, self.params) if shapes is not None else None
+        if shapes is not None and key is not None:
+            self.shape = shapes.get(key)
+            if self.shape is not None:
+                return self.shape.accesses
+        accesses = self._compile(conn, checked=checked)
+        if shapes is not None and key is not None:
+            if len(shapes) >= _SHAPES_KEPT:
+                shapes.clear()  # a run cycling through statements: start over
+            self.shape = shapes[key] = _Shape(accesses)
+        return accesses
+
+    def _compile(self, conn: _Conn, *, checked: bool) -> _Accesses:
         accesses = _Accesses()
         conn.set_authorizer(accesses.collect)
         try:
@@ -571,7 +694,7 @@ class _Statement:
         # is decided (it always is, this is a backstop), and the columns of the
         # indexes and WITHOUT ROWID keys whose order it uses.
         try:
-            plan, opened = _plan_reads(program, self.pool, conn, check=True)
+            plan, opened = _plan_reads(program, self.pool, conn, check=not checked)
         except Refused as exc:
             exc.write = accesses.is_write
             raise
@@ -625,18 +748,27 @@ class _Statement:
     def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
         assert isinstance(accesses, _Accesses)
         with self.lock, _failing():
-            return self._run_read(accesses, row_limit)
+            try:
+                return self._run_read(accesses, row_limit)
+            finally:
+                # The rows are held: the connection goes back to the pool now, not
+                # after the event is durable, so the run's next calls find it (and
+                # the statement shapes it compiled) instead of opening another.
+                if self.conn is not None:
+                    conn, self.conn = self.conn, None
+                    self.pool.give(conn)
 
     def _run_read(self, accesses: _Accesses, row_limit: int) -> Outcome:
         conn = self.conn
         assert conn is not None
         sentinel = "9" + secrets.token_hex(12)
-        variant, table, key = self._keyed_variant(conn, accesses, sentinel)
+        split, table, key = self._keyed(conn, accesses)
+        variant = None if split is None else split.join(sentinel)
         if (
             variant is not None
             and table is not None
             and key is not None
-            and self._plan_within(conn, variant, accesses)
+            and self._within(conn, variant, accesses)
         ):
             reads = {t: set(c) for t, c in accesses.reads.items()}
             # The broker's own read of the key (the engine names a rowid read
@@ -708,9 +840,29 @@ class _Statement:
             out.keys = [key_text(row[key_at:]) for row in raw]
         return out
 
-    def _keyed_variant(
-        self, conn: sqlite3.Connection, accesses: _Accesses, sentinel: str
-    ) -> tuple[str | None, str | None, list[str] | None]:
+    def _within(self, conn: sqlite3.Connection, variant: str, accesses: _Accesses) -> bool:
+        """:meth:`_plan_within`, kept with the statement's shape."""
+        if self.shape is not None and self.shape.within is not None:
+            return self.shape.within
+        within = self._plan_within(conn, variant, accesses)
+        if self.shape is not None:
+            self.shape.within = within
+        return within
+
+    def _keyed(
+        self, conn: sqlite3.Connection, accesses: _Accesses
+    ) -> tuple[KeyedSplit | None, str | None, list[str] | None]:
+        """Where the keyed variant puts the key, kept with the statement's shape."""
+        if self.shape is not None and self.shape.keyed is not None:
+            return self.shape.keyed
+        keyed = self._keyed_split(conn, accesses)
+        if self.shape is not None:
+            self.shape.keyed = keyed
+        return keyed
+
+    def _keyed_split(
+        self, conn: sqlite3.Connection, accesses: _Accesses
+    ) -> tuple[KeyedSplit | None, str | None, list[str] | None]:
         if len(accesses.reads) != 1 or accesses.selects != 1:
             return None, None, None
         if accesses.functions & _AGGREGATE_FUNCTIONS:
@@ -720,8 +872,7 @@ class _Statement:
         key = self.pool.row_key(conn, table, check=False)
         if key is None:
             return None, None, None
-        variant = keyed_variant(self.sql, table, key, sentinel)
-        return variant, table, key
+        return keyed_split(self.sql, table, key), table, key
 
     def run_write(self, accesses: Accesses) -> Outcome:
         """Run a permitted write inside a transaction left open for commit/rollback."""

@@ -1,0 +1,134 @@
+"""What the broker keeps between a run's SQL calls must never answer for a call it
+does not fit.
+
+A run sends the same statement again and again, so the SQLite connector keeps
+what compiling it taught (the accesses, the b-trees its plan reads through, where
+the key goes) per connection and schema version, and the shared path keeps
+Cedar's answers per policy set. Each test lets a first call be kept, then changes
+what the answer depends on (the schema, a parameter SQLite plans with, the
+parameters' count, the policy set) and tries the same statement again: it must
+be decided afresh, as if nothing had been kept.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proctor.broker import BadCall, CallDenied
+from proctor.policy import capability_policies, compile_policies
+from tests.conftest import LedgerEnv
+from tests.integration.test_broker_sql import DEPLOYMENT, TENANT, events, make_scope, sql
+
+ROWS = [
+    (1, "n1", "zoe@example.com", "pro"),
+    (2, "n2", "amy@example.com", "pro"),
+    (3, "n3", "kim@example.com", "pro"),
+    (4, "n4", "bob@example.com", "free"),
+]
+ALLOWED = ["id", "name", "plan"]  # not email
+
+
+def _caps() -> dict[str, Any]:
+    return {"datasets": {"crm": {"tables": {"customers": {"columns": ALLOWED}}}}}
+
+
+def _dataset(path: Path, schema: str = "") -> Path:
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, email TEXT, plan TEXT);"
+        + schema
+    )
+    conn.executemany("INSERT INTO customers VALUES (?, ?, ?, ?)", ROWS)
+    conn.commit()
+    conn.close()
+    return path
+
+
+def _denied_through_email(ledger_env: LedgerEnv) -> None:
+    ev = events(ledger_env, "sql.")[-1]
+    assert ev["decision"] == "deny"
+    (grant,) = ev["details"]["tables"]
+    assert "email" in grant["columns"]
+    assert ev["details"]["plan"][0]["via"] == "index by_name"
+
+
+def test_an_index_made_after_a_statement_was_kept_is_decided(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """Kept while the table had no index, the statement is compiled again once the
+    data owner adds one on (name, email): its plan now reads the names in email
+    order within each name, through the denied column, and is refused."""
+    ds = _dataset(tmp_path / "crm.db")
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT name FROM customers WHERE name > ?"
+    assert sql(scope, query, ["n"])["row_count"] == 4
+    assert sql(scope, query, ["n1"])["row_count"] == 3  # kept, answered again
+    owner = sqlite3.connect(ds)
+    owner.execute("CREATE INDEX by_name ON customers (name, email)")
+    owner.commit()
+    owner.close()
+    with pytest.raises(CallDenied, match="email"):
+        sql(scope, query, ["n"])
+    _denied_through_email(ledger_env)
+
+
+def test_a_like_pattern_is_planned_with_its_value_on_every_call(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """SQLite plans ``name LIKE ?`` with the pattern's value: a leading wildcard scans
+    the table, a prefix searches the (name, email) index. The first call is
+    permitted; the second, the same text, must not inherit its plan."""
+    ds = _dataset(
+        tmp_path / "crm.db", "CREATE INDEX by_name ON customers (name COLLATE NOCASE, email);"
+    )
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT plan FROM customers WHERE name LIKE ?"
+    assert sql(scope, query, ["%1"])["rows"] == [["pro"]]
+    with pytest.raises(CallDenied, match="email"):
+        sql(scope, query, ["n%"])
+    _denied_through_email(ledger_env)
+
+
+def test_a_kept_statement_still_checks_its_parameters(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    ds = _dataset(tmp_path / "crm.db")
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT name FROM customers WHERE id = ?"
+    assert sql(scope, query, [1])["rows"] == [["n1"]]
+    with pytest.raises(BadCall, match="parameters do not match"):
+        sql(scope, query, [1, 2])
+    with pytest.raises(BadCall, match="parameters do not match"):
+        sql(scope, query, [])
+    assert sql(scope, query, [2])["rows"] == [["n2"]]
+
+
+def test_a_kept_decision_does_not_outlive_its_policy_set(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """Cedar's answer for a statement is kept for the run; a new policy set (a
+    forbid added) is asked again, and the event carries the new set's version."""
+    ds = _dataset(tmp_path / "crm.db")
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT name FROM customers WHERE id = ?"
+    assert sql(scope, query, [1])["rows"] == [["n1"]]
+    assert sql(scope, query, [2])["rows"] == [["n2"]]
+    before = scope.policies.version
+    text = capability_policies(TENANT, DEPLOYMENT, _caps())
+    scope.policies = compile_policies(
+        text + '\n@id("no-crm")\nforbid (principal, action, '
+        'resource == Proctor::Table::"acme/crm/customers");'
+    )
+    with pytest.raises(CallDenied):
+        sql(scope, query, [3])
+    ev = events(ledger_env, "sql.")[-1]
+    assert ev["decision"] == "deny" and ev["policies"] == ["no-crm"]
+    assert ev["details"]["policy_version"] == scope.policies.version != before
+    # And back: the permit answers again, under the first set's version.
+    scope.policies = compile_policies(text)
+    assert sql(scope, query, [3])["rows"] == [["n3"]]
+    assert events(ledger_env, "sql.")[-1]["details"]["policy_version"] == before
