@@ -201,7 +201,9 @@ def serve_alone(home: Path, upstream: int) -> None:
         server.close()
         await asyncio.sleep(0.3)  # the last completion records
 
-    asyncio.run(main())
+    import uvloop  # the broker's own loop (broker/_server.py)
+
+    uvloop.run(main())
     print(json.dumps({"events": _events(scope)}), flush=True)
     scope.ledger.close()
 

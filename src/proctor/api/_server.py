@@ -371,6 +371,9 @@ def serve_api(
         log_config=None if json_log else uvicorn.config.LOGGING_CONFIG,
         access_log=False,
         http=_protocol_factory(gate, context),
+        # asyncio's own loop, not uvloop's (which uvicorn would pick, being installed
+        # for the broker): the gate's bounds below are tuned to how it accepts.
+        loop="asyncio",
         # No WebSocket route: an upgrade would leave the gate's head timer behind.
         ws="none",
         server_header=False,

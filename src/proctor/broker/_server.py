@@ -207,7 +207,7 @@ class Broker:
         self._runs: dict[str, _Run] = {}
         #: The stages the last calls passed, newest last (of every run; bounded).
         self.traces: deque[CallTrace] = deque(maxlen=TRACES_KEPT)
-        self._loop = asyncio.new_event_loop()
+        self._loop = _event_loop()
         self._thread = threading.Thread(target=self._serve, name="proctor-broker", daemon=True)
         self._started = False
         self._stopped = False
@@ -469,6 +469,17 @@ class Broker:
             if not call.keep_alive or writer.is_closing() or self._runs.get(scope.run_id) is None:
                 return
             follows = True
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The broker's loop: uvloop's (libuv) where it is installed. Every call out of
+    every sandbox passes through this one loop; on the egress path's own bench it
+    took 15-24% off the broker's added latency (README, issue 22)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a dependency; asyncio's loop works the same
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def wait_for_socket(path: Path, timeout: float = 5.0) -> None:
