@@ -15,12 +15,16 @@ signed log:
 - who holds a principal's token (its creator, whoever issued it a token) comes
   from ``principal.create``/``token.issue`` events.
 
-Events are found through the ``ledger_entries_ref`` index (migration 7), by
-resource, so a check costs a few index lookups, never a scan of the log; each
-event used is proven included under the log's signed checkpoint. What the index
-cannot prove at run time is that no event was deleted from the log: ``proctor
-audit verify`` recomputes the whole tree for that, and reports every store row
-the record does not back (:func:`unbacked_rows`).
+Events are found by resource through ``ledger_entries.ref`` and its index
+(migration 13: the ledger writes each governance event's resource there), so a
+check costs a few index lookups, never a scan of the log. ``ref`` is a column a
+store writer can edit: nothing is believed because of it. Each event found is
+read again from its own bytes (its resource and its action must be the ones
+asked for) and proven included under the log's signed checkpoint. What the
+lookup cannot prove at run time is that no event is missing from it (deleted
+from the log, or its ``ref`` cleared or moved): ``proctor audit verify``
+recomputes the whole tree and holds every row's ``ref`` to its event for that,
+and reports every store row the record does not back (:func:`unbacked_rows`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from proctor.errors import ProctorError, VerificationFailed
 from proctor.ledger import (
+    INDEXED_ACTIONS,
     Action,
     Checkpoint,
     Ledger,
@@ -48,26 +53,14 @@ if TYPE_CHECKING:
     from proctor.governance._artifacts import Artifacts
     from proctor.governance._deployments import Deployment, Deployments
 
-# Exactly the actions of migration 7's partial index, in the same order: SQLite
-# uses a partial index only when the query repeats its condition.
-INDEXED_ACTIONS = (
-    Action.ARTIFACT_SUBMIT, Action.APPROVAL_GRANT, Action.APPROVAL_REJECT,
-    Action.APPROVAL_REVOKE, Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK,
-    Action.DEPLOYMENT_STOPPED, Action.PRINCIPAL_CREATE, Action.PRINCIPAL_DISABLE,
-    Action.PRINCIPAL_ENABLE, Action.TOKEN_ISSUE, Action.QUORUM_SET,
-    Action.TENANT_FREEZE, Action.TENANT_UNFREEZE,
-)  # fmt: skip
-_IN = "(" + ", ".join(f"'{a}'" for a in INDEXED_ACTIONS) + ")"
-
 
 def _by_resource(store: Store) -> str:
-    """The query of one resource's governance events, in the expressions the store's
-    index is built on; the log is compared unindexed, or SQLite would walk the whole
-    log by its primary key (log, seq), which also serves the ORDER BY."""
+    """The query of one resource's governance events, by ``ref`` (migration 13's
+    partial index on ``(ref, log)``); the log is compared unindexed, or SQLite could
+    walk the whole log by its primary key (log, seq), which also serves the ORDER BY."""
     return (
         "SELECT seq, data FROM ledger_entries"  # noqa: S608 - fixed text, no input
-        f" WHERE {store.event_field('resource')} = ? AND {store.unindexed('log')} = ?"
-        f" AND {store.event_field('action')} IN {_IN} ORDER BY seq"
+        f" WHERE ref = ? AND {store.unindexed('log')} = ? ORDER BY seq"
     )
 
 
@@ -142,10 +135,18 @@ class Record:
             seq, data = int(seq_value), bytes(raw)
             if seq >= cp.size:
                 continue  # appended after the checkpoint this check reads
+            # Its ``ref`` found it; its own bytes must say the same.
             ev = _parse(data, tenant, seq)
             if ev.get("resource") != resource:
                 raise VerificationFailed(
-                    f"event seq {seq} of {tenant!r}: indexed under another resource"
+                    f"event seq {seq} of {tenant!r}: indexed under another resource",
+                    hint=f"proctor audit verify --tenant {tenant}",
+                )
+            action = ev.get("action")
+            if not isinstance(action, str) or action not in INDEXED_ACTIONS:
+                raise VerificationFailed(
+                    f"event seq {seq} of {tenant!r}: indexed, but not a governance event",
+                    hint=f"proctor audit verify --tenant {tenant}",
                 )
             proof = self._ledger.inclusion_proof(tenant, seq, cp.size)
             try:

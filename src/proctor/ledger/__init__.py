@@ -6,7 +6,7 @@ inclusion and consistency proofs, group-committed durable appends, and offline
 verification from an export and the verifier key alone.
 """
 
-from proctor.ledger._actions import Action
+from proctor.ledger._actions import INDEXED_ACTIONS, Action, event_ref
 from proctor.ledger._canonical import canonical_json, parse_canonical
 from proctor.ledger._erasures import (
     ERASURE_LIST_FORMAT,
@@ -93,6 +93,7 @@ __all__ = [
     "DECISIONS",
     "ERASED_FORMAT",
     "ERASURE_LIST_FORMAT",
+    "INDEXED_ACTIONS",
     "LINEAGE_FORMAT",
     "MAX_EVENT_BYTES",
     "MAX_PRUNED_PER_EVENT",
@@ -136,6 +137,7 @@ __all__ = [
     "erased_entries",
     "erasure_list",
     "erasure_record",
+    "event_ref",
     "is_erased_object",
     "is_pruned_marker",
     "iter_events",

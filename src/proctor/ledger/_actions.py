@@ -103,3 +103,26 @@ class Action(StrEnum):
     API_RATE_LIMITED = "api.rate_limited"
     API_CONNECTIONS_REFUSED = "api.connections.refused"
     API_LOG_READS = "api.log_reads"
+
+
+#: The governance actions whose events back the store's rows (governance/_backing.py
+#: finds them by resource): the ledger writes each such event's resource into its
+#: row's ``ref`` column, indexed (migration 13), and ``verify`` holds every row's
+#: ``ref`` to its event, so a cleared or moved ``ref`` is found like altered bytes.
+INDEXED_ACTIONS: frozenset[str] = frozenset(
+    {
+        Action.ARTIFACT_SUBMIT, Action.APPROVAL_GRANT, Action.APPROVAL_REJECT,
+        Action.APPROVAL_REVOKE, Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK,
+        Action.DEPLOYMENT_STOPPED, Action.PRINCIPAL_CREATE, Action.PRINCIPAL_DISABLE,
+        Action.PRINCIPAL_ENABLE, Action.TOKEN_ISSUE, Action.QUORUM_SET,
+        Action.TENANT_FREEZE, Action.TENANT_UNFREEZE,
+    }
+)  # fmt: skip
+
+
+def event_ref(action: object, resource: object) -> str | None:
+    """What an event's row holds in ``ref``: its resource if its action is indexed
+    (and the resource a string), else None."""
+    if isinstance(action, str) and action in INDEXED_ACTIONS and isinstance(resource, str):
+        return str(resource)
+    return None

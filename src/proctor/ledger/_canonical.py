@@ -67,6 +67,33 @@ _KNOWN = _SCALARS | {int, dict, list, tuple}
 
 
 def _fast_ok(value: Any) -> bool:
+    """Whether the fast encoder is exact for ``value``: only JSON's exact types (or
+    subclasses encoded as them), integers within 2**53, keys in the BMP."""
+    if type(value) is not dict:
+        return _walk_ok(value)
+    # An event's details, one level deep, inline: most of their values are strings,
+    # small integers and lists of strings, checked here without the walk's stack.
+    if not _keys_ok(value):
+        return False
+    for v in value.values():
+        t = type(v)
+        if t is str or t is bool or v is None:
+            continue
+        if t is int:
+            if -_MAX_SAFE <= v <= _MAX_SAFE:
+                continue
+            return False
+        if t is list:
+            for x in v:
+                if type(x) is not str and not _walk_ok(x):
+                    return False
+            continue
+        if not _walk_ok(v):
+            return False
+    return True
+
+
+def _walk_ok(value: Any) -> bool:
     stack = [value]
     while stack:
         v = stack.pop()

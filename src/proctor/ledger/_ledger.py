@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +25,7 @@ from proctor.errors import (
     UsageError,
     VerificationFailed,
 )
+from proctor.ledger._actions import INDEXED_ACTIONS, event_ref
 from proctor.ledger._canonical import canonical_event, canonical_json
 from proctor.ledger._event import EventDraft, bounded_event, utc_now
 from proctor.ledger._merkle import (
@@ -34,7 +37,7 @@ from proctor.ledger._merkle import (
     root_from,
 )
 from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint
-from proctor.ledger._objects import store_objects
+from proctor.ledger._objects import LedgerObject, store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 from proctor.store import Conn, Store
@@ -51,8 +54,13 @@ TxHook = Callable[[Conn], None]
 #: draft is made from the first event's leaf hash (a system-log entry that
 #: names a tenant log's event 0, say).
 Followup = tuple[str, Callable[[bytes], EventDraft]]
-# An event ready to commit: log, seq, time, bytes, and whether it is the item's own.
-_Staged = tuple[str, int, str, bytes, bool]
+# An event ready to commit: log, seq, time, bytes, its row's ``ref``, and whether it
+# is the item's own.
+_Staged = tuple[str, int, str, bytes, str | None, bool]
+_INSERT_ENTRY = "INSERT INTO ledger_entries (log, seq, time, data, ref) VALUES (?, ?, ?, ?, ?)"
+_sha256 = hashlib.sha256
+# Appended's own constructor is a Python function; the tuple's is not.
+_new_tuple = tuple.__new__
 
 
 class Appended(NamedTuple):
@@ -153,14 +161,22 @@ class _Pending:
         self.error: BaseException | None = None
 
 
+def _running_loop() -> asyncio.AbstractEventLoop:
+    """The calling coroutine's event loop. Its caller imported asyncio; an import
+    statement here would cost a look-up at every append."""
+    loop: asyncio.AbstractEventLoop = sys.modules["asyncio"].get_running_loop()
+    return loop
+
+
 def _settle(items: list[_Pending]) -> None:
     """Runs in the event loop: resolve the futures of one batch at once."""
     for item in items:
         fut = item.future
         if fut is None or fut.done():
             continue
-        if item.error is not None:
-            fut.set_exception(item.error)
+        error = item.error
+        if error is not None:
+            fut.set_exception(error)
         elif item.result is not None:
             fut.set_result(item.result)
 
@@ -168,10 +184,18 @@ def _settle(items: list[_Pending]) -> None:
 def _wake(batch: list[_Pending]) -> None:
     loops: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}
     for item in batch:
-        if item.done is not None:
-            item.done.set()
-        elif item.future is not None:
-            loops.setdefault(item.future.get_loop(), []).append(item)
+        done = item.done
+        if done is not None:
+            done.set()
+            continue
+        fut = item.future
+        if fut is not None:
+            loop = fut.get_loop()
+            waiting = loops.get(loop)
+            if waiting is None:
+                loops[loop] = [item]
+            else:
+                waiting.append(item)
     # One wake-up per event loop per batch, not one per event.
     for loop, items in loops.items():
         with suppress(RuntimeError):  # a closed loop has nobody waiting any more
@@ -210,21 +234,37 @@ class _LogState:
         return state
 
     def _add(self, level: int, h: bytes) -> None:
-        index, buf = self.tiles.get(level, (0, bytearray()))
-        buf += h
+        at = self.tiles.get(level)
+        if at is None:
+            at = self.tiles[level] = (0, bytearray())
+        index, buf = at
+        buf += h  # in place: the tile in ``tiles`` grows too
         self.dirty[(level, index)] = buf
         if len(buf) == _TILE_BYTES:
             self.tiles[level] = (index + 1, bytearray())
-        else:
-            self.tiles[level] = (index, buf)
-
-    def _on_node(self, height: int, h: bytes) -> None:
-        if height % 8 == 0:
-            self._add(height // 8, h)
 
     def push(self, leaf: bytes) -> None:
-        self._add(0, leaf)
-        self.tree.push(leaf, self._on_node)
+        """CompactRange.push, inline (once per event on the writer's path), with
+        each node at a tile level (every 8th height) added to its tile."""
+        at = self.tiles.get(0)
+        if at is None:
+            self._add(0, leaf)
+        else:
+            index, buf = at
+            buf += leaf  # in place: the tile in ``tiles`` grows too
+            self.dirty[(0, index)] = buf
+            if len(buf) == _TILE_BYTES:
+                self.tiles[0] = (index + 1, bytearray())
+        tree = self.tree
+        peaks = tree.peaks
+        height, h = 0, leaf
+        while peaks and peaks[-1][0] == height:
+            h = _sha256(b"\x01" + peaks.pop()[1] + h).digest()
+            height += 1
+            if not height & 7:
+                self._add(height >> 3, h)
+        peaks.append((height, h))
+        tree.size += 1
 
 
 class Ledger:
@@ -350,11 +390,10 @@ class Ledger:
         """:meth:`append` for asyncio code (the broker): awaits durability."""
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
-        self._ensure_writer()
-        import asyncio
-
-        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
-        self._queue.put(_Pending(log, draft, hook, create=False, future=future))
+        if self._thread is None:
+            self._ensure_writer()
+        future: asyncio.Future[Appended] = _running_loop().create_future()
+        self._queue.put(_Pending(log, draft, hook, False, future))
         return await future
 
     def append_later(self, log: str, draft: EventDraft) -> asyncio.Future[Appended]:
@@ -365,11 +404,10 @@ class Ledger:
         :meth:`append_async`'s would, in the calling event loop."""
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
-        self._ensure_writer()
-        import asyncio
-
-        future: asyncio.Future[Appended] = asyncio.get_running_loop().create_future()
-        self._queue.put(_Pending(log, draft, None, create=False, future=future, lazy=True))
+        if self._thread is None:
+            self._ensure_writer()
+        future: asyncio.Future[Appended] = _running_loop().create_future()
+        self._queue.put(_Pending(log, draft, None, False, future, lazy=True))
         return future
 
     def flush(self) -> None:
@@ -486,74 +524,108 @@ class Ledger:
 
     def _commit(self, batch: list[_Pending]) -> None:
         logs = sorted({item.log for item in batch} | {i.then[0] for i in batch if i.then})
-        # (item, log, seq, time, leaf, data, is the item's own event)
-        results: list[tuple[_Pending, str, int, str, bytes, bytes, bool]] = []
+        rows: list[tuple[str, int, str, bytes, str | None]] = []
+        # The batch's own events, for their results: item, its log's state, seq, leaf, bytes.
+        own: list[tuple[_Pending, _LogState, int, bytes, bytes]] = []
+        objects: list[tuple[str, int, tuple[LedgerObject, ...]]] = []
         touched: dict[str, _LogState] = {}
         with self._store.write(*(f"ledger:{log}" for log in logs)) as conn:
             now = self._clock()
             for item in batch:
-                # An item that writes more than its event (a new log, a hook's rows, a
-                # follow-up) does so inside a savepoint: all of it commits, or none.
-                atomic = item.create or item.hook is not None or item.then is not None
-                known = set(touched) if atomic else set()
-                if atomic:
-                    conn.execute("SAVEPOINT item")
+                draft = item.draft
+                if item.create or item.hook is not None or item.then is not None:
+                    staged = self._stage_atomic(conn, item, now, touched)
+                    if staged is None:
+                        continue
+                    # The in-memory right edges move only once nothing of the item can fail.
+                    for log, seq, time, data, ref, is_own in staged:
+                        leaf = _sha256(b"\x00" + data).digest()
+                        state = touched[log]
+                        state.push(leaf)
+                        state.last_time = time
+                        rows.append((log, seq, time, data, ref))
+                        if is_own:
+                            own.append((item, state, seq, leaf, data))
+                            if draft.objects:
+                                objects.append((log, seq, draft.objects))
+                    continue
+                # The common case, one event and nothing else: no savepoint, and the
+                # event is made here rather than through _stage.
+                log = item.log
+                found = touched.get(log)
+                if found is None:
+                    found = self._prepare(conn, item, touched)
+                    if found is None:
+                        continue  # its error is set
+                state = found
+                seq = state.tree.size
+                time = now if now > state.last_time else state.last_time
                 try:
-                    own, follow = self._stage(conn, item, now, touched)
+                    data = bounded_event(canonical_event(draft.to_event(seq, time, log)))
                 except ProctorError as exc:
-                    if atomic:
-                        conn.execute("ROLLBACK TO SAVEPOINT item")
-                        conn.execute("RELEASE SAVEPOINT item")
-                        for log in set(touched) - known:
-                            del touched[log]
                     if item.error is None:
                         item.error = exc
                     continue
-                if atomic:
-                    conn.execute("RELEASE SAVEPOINT item")
-                # The in-memory right edges move only once nothing of the item can fail.
-                for log, seq, time, data, is_own in (own, *([follow] if follow else [])):
-                    leaf = leaf_hash(data)
-                    touched[log].push(leaf)
-                    touched[log].last_time = time
-                    results.append((item, log, seq, time, leaf, data, is_own))
-            conn.executemany(
-                "INSERT INTO ledger_entries (log, seq, time, data) VALUES (?, ?, ?, ?)",
-                [(log, seq, time, data) for _, log, seq, time, _, data, _ in results],
-            )
+                leaf = _sha256(b"\x00" + data).digest()
+                state.push(leaf)
+                state.last_time = time
+                # event_ref, inline: the draft's action and resource are strings.
+                ref = draft.resource if draft.action in INDEXED_ACTIONS else None
+                rows.append((log, seq, time, data, ref))
+                own.append((item, state, seq, leaf, data))
+                if draft.objects:
+                    objects.append((log, seq, draft.objects))
+            conn.executemany(_INSERT_ENTRY, rows)
             # Objects go in with their events, all of the batch at once, like the entries.
-            store_objects(
-                conn,
-                [(r[1], r[2], r[0].draft.objects) for r in results if r[6] and r[0].draft.objects],
-                self._store.capabilities.bulk_insert,
-            )
-            notes: dict[str, str] = {}
-            for log, state in touched.items():
-                size = state.tree.size
-                root = state.tree.root()
-                note = self._sign(Checkpoint(state.origin, size, root))
-                notes[log] = note
-                conn.executemany(
-                    _UPSERT_TILE,
-                    [(log, lvl, idx, bytes(buf)) for (lvl, idx), buf in state.dirty.items()],
-                )
-                state.dirty.clear()
-                conn.execute(
-                    "UPDATE ledger_logs SET size = ?, root = ?, last_time = ?, checkpoint = ?"
-                    " WHERE log = ?",
-                    (size, root, state.last_time, note, log),
-                )
-                conn.execute(
-                    "INSERT INTO ledger_checkpoints (log, size, time, note) VALUES (?, ?, ?, ?)"
-                    " ON CONFLICT (log, size) DO NOTHING",
-                    (log, size, state.last_time, note),
-                )
+            store_objects(conn, objects, self._store.capabilities.bulk_insert)
+            notes = {log: self._checkpoint(conn, log, state) for log, state in touched.items()}
         # Durable from here on: the transaction committed.
         self._states.update(touched)
-        for item, log, seq, _, leaf, data, is_own in results:
-            if is_own:
-                state = touched[log]
-                item.result = Appended(log, seq, leaf, state.tree.size, notes[log], data)
+        for item, state, seq, leaf, data in own:
+            log = item.log
+            item.result = _new_tuple(Appended, (log, seq, leaf, state.tree.size, notes[log], data))
+
+    def _checkpoint(self, conn: Conn, log: str, state: _LogState) -> str:
+        """Write the log's changed tiles, its head and its signed checkpoint."""
+        size = state.tree.size
+        root = state.tree.root()
+        note = self._sign(Checkpoint(state.origin, size, root))
+        conn.executemany(
+            _UPSERT_TILE, [(log, lvl, idx, bytes(buf)) for (lvl, idx), buf in state.dirty.items()]
+        )
+        state.dirty.clear()
+        conn.execute(
+            "UPDATE ledger_logs SET size = ?, root = ?, last_time = ?, checkpoint = ?"
+            " WHERE log = ?",
+            (size, root, state.last_time, note, log),
+        )
+        conn.execute(
+            "INSERT INTO ledger_checkpoints (log, size, time, note) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (log, size) DO NOTHING",
+            (log, size, state.last_time, note),
+        )
+        return note
+
+    def _stage_atomic(
+        self, conn: Conn, item: _Pending, now: str, touched: dict[str, _LogState]
+    ) -> list[_Staged] | None:
+        """An item that writes more than its event (a new log, a hook's rows, a
+        follow-up) does so inside a savepoint: all of it, or none (then its error is
+        set and None returned)."""
+        known = set(touched)
+        conn.execute("SAVEPOINT item")
+        try:
+            own, follow = self._stage(conn, item, now, touched)
+        except ProctorError as exc:
+            conn.execute("ROLLBACK TO SAVEPOINT item")
+            conn.execute("RELEASE SAVEPOINT item")
+            for log in set(touched) - known:
+                del touched[log]
+            if item.error is None:
+                item.error = exc
+            return None
+        conn.execute("RELEASE SAVEPOINT item")
+        return [own] if follow is None else [own, follow]
 
     def _stage(
         self, conn: Conn, item: _Pending, now: str, touched: dict[str, _LogState]
@@ -568,7 +640,7 @@ class Ledger:
         data = bounded_event(canonical_event(item.draft.to_event(seq, time, item.log)))
         if item.hook is not None:
             item.hook(conn)
-        own = (item.log, seq, time, data, True)
+        own = (item.log, seq, time, data, event_ref(item.draft.action, item.draft.resource), True)
         if item.then is None:
             return own, None
         other, make = item.then
@@ -584,7 +656,8 @@ class Ledger:
         if odraft.objects:
             raise UsageError("a follow-up event carries no objects")
         odata = bounded_event(canonical_event(odraft.to_event(ostate.tree.size, otime, other)))
-        return own, (other, ostate.tree.size, otime, odata, False)
+        oref = event_ref(odraft.action, odraft.resource)
+        return own, (other, ostate.tree.size, otime, odata, oref, False)
 
     def _prepare(
         self, conn: Conn, item: _Pending, touched: dict[str, _LogState]
@@ -741,6 +814,13 @@ class Ledger:
             notes.append(head.checkpoint)
             notes.extend(trusted)
             raw = TileNodes(conn, log, FullTileCache(capacity=16))
+            # The rows' ref column where set: few rows (the governance events), read
+            # through its partial index (the log unindexed, or SQLite walks the log).
+            by_ref = (
+                "SELECT seq, ref FROM ledger_entries"  # noqa: S608 - fixed text, no input
+                f" WHERE ref IS NOT NULL AND {self._store.unindexed('log')} = ?"
+            )
+            refs = {int(r[0]): str(r[1]) for r in conn.query(by_ref, (log,))}
             entries = (
                 bytes(r[0])
                 for r in conn.iterate(
@@ -755,6 +835,7 @@ class Ledger:
                 verifier=self._signer.verifier,
                 head=(head.size, head.root),
                 tiles=raw.tile,
+                refs=refs,
             )
 
     def export(self, log: str, out: Path) -> LogHead:

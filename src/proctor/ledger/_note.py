@@ -137,8 +137,9 @@ class Signer:
         signs each log's checkpoints under that log's origin."""
         return Signer(name, self._key)
 
-    def signature_line(self, text: str) -> str:
-        sig = self._key.sign(text.encode())
+    def signature_line(self, text: str, sig: bytes | None = None) -> str:
+        if sig is None:
+            sig = self._key.sign(text.encode())
         b64 = base64.b64encode(self.verifier.key_id + sig).decode()
         return f"{_EM_DASH} {self.name} {b64}\n"
 
@@ -146,7 +147,13 @@ class Signer:
         """``text`` as a signed note, signed by this key then by each of ``also``."""
         if not text.endswith("\n") or "\n\n" in text:
             raise ValueError("note text must end in a newline and have no blank line")
-        lines = "".join(s.signature_line(text) for s in (self, *also))
+        # Ed25519 is deterministic and a note's signature covers the text alone, so
+        # a key under two names (``named``) makes the same signature: made once (a
+        # checkpoint per batch is signed under its origin and the runtime's name).
+        sig = self._key.sign(text.encode())
+        lines = "".join(
+            s.signature_line(text, sig if s._key is self._key else None) for s in (self, *also)
+        )
         return f"{text}\n{lines}"
 
 

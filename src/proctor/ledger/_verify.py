@@ -6,10 +6,11 @@ exactly the code the operator runs, with nothing but the verifier key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proctor.errors import VerificationFailed
+from proctor.ledger._actions import INDEXED_ACTIONS, event_ref
 from proctor.ledger._canonical import parse_canonical
 from proctor.ledger._merkle import EMPTY_ROOT, HASH_SIZE, CompactRange, leaf_hash
 from proctor.ledger._note import Checkpoint, Verifier, open_checkpoint
@@ -60,13 +61,17 @@ def verify_log(
     verifier: Verifier,
     head: tuple[int, bytes] | None = None,
     tiles: TileFn | None = None,
+    refs: Mapping[int, str] | None = None,
 ) -> VerifyReport:
     """Recompute every leaf and root; check every signed checkpoint against them.
 
     Raises :class:`VerificationFailed` naming the first bad sequence number.
     ``checkpoints`` are signed notes; any the caller holds from elsewhere (an
     auditor's copy) can be added, which is what catches a truncated log whose
-    later checkpoints were deleted too.
+    later checkpoints were deleted too. ``refs`` are the store's ``ref`` column
+    (seq to resource, where not NULL): each must be what the event at that seq
+    says (:func:`event_ref`), and no governance event may lack its own, or the
+    runtime's look-ups by resource (governance/_backing.py) would miss it.
     """
     by_size: dict[int, Checkpoint] = {}
     for note in checkpoints:
@@ -83,6 +88,7 @@ def verify_log(
     check = _TileCheck(tiles) if tiles is not None else None
     tree = CompactRange()
     marks = MarkerCheck()
+    found: dict[int, str | None] = {}  # seq -> its row's ref, of the governance events
     verified = 0
     pi = 0
     seq = -1
@@ -122,6 +128,10 @@ def verify_log(
                     ) from exc
         else:
             marks.event(seq, event)
+            if refs is not None:
+                action = event.get("action")
+                if type(action) is str and action in INDEXED_ACTIONS:
+                    found[seq] = event_ref(action, event.get("resource"))
             leaf = leaf_hash(data)
             if tiles is not None:
                 # The leaf against its level-0 tile, inline: once per event; a
@@ -156,6 +166,8 @@ def verify_log(
         )
     if not pending and tree.size:
         raise VerificationFailed("event seq 0: no signed checkpoint covers the log")
+    if refs is not None:
+        _check_refs(refs, found)
     marks.finish()
     if marks.problems:
         # The leaves all hash to the signed roots; what fails is a marker's own record.
@@ -164,3 +176,17 @@ def verify_log(
             f"entries: {marks.problems[0]}"
         )
     return VerifyReport(origin, tree.size, root, len(by_size), marks.pruned)
+
+
+def _check_refs(refs: Mapping[int, str], found: Mapping[int, str | None]) -> None:
+    """Each row's ``ref`` against its event: ``found`` holds what ``event_ref`` gives
+    each governance event, by seq; ``refs`` the column where it is not NULL."""
+    for seq in sorted(set(refs) | set(found)):
+        want, got = found.get(seq), refs.get(seq)
+        if got != want:
+            raise VerificationFailed(
+                f"event seq {seq}: its row's ref column says {got!r}, its event"
+                f" {want!r}: the store's index of governance events was altered"
+                " (a governance event would be hidden from, or shown to, the runtime's"
+                " checks by resource)"
+            )

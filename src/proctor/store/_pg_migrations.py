@@ -325,4 +325,19 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (tenant, day)
         )""",
     ],
+    # 13: governance events found through a column, not an expression index (see
+    # store/_migrations.py). Every row already parses as JSON: migration 7's partial
+    # index evaluated its condition on each row written, and refused one that did not.
+    [
+        "ALTER TABLE ledger_entries ADD COLUMN ref TEXT",
+        "UPDATE ledger_entries SET ref = proctor_event_field(data, 'resource')"
+        " WHERE proctor_event_field(data, 'action') IN"
+        " ('artifact.submit', 'approval.grant', 'approval.reject', 'approval.revoke',"
+        " 'deployment.create', 'deployment.rollback', 'deployment.stopped', 'principal.create',"
+        " 'principal.disable', 'principal.enable', 'token.issue', 'quorum.set',"
+        " 'tenant.freeze', 'tenant.unfreeze')"
+        " AND jsonb_typeof(convert_from(data, 'UTF8')::jsonb -> 'resource') = 'string'",
+        "DROP INDEX ledger_entries_ref",
+        "CREATE INDEX ledger_entries_ref ON ledger_entries (ref, log) WHERE ref IS NOT NULL",
+    ],
 ]
