@@ -911,8 +911,18 @@ class _Statement(Statement):
         self.coarse = True
         # Bytes this statement's answer holds of the run's budget (given back at close).
         self.held = 0
+        # The event loop may close the statement while a worker still runs it (a
+        # cancelled call): whoever comes second finds the connection given back.
+        self.lock = threading.Lock()
+        self.closed = False
 
     def analyse(self) -> Accesses:
+        with self.lock:
+            if self.closed:
+                raise Refused("the call has ended")
+            return self._analyse()
+
+    def _analyse(self) -> Accesses:
         try:
             self.conn = conn = self.pool.take()
         except (psycopg.Error, DatasetRoleError):
@@ -980,13 +990,20 @@ class _Statement(Statement):
         return accesses
 
     def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
-        try:
-            return self._run_read(accesses, row_limit)
-        except psycopg.errors.InsufficientPrivilege as exc:
-            # Cedar permitted more than the role holds.
-            raise DatabaseRefused(_first_line(exc)) from None
-        except psycopg.Error as exc:
-            raise Failed(type(exc).__name__, _first_line(exc)) from None
+        with self.lock:
+            try:
+                return self._run_read(accesses, row_limit)
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # Cedar permitted more than the role holds.
+                raise DatabaseRefused(_first_line(exc)) from None
+            except psycopg.Error as exc:
+                raise Failed(type(exc).__name__, _first_line(exc)) from None
+            finally:
+                # The rows are held (and counted in the run's budget until close):
+                # the transaction ends and the connection goes back to the pool now,
+                # in this worker, not after the event is durable, so the run's next
+                # calls find it instead of opening more logins than the role may.
+                self._end()
 
     def run_write(self, accesses: Accesses) -> Outcome:
         # Never reached: the plan of a read-only transaction reports no write.
@@ -1109,8 +1126,29 @@ class _Statement(Statement):
             batch = max(16, min(1000, (limit // 16) // per_row))
 
     def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def close_idle(self) -> bool:
+        """Close at once if that needs no round trip (no connection held, no worker
+        running the statement); whether it did."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.conn is not None:
+                return False
+            self._close()
+            return True
+        finally:
+            self.lock.release()
+
+    def _close(self) -> None:
+        self.closed = True
         held, self.held = self.held, 0
         self.pool.budget.give(held)
+        self._end()
+
+    def _end(self) -> None:
         conn, self.conn = self.conn, None
         if conn is None:
             return
@@ -1500,7 +1538,10 @@ class PostgresConnector:
 
     async def close(self, scope: RunScope, stmt: Statement) -> None:
         assert isinstance(stmt, _Statement)
-        await run_blocking(scope, stmt.close)
+        # A read ended its transaction in its worker: only the budget is left to
+        # give back, here, without a trip to a worker of its own.
+        if not stmt.close_idle():
+            await run_blocking(scope, stmt.close)
 
     def release(self, scope: RunScope, binding: DatasetBinding) -> None:
         # The closed pool stays with the scope (see close_pg_pools); one is made
