@@ -384,17 +384,20 @@ class Ledger:
                 raise item.error
         return [item.result for item in items if item.result is not None]
 
-    async def append_async(
+    def append_async(
         self, log: str, draft: EventDraft, hook: TxHook | None = None
-    ) -> Appended:
-        """:meth:`append` for asyncio code (the broker): awaits durability."""
+    ) -> asyncio.Future[Appended]:
+        """:meth:`append` for asyncio code (the broker): ``await`` it for durability.
+
+        Queued when called (not when first awaited), and a future rather than a
+        coroutine: one frame less on the broker's path for every event."""
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
         if self._thread is None:
             self._ensure_writer()
         future: asyncio.Future[Appended] = _running_loop().create_future()
         self._queue.put(_Pending(log, draft, hook, False, future))
-        return await future
+        return future
 
     def append_later(self, log: str, draft: EventDraft) -> asyncio.Future[Appended]:
         """Queue one event that nobody waits on now (what a call learned after its
@@ -481,19 +484,22 @@ class Ledger:
         lazy = True
         deadline = 0.0
         item: _Pending | _Done | None = first
+        get_nowait, max_batch = self._queue.get_nowait, self._max_batch
         while True:
-            if item is None:
+            if type(item) is _Pending:
+                batch.append(item)
+                if lazy and not item.lazy:
+                    lazy = False
+                if len(batch) >= max_batch:
+                    break
+            elif item is None:
                 return batch, barriers, True
-            if isinstance(item, _Done):
+            else:
+                assert isinstance(item, _Done)
                 barriers.append(item)
                 lazy = False
-            else:
-                batch.append(item)
-                lazy = lazy and item.lazy
-            if len(batch) >= self._max_batch:
-                break
             try:
-                item = self._queue.get_nowait()
+                item = get_nowait()
             except queue.Empty:
                 if not lazy:
                     break
