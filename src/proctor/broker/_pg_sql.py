@@ -74,6 +74,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import decimal
+import functools
 import hashlib
 import json
 import logging
@@ -851,10 +852,38 @@ def _parser_text(pg_sql: str) -> str:
     return re.sub(r"%[s%]", lambda m: "%" if m.group() == "%%" else f"${next(marks)}", pg_sql)
 
 
+#: Statement texts whose parse-tree answers (check, keyed variant) are kept, and
+#: the longest kept: both are functions of the text alone, and a run sends the
+#: same text again and again (a parse and a deparse cost about a millisecond).
+_TEXTS_KEPT = 256
+_KEPT_LENGTH = 8192
+
+
 def check_statement(pg_sql: str) -> None:
     """Refuse, before anything reaches the database, what is not one plain read
     calling only allowed functions (``pg_sql``: psycopg text, ``%s`` marks).
     Raises :class:`CallDenied` (refused) or :class:`BadCall` (does not parse)."""
+    found = _checked(pg_sql) if len(pg_sql) <= _KEPT_LENGTH else _check(pg_sql)
+    if found is not None:
+        kind, message = found
+        raise kind(message)
+
+
+@functools.lru_cache(maxsize=_TEXTS_KEPT)
+def _checked(pg_sql: str) -> tuple[type[BadCall] | type[CallDenied], str] | None:
+    return _check(pg_sql)
+
+
+def _check(pg_sql: str) -> tuple[type[BadCall] | type[CallDenied], str] | None:
+    """:func:`check_statement`'s refusal (its class and message), or None."""
+    try:
+        _check_statement(pg_sql)
+    except (BadCall, CallDenied) as exc:
+        return type(exc), exc.message
+    return None
+
+
+def _check_statement(pg_sql: str) -> None:
     text = _parser_text(pg_sql)
     try:
         statements = pglast.parse_sql(text)
@@ -929,17 +958,21 @@ class _Statement(Statement):
             raise Refused("the dataset cannot be reached as this run's role") from None
         ms = max(1, int(self.timeout * 1000))
         try:
-            conn.execute("BEGIN READ ONLY")
-            conn.execute(pgsql.SQL("SET LOCAL statement_timeout = {}").format(pgsql.Literal(ms)))
-            # Column grants cover the columns a statement names, not an index the planner
-            # reads through: an index scan of (plan, email) returns ids in email order.
-            # With index scans off, indexes are still used, as bitmaps, whose rows come
-            # in the table's physical order; the plan is checked below all the same.
-            conn.execute("SET LOCAL enable_indexscan = off")
-            conn.execute("SET LOCAL enable_indexonlyscan = off")
-            # Fixed, whatever the role or database says: builtins first, then the
-            # dataset's tables; no "$user" schema a role could own.
-            conn.execute("SET LOCAL search_path = pg_catalog, public")
+            # One round trip (the simple protocol runs them in order, and stops at the
+            # first that fails). Column grants cover the columns a statement names,
+            # not an index the planner reads through: an index scan of (plan, email)
+            # returns ids in email order. With index scans off, indexes are still
+            # used, as bitmaps, whose rows come in the table's physical order; the
+            # plan is checked below all the same. The search path is fixed, whatever
+            # the role or database says: builtins first, then the dataset's tables;
+            # no "$user" schema a role could own.
+            conn.execute(
+                pgsql.SQL(
+                    "BEGIN READ ONLY; SET LOCAL statement_timeout = {};"
+                    " SET LOCAL enable_indexscan = off; SET LOCAL enable_indexonlyscan = off;"
+                    " SET LOCAL search_path = pg_catalog, public"
+                ).format(pgsql.Literal(ms))
+            )
             # prepare=True: the extended query protocol, one statement or none.
             row = conn.execute(
                 "EXPLAIN (VERBOSE, FORMAT JSON) " + self.sql, self.params, prepare=True
@@ -1249,6 +1282,18 @@ class _KeyMisplaced(Exception):
 
 
 def keyed_statement(pg_sql: str, table: str, key: Sequence[str]) -> str | None:
+    """:func:`_keyed_statement`, kept per text, table and key."""
+    if len(pg_sql) > _KEPT_LENGTH:
+        return _keyed_statement(pg_sql, table, key)
+    return _keyed_kept(pg_sql, table, tuple(key))
+
+
+@functools.lru_cache(maxsize=_TEXTS_KEPT)
+def _keyed_kept(pg_sql: str, table: str, key: tuple[str, ...]) -> str | None:
+    return _keyed_statement(pg_sql, table, key)
+
+
+def _keyed_statement(pg_sql: str, table: str, key: Sequence[str]) -> str | None:
     """``pg_sql`` (psycopg text) with ``table``'s key columns appended to its select
     list, rewritten on PostgreSQL's own parse tree and printed by its deparser; or
     None unless each result row is one row of ``table`` (one plain relation in
