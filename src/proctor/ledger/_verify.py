@@ -6,6 +6,7 @@ exactly the code the operator runs, with nothing but the verifier key.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from proctor.ledger._prune import MarkerCheck, is_marker
 from proctor.ledger._tiles import TILE_WIDTH, tile_path
 
 TileFn = Callable[[int, int], bytes]
+_sha256 = hashlib.sha256
 
 
 @dataclass(frozen=True)
@@ -87,17 +89,13 @@ def verify_log(
     pending = sorted(s for s in by_size if s > 0)
     check = _TileCheck(tiles) if tiles is not None else None
     tree = CompactRange()
+    peaks = tree.peaks
     marks = MarkerCheck()
     found: dict[int, str | None] = {}  # seq -> its row's ref, of the governance events
     verified = 0
     pi = 0
     seq = -1
     tile0_index, tile0 = -1, b""
-
-    def on_node(height: int, h: bytes) -> None:
-        if check is not None and height % 8 == 0:
-            start = seq + 1 - (1 << height)
-            check.check(height // 8, start >> height, h, seq)
 
     for seq, data in enumerate(entries):
         try:
@@ -141,7 +139,16 @@ def verify_log(
                 off = (seq & 0xFF) * HASH_SIZE
                 if tile0[off : off + HASH_SIZE] != leaf and check is not None:
                     check.check(0, seq, leaf, seq)
-        tree.push(leaf, on_node)
+        # CompactRange.push, inline (once per event): a node at a tile level (every
+        # 8th height) is held to the stored tree as it forms.
+        height, h = 0, leaf
+        while peaks and peaks[-1][0] == height:
+            h = _sha256(b"\x01" + peaks.pop()[1] + h).digest()
+            height += 1
+            if check is not None and not height & 7:
+                check.check(height >> 3, (seq + 1 - (1 << height)) >> height, h, seq)
+        peaks.append((height, h))
+        tree.size += 1
         while pi < len(pending) and pending[pi] == tree.size:
             if tree.root() != by_size[tree.size].root:
                 raise VerificationFailed(
