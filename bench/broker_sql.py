@@ -178,6 +178,10 @@ def postgres_paths(ledger: Ledger, rate: float) -> Iterator[Paths]:
                     "INSERT INTO customers VALUES (%s, %s, %s, %s, %s, %s)",
                     [(i, f"c{i}", f"c{i}@example.com", "FR", "pro", i % 100) for i in range(ROWS)],
                 )
+        with psycopg.connect(dsn, autocommit=True) as db:
+            # Now, not by autovacuum in the middle of a round.
+            db.execute("VACUUM ANALYZE customers")
+            db.execute("CHECKPOINT")
         grant_deployment_role(dsn, "acme", "churn", "crm", CAPS["datasets"]["crm"]["tables"])
         scope = make_scope(ledger, DatasetBinding("crm", "postgresql", dsn))
         conn = psycopg.connect(dsn, autocommit=True)
