@@ -212,3 +212,11 @@ def test_the_ledger_writes_no_ref_for_a_non_governance_log(tmp_path: object) -> 
     finally:
         ledger.close()
         store.close()
+
+
+def test_retention_never_prunes_an_indexed_event() -> None:
+    """A pruned event's bytes become a marker but its row keeps its ref, which verify
+    would then refuse: every indexed action must be one retention keeps."""
+    from proctor.governance._retention import kept
+
+    assert all(kept(action) for action in INDEXED_ACTIONS)
