@@ -36,7 +36,10 @@ class _Up(BaseHTTPRequestHandler):
         body = f"got {self.path}".encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
-        if self.path == "/bye":  # the upstream ends its connection after this one
+        # The upstream ends its connection after /bye, and, as many servers do, says so
+        # when the request asked it to close (a broker that always asked would see
+        # every answer closing, and could keep no guest's connection).
+        if self.path == "/bye" or self.headers.get("Connection", "").lower() == "close":
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)

@@ -525,7 +525,13 @@ def connection_named(
     }
 
 
-def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tuple[str, str]]:
+def forward_headers(
+    headers: list[tuple[str, str]], authority: str, *, keep: bool = False
+) -> list[tuple[str, str]]:
+    """The request's headers as they go upstream: hop-by-hop ones dropped, ``Host``
+    the decided authority, and ``Connection: close`` unless the guest's connection
+    may be ``keep``-ed (then the upstream's own answer says whether it would have
+    kept it, and that answer is what the guest gets)."""
     named = connection_named(headers)
     out = [("Host", authority)]
     for name, value in headers:
@@ -538,7 +544,8 @@ def forward_headers(headers: list[tuple[str, str]], authority: str) -> list[tupl
         ):
             continue
         out.append((name, value))
-    out.append(("Connection", "close"))
+    if not keep:
+        out.append(("Connection", "close"))
     return out
 
 

@@ -257,7 +257,7 @@ class EgressProxy:
                 # client does not wait for an interim response that the
                 # upstream would send to us.
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            out = forward_headers(headers, authority)
+            out = forward_headers(headers, authority, keep=persistent)
             head = serialize_head(f"{method} {origin} HTTP/1.1", out)
             up_writer.write(head)
             outcome.bytes_up = len(head)
