@@ -178,16 +178,20 @@ def serve_alone(home: Path, upstream: int) -> None:
 
     async def on_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-            method, target, _ = head[0].split(" ")
-            headers = [
-                (name.strip(), value.strip())
-                for name, _, value in (line.partition(":") for line in head[1:] if line)
-            ]
-            if method == "CONNECT":
-                await proxy.handle_connect(scope, target, reader, writer)
-            else:
-                await proxy.handle_forward(scope, method, target, headers, reader, writer)
+            kept = True
+            while kept:  # a kept-alive connection's requests, each a call of its own
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, target, _ = head[0].split(" ")
+                headers = [
+                    (name.strip(), value.strip())
+                    for name, _, value in (line.partition(":") for line in head[1:] if line)
+                ]
+                if method == "CONNECT":
+                    await proxy.handle_connect(scope, target, reader, writer)
+                    return
+                kept = await proxy.handle_forward(
+                    scope, method, target, headers, reader, writer, persistent=True
+                )
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
         finally:
@@ -344,6 +348,8 @@ class Target:
     lat: list[float] = field(default_factory=list)
     lat_rounds: list[float] = field(default_factory=list)  # p50 per round
     rps: list[float] = field(default_factory=list)
+    keep_lat: list[float] = field(default_factory=list)  # requests on kept-alive connections
+    keep_connections: int = 0
     mbps: list[float] = field(default_factory=list)
     errors: int = 0
     requests: int = 0  # sent in all, the warm-up's included
@@ -524,6 +530,16 @@ ViaProxyName "tinyproxy"
                 t.lat_rounds.append(pct(lat, 0.5) if lat else float("nan"))
                 t.errors += errors
                 t.requests += a.requests
+            # Keep-alive: the same requests, each target's on one connection if it
+            # keeps it (each request still decided and recorded on its own).
+            got = self.client("keep", "127.0.0.1", up, str(a.requests),
+                              *(f"{t.port}:{t.mode}" for t in order), timeout=900)  # fmt: skip
+            for t, lat, errors, conns in zip(order, got["lat_us"], got["errors"],
+                                             got["connections"], strict=True):  # fmt: skip
+                t.keep_lat += lat
+                t.keep_connections += conns
+                t.errors += errors
+                t.requests += a.requests
             for t in order:
                 got = self.client("rps", "127.0.0.1", str(t.port), t.mode, up,
                                   str(a.clients), str(int(a.seconds * 1000)),
@@ -611,18 +627,19 @@ ViaProxyName "tinyproxy"
         print(f"{a.rounds} rounds, the targets' order rotated each round; per round and "
               f"target: {a.requests} requests one at a time (the targets taking turns request "
               f"by request), {a.clients} clients for {a.seconds:g} s, one {a.megabytes} MiB "
-              f"CONNECT download. Every request on a connection of its own. Load average "
+              f"CONNECT download; the same requests again on kept-alive connections. Otherwise "
+              f"every request on a connection of its own. Load average "
               f"{self.load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
               f"{os.cpu_count()} CPUs; a log line appended and fsynced in the run's "
               f"directory: {self.fsync[0]:.2f} ms before, {self.fsync[1]:.2f} ms after "
               f"(median of 50).")  # fmt: skip
         print()
-        print("| path | p50 | p95 | p99 | added p50 | req/s, "
+        print("| path | p50 | p95 | p99 | added p50 | kept alive: p50, connections | req/s, "
               f"{a.clients} clients | CONNECT {a.megabytes} MiB | errors | logged |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for t in self.targets:
             if not t.lat:
-                print(f"| {t.label} | — | — | — | — | — | — | {t.errors} | {t.logged} |")
+                print(f"| {t.label} | — | — | — | — | — | — | — | {t.errors} | {t.logged} |")
                 continue
             p50 = pct(t.lat, 0.5)
             added = "—" if t.name == "direct" else f"{(p50 - base) / 1000:.2f} ms"
@@ -631,14 +648,20 @@ ViaProxyName "tinyproxy"
                 mbps = statistics.median(t.mbps)
                 share = "" if t.name == "direct" else f" ({100 * mbps / base_mbps:.0f}%)"
                 tunnel = f"{mbps:,.0f} MB/s{share}"
+            kept = "—"
+            if t.keep_lat:
+                kept = (f"{pct(t.keep_lat, 0.5) / 1000:.2f} ms, {t.keep_connections:,} for "
+                        f"{a.requests * a.rounds:,}")  # fmt: skip
             print(f"| {t.label} | {p50 / 1000:.2f} ms | {pct(t.lat, 0.95) / 1000:.2f} ms | "
-                  f"{pct(t.lat, 0.99) / 1000:.2f} ms | {added} | "
+                  f"{pct(t.lat, 0.99) / 1000:.2f} ms | {added} | {kept} | "
                   f"{statistics.median(t.rps):,.0f} | {tunnel} | {t.errors} | "
                   f"{t.logged} |")  # fmt: skip
         print()
-        print("Latency: all samples of the run; added: over direct's p50. req/s and MB/s: the "
-              "median of the rounds. squid keeps its upstream connections alive (its "
-              "default); tinyproxy and Proctor open one per request. Ratios, with issue 22's "
+        print("Latency: all samples of the run; added: over direct's p50. Kept alive: the "
+              "same requests, each target's on one connection while it keeps it, and the "
+              "connections that took. req/s and MB/s: the median of the rounds. squid keeps "
+              "its upstream connections alive (its default); tinyproxy and Proctor open one "
+              "per request upstream. Ratios, with issue 22's "
               "targets and the range over the rounds:")  # fmt: skip
         for name in ("proctor-guest", "proctor-proxy"):
             if name not in by or not by[name].lat:

@@ -5,6 +5,7 @@
  *   client rps    HOST PORT MODE TARGET CLIENTS MS   CLIENTS threads for MS ms
  *   client tunnel HOST PORT MODE TARGET MB       one download of MB MiB
  *   client mix    HOST TARGET N PAUSE_US PORT:MODE...  N requests to each, alternating
+ *   client keep   HOST TARGET N PORT:MODE...  N requests to each on a kept-alive connection
  *
  * HOST:PORT is where it connects (the proxy, or the upstream for MODE
  * "direct"); TARGET is the upstream's host:port. MODE "proxy" sends an
@@ -19,7 +20,10 @@
  * work an endpoint does after its answer (a log line, a record) is not charged
  * to the next one. Prints one JSON line: latencies in microseconds (lat;
  * mix: a list per endpoint, errors too), requests done and the elapsed seconds
- * (rps), bytes and seconds (tunnel), errors in each.
+ * (rps), bytes and seconds (tunnel), errors in each. "keep" sends its requests
+ * on one connection per endpoint, opening a new one only where the last answer
+ * said "Connection: close" or the connection ended, taking turns as "mix" does;
+ * it prints the latencies and the connections each endpoint took.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -171,13 +175,25 @@ static long long read_chunked(int fd, char *buf, size_t have) {
     }
 }
 
+static long long read_response_closing(int fd, int *closes);
+
 /* One response on fd: 200 and a whole body, or -1. Returns the body's length. */
 static long long read_response(int fd) {
+    int closes;
+    return read_response_closing(fd, &closes);
+}
+
+/* As read_response; *closes says whether the connection ends after it (the
+ * response said so, is HTTP/1.0, or was read to its end). */
+static long long read_response_closing(int fd, int *closes) {
     char buf[HEAD_MAX + 1];
     size_t have;
+    *closes = 1;
     long head = read_head(fd, buf, &have);
     if (head < 0 || strncmp(buf, "HTTP/1.", 7) != 0 || strncmp(buf + 8, " 200", 4) != 0)
         return -1;
+    const char *conn = header(buf, (size_t)head, "Connection");
+    *closes = strncmp(buf, "HTTP/1.0", 8) == 0 || (conn && strncasecmp(conn, "close", 5) == 0);
     size_t extra = have - (size_t)head;
     const char *te = header(buf, (size_t)head, "Transfer-Encoding");
     const char *cl = header(buf, (size_t)head, "Content-Length");
@@ -187,6 +203,7 @@ static long long read_response(int fd) {
     }
     static __thread char big[1 << 20];
     if (cl) return read_exact(fd, big, sizeof big, atoll(cl), extra);
+    *closes = 1;
     long long got = (long long)extra;
     for (;;) {
         ssize_t r = recv(fd, big, sizeof big, 0);
@@ -226,7 +243,8 @@ static void *load_thread(void *arg) {
 static int usage(void) {
     fprintf(stderr,
             "usage: client lat|rps|tunnel HOST PORT direct|proxy TARGET N|CLIENTS MS|MB\n"
-            "       client mix HOST TARGET N PAUSE_US PORT:direct|proxy...\n");
+            "       client mix HOST TARGET N PAUSE_US PORT:direct|proxy...\n"
+            "       client keep HOST TARGET N PORT:direct|proxy...\n");
     return 2;
 }
 
@@ -296,8 +314,76 @@ static int mix(int argc, char **argv) {
     return 0;
 }
 
+static int keep(int argc, char **argv) {
+    /* client keep HOST TARGET N PORT:MODE... */
+    int count = argc - 5;
+    long n = atol(argv[4]);
+    if (count < 1 || count > MIX_MAX || n < 1) return usage();
+    static struct endpoint ends[MIX_MAX];
+    static double *samples[MIX_MAX];
+    long kept[MIX_MAX] = {0}, errors[MIX_MAX] = {0}, dialed[MIX_MAX] = {0};
+    int fds[MIX_MAX];
+    for (int i = 0; i < count; i++) {
+        char mode[16] = "";
+        int port = 0;
+        if (sscanf(argv[5 + i], "%d:%15s", &port, mode) != 2 ||
+            prepare(&ends[i], argv[2], port, mode, argv[3]))
+            return usage();
+        samples[i] = calloc((size_t)n, sizeof(double));
+        if (!samples[i]) return 1;
+        fds[i] = -1;
+    }
+    for (long r = 0; r < n; r++) {
+        for (int i = 0; i < count; i++) {
+            double t = now();
+            long long got = -1;
+            int closes = 1;
+            /* A kept connection the other end closed unannounced is retried once on a
+             * new one, as HTTP clients do (the time of both counted). */
+            for (int attempt = 0; attempt < 2 && got != 2; attempt++) {
+                int fresh = fds[i] < 0;
+                if (fresh) {
+                    fds[i] = dial(&ends[i].where);
+                    dialed[i]++;
+                }
+                if (fds[i] >= 0 && send_all(fds[i], ends[i].request, ends[i].request_len) == 0)
+                    got = read_response_closing(fds[i], &closes);
+                if (got != 2 && fds[i] >= 0) {
+                    close(fds[i]);
+                    fds[i] = -1;
+                }
+                if (fresh) break;
+            }
+            double us = (now() - t) * 1e6;
+            if (got == 2)
+                samples[i][kept[i]++] = us;
+            else
+                errors[i]++;
+            if ((got != 2 || closes) && fds[i] >= 0) {
+                close(fds[i]);
+                fds[i] = -1;
+            }
+        }
+    }
+    printf("{\"lat_us\": [");
+    for (int i = 0; i < count; i++) {
+        printf("%s[", i ? ", " : "");
+        for (long j = 0; j < kept[i]; j++) printf("%s%.1f", j ? ", " : "", samples[i][j]);
+        printf("]");
+    }
+    printf("], \"errors\": [");
+    for (int i = 0; i < count; i++) printf("%s%ld", i ? ", " : "", errors[i]);
+    printf("], \"connections\": [");
+    for (int i = 0; i < count; i++) printf("%s%ld", i ? ", " : "", dialed[i]);
+    printf("]}\n");
+    for (int i = 0; i < count; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
+    if (argc >= 6 && strcmp(argv[1], "keep") == 0) return keep(argc, argv);
     if (argc >= 7 && strcmp(argv[1], "mix") == 0) return mix(argc, argv);
     if (argc < 7) return usage();
     const char *what = argv[1];

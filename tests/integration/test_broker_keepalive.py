@@ -203,3 +203,59 @@ def test_a_completion_that_cannot_be_recorded_refuses_the_runs_next_call(
     assert json.loads(answers[1][2])["error"] == "not_recorded"
     events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
     assert [e["details"]["path"] for e in events if e["action"] == "http.request"] == ["/first"]
+
+
+def test_the_proxys_own_entry_point_keeps_a_connection_when_asked(
+    ledger_env: LedgerEnv, upstream: int
+) -> None:
+    # EgressProxy.handle_forward(persistent=True), for a server that reads heads itself
+    # (the peer bench's): True when the connection was kept, each request decided.
+    ledger_env.ledger.create_log("acme", draft(0))
+    entry = f"127.0.0.1:{upstream}"
+    scope = _scope(ledger_env.ledger, "k4", allowed_ranges=("127.0.0.0/8",))
+    scope.policies = compile_policies(capability_policies("acme", "churn", {"egress": [entry]}))
+    proxy = EgressProxy(None, connect_timeout=5)
+    kept: list[bool] = []
+
+    async def on_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while not kept or kept[-1]:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                method, target, _ = head[0].split(" ")
+                headers = [(k.strip(), v.strip()) for k, _, v in
+                           (line.partition(":") for line in head[1:] if line)]  # fmt: skip
+                kept.append(await proxy.handle_forward(scope, method, target, headers, reader,
+                                                       writer, persistent=True))  # fmt: skip
+        finally:
+            writer.close()
+
+    async def go() -> list[tuple[str, dict[str, str], bytes]]:
+        server = await asyncio.start_server(on_proxy, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        got = []
+        for path, close in (("/a", ""), ("/b", "Connection: close\r\n")):
+            writer.write(f"GET http://{entry}{path} HTTP/1.1\r\nHost: {entry}\r\n{close}\r\n"
+                         .encode())  # fmt: skip
+            status = (await reader.readline()).decode().strip()
+            headers: dict[str, str] = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            got.append((status, headers, await reader.readexactly(int(headers["content-length"]))))
+        assert await reader.read() == b""  # closed after the request that asked
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return got
+
+    got = asyncio.run(go())
+    assert [(s, b) for s, _, b in got] == [
+        ("HTTP/1.1 200 OK", b"got /a"),
+        ("HTTP/1.1 200 OK", b"got /b"),
+    ]
+    assert "connection" not in got[0][1] and got[1][1]["connection"] == "close"
+    assert kept == [True, False]
+    ledger_env.ledger.flush()
+    events = [json.loads(e) for e in ledger_env.ledger.entries("acme")]
+    assert [e["details"]["path"] for e in events if e["action"] == "http.request"] == ["/a", "/b"]

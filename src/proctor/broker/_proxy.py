@@ -215,13 +215,19 @@ class EgressProxy:
         headers: list[tuple[str, str]],
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-    ) -> None:
-        """Forward one plain-HTTP request (absolute form) through the call pipeline:
-        for a caller that read the head itself."""
+        *,
+        persistent: bool = False,
+    ) -> bool:
+        """Forward one plain-HTTP/1.1 request (absolute form) through the call pipeline:
+        for a caller that read the head itself. With ``persistent`` the connection is
+        kept where the request and the upstream allow it; True if it was (the caller
+        reads the next request off it, a call of its own), else it is closed."""
         from proctor.broker._pipeline import serve_kind  # it imports this module
 
         head = RequestHead(method, url, "HTTP/1.1", headers)
-        await serve_kind(Call(scope, reader, writer, head, proxy=self), FORWARD)
+        call = Call(scope, reader, writer, head, proxy=self, persistent=persistent)
+        await serve_kind(call, FORWARD)
+        return call.keep_alive
 
     async def _forward(
         self,

@@ -75,9 +75,10 @@ _CLOSE_GRACE = 10.0
 ConnectHandler = Callable[
     [RunScope, str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 ]
+#: What it returns is not used (the proxy's says whether it kept the connection).
 ForwardHandler = Callable[
     [RunScope, str, str, list[tuple[str, str]], asyncio.StreamReader, asyncio.StreamWriter],
-    Awaitable[None],
+    Awaitable[object],
 ]
 
 

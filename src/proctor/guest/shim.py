@@ -171,6 +171,11 @@ def serve(listener: socket.socket, broker_path: str, token: str) -> None:
             client, _ = listener.accept()
         except OSError:
             return
+        # Answers go out as they come (a head, then its body): with Nagle's algorithm
+        # the second small write waits for the client's delayed ACK, 40 ms, on every
+        # answer of a kept-alive connection.
+        with contextlib.suppress(OSError):
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _WORKERS.submit(_bridge, client, broker_path, token)
 
 
