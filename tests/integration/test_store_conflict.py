@@ -173,7 +173,7 @@ def test_a_start_that_loses_the_race_at_the_index_is_refused_on_postgresql(pg_ds
 def test_a_resources_governance_events_are_read_by_its_index_on_either_engine(
     store: Store,
 ) -> None:
-    """The query Record builds from the store's expressions uses migration 7's index
+    """The query Record builds from the store's expressions uses the ledger_entries_ref index (migration 13)
     on both engines, tenant included, instead of walking a log."""
     from proctor.governance._backing import _by_resource
     from proctor.store import to_pg_sql
