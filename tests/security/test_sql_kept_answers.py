@@ -12,13 +12,14 @@ be decided afresh, as if nothing had been kept.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proctor.broker import BadCall, CallDenied
+from proctor.broker import BadCall, CallDenied, handle_sql
 from proctor.policy import capability_policies, compile_policies
 from tests.conftest import LedgerEnv
 from tests.integration.test_broker_sql import DEPLOYMENT, TENANT, events, make_scope, sql
@@ -132,3 +133,73 @@ def test_a_kept_decision_does_not_outlive_its_policy_set(
     scope.policies = compile_policies(text)
     assert sql(scope, query, [3])["rows"] == [["n3"]]
     assert events(ledger_env, "sql.")[-1]["details"]["policy_version"] == before
+
+
+# -- reads answered on the event loop ---------------------------------------------
+
+
+def _big(path: Path, rows: int) -> Path:
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, email TEXT, plan TEXT)"
+    )
+    conn.executemany(
+        "INSERT INTO customers VALUES (?, ?, ?, ?)",
+        ((i, f"n{i}", f"e{i}@example.com", "pro") for i in range(rows)),
+    )
+    conn.commit()
+    conn.close()
+    return path
+
+
+def test_a_quick_statement_that_turns_slow_is_answered_whole_by_a_worker(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """The same kept statement, quick for one value and a scan of the whole table for
+    another: the scan is stopped on the event loop and answered by a worker, whole,
+    with one event (nothing of the stopped attempt is used or recorded)."""
+    rows = 300_000
+    ds = _big(tmp_path / "crm.db", rows)
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT count(name) FROM customers WHERE id >= ?"
+    for _ in range(3):  # kept, then found quick, then answered on the loop
+        assert sql(scope, query, [rows - 1])["rows"] == [[1]]
+    assert sql(scope, query, [0])["rows"] == [[rows]]
+    assert sql(scope, query, [rows - 2])["rows"] == [[2]]
+    evs = events(ledger_env, "sql.")
+    assert len(evs) == 5
+    assert all(e["decision"] == "allow" and e["details"]["outcome"] == "ok" for e in evs)
+
+
+def test_a_locked_dataset_is_waited_for_by_a_worker_not_refused(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    """A kept, quick read meets the dataset locked by its owner's write: the attempt on
+    the event loop does not wait (busy timeout zero) and gives up; the worker waits,
+    as every read did before, and answers once the write is committed."""
+    ds = _dataset(tmp_path / "crm.db")
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT name FROM customers WHERE id = ?"
+    for i in (1, 2, 3):
+        assert sql(scope, query, [i])["rows"] == [[f"n{i}"]]
+    owner = sqlite3.connect(ds, isolation_level=None, check_same_thread=False)
+    owner.execute("BEGIN EXCLUSIVE")
+    owner.execute("UPDATE customers SET name = 'renamed' WHERE id = 4")
+
+    async def read_while_locked() -> dict[str, Any]:
+        call = asyncio.create_task(
+            handle_sql(scope, {"dataset": "crm", "sql": query, "params": [4]})
+        )
+        await asyncio.sleep(0.3)
+        assert not call.done()  # waiting on the lock, not refused
+        owner.execute("COMMIT")
+        return await call
+
+    try:
+        out = asyncio.run(read_while_locked())
+    finally:
+        if owner.in_transaction:
+            owner.execute("ROLLBACK")
+        owner.close()
+    assert out["rows"] == [["renamed"]]
+    assert events(ledger_env, "sql.")[-1]["details"]["outcome"] == "ok"

@@ -589,7 +589,10 @@ async def rule(
 
     on = f"dataset/{dataset}"
     try:
-        accesses, answers, read, lineage = await run_blocking(scope, analyse_decide_read)
+        found = _quick(scope, stmt, dataset, binding)
+        if found is None:
+            found = await run_blocking(scope, analyse_decide_read)
+        accesses, answers, read, lineage = found
     except Refused as exc:
         refused = Action.SQL_WRITE if exc.write else Action.SQL_SELECT
         error: BrokerError = CallDenied(f"sql: refused: {exc.reason}")
@@ -622,6 +625,27 @@ async def rule(
     decision = _combined(scope, grants, allowed=True)
     return Ruling(action, resource, decision, decision.reason, details,
                   found=(accesses, read, lineage))  # fmt: skip
+
+
+def _quick(
+    scope: RunScope, stmt: Statement, dataset: str, binding: DatasetBinding
+) -> tuple[Accesses, _Answers, Outcome | Exception | None, Lineage] | None:
+    """A permitted read its engine answers on the event loop, bounded (SQLite: a kept
+    statement whose last run was quick, ``_sql.quick_read``); None: the worker path."""
+    quick_read = getattr(stmt, "quick_read", None)
+    if quick_read is None:
+        return None
+
+    def allowed(accesses: Accesses) -> bool:
+        grants = _decide_kept(scope, dataset, binding, accesses).grants
+        return bool(grants) and all(g.decision.allowed for g in grants)
+
+    found = quick_read(allowed, scope.row_limit, scope.statement_timeout)
+    if found is None:
+        return None
+    accesses, outcome = found
+    answers = _decide_kept(scope, dataset, binding, accesses)
+    return accesses, answers, outcome, _lineage(scope, outcome)
 
 
 async def act(scope: RunScope, stmt: Statement, ruling: Ruling) -> Acted:

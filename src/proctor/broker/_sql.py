@@ -317,11 +317,32 @@ def _has_stat4() -> bool:
 _STAT4 = _has_stat4()
 
 
+# -- reads answered on the event loop ---------------------------------------------
+#
+# A trip to a worker thread and back costs more than a kept point read itself (two
+# wake-ups, and the GIL handed between three threads). A kept read whose last run
+# took under _QUICK_LAST is run on the event loop instead, on an idle connection
+# of the run's, with the busy timeout at zero (a locked dataset is not waited for)
+# and a progress handler that stops it at _QUICK_BUDGET: stopped, busy, or failing
+# in any way, nothing of it is used and the call takes the worker path as if it had
+# not been tried (its shape is then marked slow until a worker run is quick again).
+# What is decided, enforced and recorded is the same on both paths.
+
+#: A kept read whose last run took less than this is tried on the event loop.
+_QUICK_LAST = 0.0005
+#: The most one such read may hold the event loop before it is stopped.
+_QUICK_BUDGET = 0.002
+#: VM instructions between two checks of that bound.
+_QUICK_STEPS = 100
+
+
 @dataclass
 class _Shape:
     """What one statement shape compiled to on one connection (see above)."""
 
     accesses: _Accesses
+    # Whether its last read was quick enough to be tried on the event loop.
+    quick: bool = False
     # Where the keyed variant puts the key, and whether the variant's plan reads
     # through nothing undecided; None: not worked out yet (a write, or no read yet).
     keyed: tuple[KeyedSplit | None, str | None, list[str] | None] | None = None
@@ -389,6 +410,10 @@ class _ReadPool:
         self._keys_version = -1
         # Whether the dataset holds sqlite_stat4 (and this SQLite plans with it).
         self._stat4 = False
+
+    def take_idle(self) -> _Conn | None:
+        """An idle connection, if one is: never opens one (see quick_read)."""
+        return self._idle.pop()
 
     def take(self, busy_timeout: float) -> _Conn:
         conn = self._idle.pop()
@@ -748,8 +773,12 @@ class _Statement:
     def run_read(self, accesses: Accesses, row_limit: int) -> Outcome:
         assert isinstance(accesses, _Accesses)
         with self.lock, _failing():
+            started = time.monotonic()
             try:
-                return self._run_read(accesses, row_limit)
+                out = self._run_read(accesses, row_limit)
+                if self.shape is not None:
+                    self.shape.quick = time.monotonic() - started < _QUICK_LAST
+                return out
             finally:
                 # The rows are held: the connection goes back to the pool now, not
                 # after the event is durable, so the run's next calls find it (and
@@ -757,6 +786,53 @@ class _Statement:
                 if self.conn is not None:
                     conn, self.conn = self.conn, None
                     self.pool.give(conn)
+
+    def quick_read(
+        self, allowed: Callable[[Accesses], bool], row_limit: int, busy_timeout: float
+    ) -> tuple[_Accesses, Outcome] | None:
+        """On the event loop: the read, if it is kept, quick, ``allowed`` (the
+        caller's Cedar answers) and done within the bound (see above); None: take
+        the worker path. ``busy_timeout``: what the connection's is put back to."""
+        key = _shape_key(self.sql, self.params)
+        conn = self.pool.take_idle() if key is not None else None
+        if conn is None or key is None:
+            return None
+        shape: _Shape | None = None
+        stop = time.monotonic() + _QUICK_BUDGET
+
+        def bounded() -> int:
+            if time.monotonic() > stop:
+                self.timed_out = True  # read by _fetch: stopped, not failed
+                return 1
+            return 0
+
+        try:
+            conn.execute("PRAGMA busy_timeout = 0")
+            conn.set_progress_handler(bounded, _QUICK_STEPS)
+            shapes = self.pool.shapes(conn)
+            shape = shapes.get(key) if shapes is not None else None
+            if shape is None or not shape.quick:
+                return None
+            accesses = shape.accesses
+            if accesses.is_write or not allowed(accesses):
+                return None  # decided again, and recorded, on the regular path
+            self.conn, self.shape = conn, shape
+            return accesses, self._run_read(accesses, row_limit)
+        except (sqlite3.Error, TimedOut, _Misread):
+            if shape is not None:
+                shape.quick = False
+            return None
+        finally:
+            self.conn = None
+            self.shape = None
+            self.timed_out = False
+            try:
+                conn.set_progress_handler(None, 0)
+                conn.execute(f"PRAGMA busy_timeout = {max(1, int(busy_timeout * 1000))}")
+            except sqlite3.Error:
+                conn.close()
+            else:
+                self.pool.give(conn)
 
     def _run_read(self, accesses: _Accesses, row_limit: int) -> Outcome:
         conn = self.conn
