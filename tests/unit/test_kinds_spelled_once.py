@@ -5,7 +5,7 @@ defines them; nor keys a table by such a name (a lookup is a comparison too).
 An environment's rules live in ``governance/_environments.py`` (``Environment``,
 ``requires_quorum``, ``is_production``, ``environment_forbid``, ``bucket_dir``);
 what an engine can do is asked of the store (``store.capabilities``,
-``store.Conflict``, ``Store.event_field``, ``Store.try_lock``). A comparison
+``store.Conflict``, ``Store.unindexed``, ``Store.try_lock``). A comparison
 elsewhere is a second place where the rule could differ, which this test refuses.
 A dataset's kind is ``governance.DatasetKind`` (``governance/_resources.py``); the
 broker's registries (``_connectors._CONNECTORS``, ``_exposure._EXPOSURE``) key on

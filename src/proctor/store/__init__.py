@@ -7,7 +7,7 @@ its way of serialising writers: SQLite has one writer per process and a file
 lock between processes; a PostgreSQL engine takes the advisory lock named by
 ``write(lock=...)``. Callers never see which engine they have: what differs is
 asked of :attr:`Store.capabilities` (bulk inserts over arrays, secure deletion,
-session locks) or of the store itself (:meth:`Store.event_field`,
+session locks) or of the store itself (:meth:`Store.unindexed`,
 :meth:`Store.try_lock`, :meth:`Store.scrub`), and a write that loses to another
 writer (a unique key taken, a serialization failure) raises :class:`Conflict` on
 either engine. :class:`Engine` spells the engines' names, once.

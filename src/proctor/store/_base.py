@@ -81,17 +81,9 @@ class Store(Protocol):
     @property
     def url(self) -> str: ...
 
-    def event_field(self, field: str) -> str:
-        """The SQL expression for one top-level text field of an event in
-        ``ledger_entries.data`` (NULL where the bytes are not JSON): the expression
-        the engine's index on events by resource (migration 7) is built on, so a
-        query that repeats it can use that index. ``field`` is a fixed name, never
-        input."""
-        ...
-
     def unindexed(self, column: str) -> str:
         """``column`` as an expression whose own indexes the planner leaves alone, for a
-        query meant to use an expression index (:meth:`event_field`): SQLite would
+        query meant to use another index (``ledger_entries_ref``): SQLite would
         otherwise take the primary key for an ``ORDER BY`` it also serves
         (``+column``); PostgreSQL weighs both itself (the column)."""
         ...

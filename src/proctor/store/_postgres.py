@@ -178,10 +178,6 @@ class PostgresStore:
     def url(self) -> str:
         return redact(self._dsn)
 
-    def event_field(self, field: str) -> str:
-        # Migration 7's IMMUTABLE wrapper, which the index is built on.
-        return f"proctor_event_field(data, '{field}')"
-
     def unindexed(self, column: str) -> str:
         return column
 

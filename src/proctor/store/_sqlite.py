@@ -115,14 +115,6 @@ class SQLiteStore:
     def url(self) -> str:
         return f"sqlite:///{self._path}"
 
-    def event_field(self, field: str) -> str:
-        # json_valid first: a row whose bytes are not JSON (a tampered one) must stay
-        # readable, so that verification can name it (migration 7 says the same).
-        return (
-            f"(CASE WHEN json_valid(CAST(data AS TEXT))"
-            f" THEN json_extract(CAST(data AS TEXT), '$.{field}') END)"
-        )
-
     def unindexed(self, column: str) -> str:
         return f"+{column}"
 
