@@ -640,7 +640,7 @@ def _quick(
         grants = _decide_kept(scope, dataset, binding, accesses).grants
         return bool(grants) and all(g.decision.allowed for g in grants)
 
-    found = quick_read(allowed, scope.row_limit, scope.statement_timeout)
+    found = quick_read(allowed, scope.row_limit)
     if found is None:
         return None
     accesses, outcome = found

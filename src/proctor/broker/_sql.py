@@ -356,6 +356,14 @@ class _Conn(sqlite3.Connection):
         super().__init__(*args, **kwargs)
         self.shapes: dict[tuple[str, object], _Shape] = {}
         self.shapes_version = -1
+        # Its busy timeout as opened (ms), and as it is now (quick reads set zero).
+        self.busy_default = self.busy_now = max(1, int(float(kwargs.get("timeout", 5.0)) * 1000))
+
+    def busy(self, ms: int) -> None:
+        """Set the busy timeout to ``ms`` (a statement only if it changes)."""
+        if self.busy_now != ms:
+            self.execute(f"PRAGMA busy_timeout = {int(ms)}")
+            self.busy_now = ms
 
 
 def _shape_key(sql: str, params: Any) -> tuple[str, object] | None:
@@ -418,6 +426,7 @@ class _ReadPool:
     def take(self, busy_timeout: float) -> _Conn:
         conn = self._idle.pop()
         if conn is not None:
+            conn.busy(conn.busy_default)  # as it was opened, if a quick read changed it
             return conn
         made = _connect(self.location, write=False, busy_timeout=busy_timeout)
         assert isinstance(made, _Conn)
@@ -788,11 +797,11 @@ class _Statement:
                     self.pool.give(conn)
 
     def quick_read(
-        self, allowed: Callable[[Accesses], bool], row_limit: int, busy_timeout: float
+        self, allowed: Callable[[Accesses], bool], row_limit: int
     ) -> tuple[_Accesses, Outcome] | None:
         """On the event loop: the read, if it is kept, quick, ``allowed`` (the
         caller's Cedar answers) and done within the bound (see above); None: take
-        the worker path. ``busy_timeout``: what the connection's is put back to."""
+        the worker path."""
         key = _shape_key(self.sql, self.params)
         conn = self.pool.take_idle() if key is not None else None
         if conn is None or key is None:
@@ -807,7 +816,7 @@ class _Statement:
             return 0
 
         try:
-            conn.execute("PRAGMA busy_timeout = 0")
+            conn.busy(0)  # left so for the next quick read; a worker's take sets it back
             conn.set_progress_handler(bounded, _QUICK_STEPS)
             shapes = self.pool.shapes(conn)
             shape = shapes.get(key) if shapes is not None else None
@@ -826,13 +835,8 @@ class _Statement:
             self.conn = None
             self.shape = None
             self.timed_out = False
-            try:
-                conn.set_progress_handler(None, 0)
-                conn.execute(f"PRAGMA busy_timeout = {max(1, int(busy_timeout * 1000))}")
-            except sqlite3.Error:
-                conn.close()
-            else:
-                self.pool.give(conn)
+            conn.set_progress_handler(None, 0)
+            self.pool.give(conn)
 
     def _run_read(self, accesses: _Accesses, row_limit: int) -> Outcome:
         conn = self.conn
