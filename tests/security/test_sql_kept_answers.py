@@ -203,3 +203,66 @@ def test_a_locked_dataset_is_waited_for_by_a_worker_not_refused(
         owner.close()
     assert out["rows"] == [["renamed"]]
     assert events(ledger_env, "sql.")[-1]["details"]["outcome"] == "ok"
+
+
+def test_quick_reads_past_a_runs_share_of_the_loop_take_the_worker_path(
+    ledger_env: LedgerEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's reads answered on the event loop are held to its share of the loop
+    (the loop serves every run's calls): with the share spent, the same quick read is
+    answered by a worker, decided and recorded the same."""
+    from proctor.broker import _fair, _sql
+
+    # A clock that moves a second each time it is read: each read on the loop is
+    # charged one second, nothing refills, and the run's burst covers three.
+    ticks = iter(range(1, 1_000_000))
+    spent = _fair.LoopShare(share=0.0, burst=2.5, total=0.0, clock=lambda: float(next(ticks)))
+    monkeypatch.setattr(_fair, "LOOP", spent)
+    monkeypatch.setattr("proctor.broker._datasets.LOOP", spent)
+    on_loop: list[int] = []
+    real = _sql._Statement.quick_read
+
+    def counted(self: Any, *args: Any) -> Any:
+        found = real(self, *args)
+        on_loop.append(found is not None)
+        return found
+
+    monkeypatch.setattr(_sql._Statement, "quick_read", counted)
+    ds = _dataset(tmp_path / "crm.db")
+    scope = make_scope(ledger_env, ds, caps=_caps())
+    query = "SELECT name FROM customers WHERE id = ?"
+    for i in (1, 2, 3, 4, 1, 2):
+        assert sql(scope, query, [i])["rows"] == [[f"n{i}"]]
+    # Three tries on the loop (one of them at least answered there), then the run's
+    # share is spent and the other reads go to the worker path.
+    assert len(on_loop) == 3 and any(on_loop), on_loop
+    assert len(events(ledger_env, "sql.")) == 6
+
+
+def test_the_loop_share_refills_at_its_rate_and_bounds_all_runs() -> None:
+    from proctor.broker._fair import LoopShare
+
+    now = [0.0]
+
+    class Scope:
+        def __init__(self, run: str) -> None:
+            self.tenant, self.run_id = "acme", run
+
+    share = LoopShare(share=0.25, burst=0.05, total=0.5, clock=lambda: now[0])
+
+    def work(seconds: float) -> str:
+        now[0] += seconds
+        return "ran"
+
+    a, b, c = Scope("a"), Scope("b"), Scope("c")
+    # Run a overruns its burst; it refills at a quarter of each second elapsed.
+    assert share.run(a, lambda: work(0.1)) == "ran"  # type: ignore[arg-type]
+    assert share.run(a, lambda: work(0.01)) is None  # type: ignore[arg-type]
+    now[0] += 0.14
+    assert share.run(a, lambda: work(0.01)) == "ran"  # type: ignore[arg-type]
+    # Run b's work overruns what is left of the total: run c waits, though its own
+    # share is whole, until the total refills (half of each second elapsed).
+    assert share.run(b, lambda: work(0.3)) == "ran"  # type: ignore[arg-type]
+    assert share.run(c, lambda: work(0.01)) is None  # type: ignore[arg-type]
+    now[0] += 0.2
+    assert share.run(c, lambda: work(0.01)) == "ran"  # type: ignore[arg-type]

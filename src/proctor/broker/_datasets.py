@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from proctor.broker._calls import Acted, Ruling
-from proctor.broker._fair import run_blocking
+from proctor.broker._fair import LOOP, run_blocking
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
 from proctor.errors import PolicyError
 from proctor.governance import DatasetKind
@@ -640,7 +640,9 @@ def _quick(
         grants = _decide_kept(scope, dataset, binding, accesses).grants
         return bool(grants) and all(g.decision.allowed for g in grants)
 
-    found = quick_read(allowed, scope.row_limit)
+    # Held to the run's share of the loop (and all runs' together): past it, the
+    # read takes the worker path, fair-shared as any other.
+    found = LOOP.run(scope, lambda: quick_read(allowed, scope.row_limit))
     if found is None:
         return None
     accesses, outcome = found

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import functools
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -213,3 +214,74 @@ async def run_blocking(scope: RunScope, fn: Callable[P, T], *args: P.args, **kwa
     """``asyncio.to_thread`` for the broker: ``fn`` runs on the fair pool as a job
     of ``scope``'s run and tenant (see the module's docstring)."""
     return await POOL.run(scope.tenant, scope.run_id, fn, *args, **kwargs)
+
+
+# -- work done on the event loop itself ---------------------------------------------
+#
+# Some work is cheaper on the loop than the trip to a worker and back (a kept SQLite
+# point read: _sql.quick_read, each bounded at a few milliseconds). The loop serves
+# every run's calls, so that work is held to a share of it: each run's to
+# LOOP_SHARE of a second (LOOP_BURST at once), all runs' together to LOOP_TOTAL.
+# Past either, the work goes to the fair pool as any other.
+
+#: The share of each second one run's work on the loop may take.
+LOOP_SHARE = 0.25
+#: What one run may take at once before its share refills.
+LOOP_BURST = 0.05
+#: The share of each second all runs' work on the loop may take together.
+LOOP_TOTAL = 0.5
+#: Runs whose loop time is kept (the least recently seen are forgotten first).
+LOOP_RUNS_KEPT = 4096
+
+
+class _Bucket:
+    """Seconds of loop time: refilled at ``rate`` a second up to ``burst``; work
+    may start while it is above zero, and what it took is charged after."""
+
+    __slots__ = ("burst", "level", "rate", "when")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.level, self.when = rate, burst, burst, now
+
+    def refill(self, now: float) -> float:
+        self.level = min(self.burst, self.level + (now - self.when) * self.rate)
+        self.when = now
+        return self.level
+
+
+class LoopShare:
+    """The loop time runs' work on the loop may take (see above)."""
+
+    def __init__(
+        self,
+        share: float = LOOP_SHARE,
+        burst: float = LOOP_BURST,
+        total: float = LOOP_TOTAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._share, self._burst, self._clock = share, burst, clock
+        self._total = _Bucket(total, 2 * burst, clock())
+        self._runs: OrderedDict[tuple[str, str], _Bucket] = OrderedDict()
+
+    def run(self, scope: RunScope, fn: Callable[[], T | None]) -> T | None:
+        """``fn()`` on the loop, now, if ``scope``'s run and all runs are within their
+        shares (its time charged to both); None, without calling it, if not."""
+        now = self._clock()
+        key = (scope.tenant, scope.run_id)
+        bucket = self._runs.pop(key, None) or _Bucket(self._share, self._burst, now)
+        self._runs[key] = bucket
+        while len(self._runs) > LOOP_RUNS_KEPT:
+            self._runs.popitem(last=False)
+        if bucket.refill(now) <= 0 or self._total.refill(now) <= 0:
+            return None
+        try:
+            return fn()
+        finally:
+            took = self._clock() - now
+            bucket.level -= took
+            self._total.level -= took
+
+
+#: The broker's loop-time shares, one per process (like POOL; only the broker's
+#: loop calls it).
+LOOP = LoopShare()
