@@ -208,7 +208,10 @@ big = "/big/%d" % cfg["bytes"]
 for _ in range(cfg["transfers"]):
     for p in paths:
         t = time.perf_counter()
-        https_get(p, big)
+        try:
+            https_get(p, big)
+        except Exception as exc:
+            raise SystemExit("the download on path %s failed: %r" % (p, exc))
         out["mbps"][p].append(cfg["bytes"] / (1 << 20) / (time.perf_counter() - t))
 if cfg["dns"]:
     tag = os.urandom(3).hex()
