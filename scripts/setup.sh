@@ -18,6 +18,8 @@ python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
 # PostgreSQL's server binaries: the tests start a throwaway server (proctor.testing).
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 \
   || need_pkgs+=(postgresql)
+# The console's browser tests drive Debian's Chromium with Playwright (no browser download).
+command -v chromium >/dev/null 2>&1 || need_pkgs+=(chromium)
 
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
 from proctor.api._models import HealthOut, KeyOut
+from proctor.console import Console, ConsoleConfig, SignInProvider
 from proctor.errors import ProctorError
 from proctor.lifecycle import REQUEST, log_event
 from proctor.runtime import Runtime
@@ -156,11 +158,14 @@ def create_app(
     backend: str | None = None,
     worker_threads: int = 40,
     public_logs: Sequence[str] = (),
+    console: ConsoleConfig | None = None,
 ) -> FastAPI:
     """The API over ``rt``. ``supervisor`` (a ``proctor.lifecycle.Supervisor``) is used
     for runs when given (``proctor serve`` has one); otherwise the API makes its own
     broker and supervisor on the first run and stops them at shutdown. ``public_logs``:
-    tenants whose tlog-tiles read paths need no token (a public mirror of their log)."""
+    tenants whose tlog-tiles read paths need no token (a public mirror of their log).
+    ``console``: serve the web console at ``/ui`` (its OIDC sign-in offers the
+    issuers marked ``console`` in ``oidc``)."""
     limits = limits or Limits()
     state = ApiState(
         rt, Authenticator(rt, oidc), limits, backend=backend, supervisor=supervisor,
@@ -233,6 +238,13 @@ def create_app(
     app.include_router(_operator_routes.router)
     app.include_router(_retention_routes.router)
     app.include_router(_egress_routes.router)
+    if console is not None:
+        providers = [SignInProvider(i.issuer, i.audience, i.console_client_secret,
+                                    i.console_label) for i in oidc if i.console]  # fmt: skip
+        config = replace(console, providers=[*console.providers, *providers])
+        # The console calls the whole app (this one, middleware included), so its
+        # requests are the API's own: same id, limits, decisions and log lines.
+        app.mount("/ui", Console(app, config).app(), name="console")
     app.add_middleware(_Guard, limits=limits)
 
     return app

@@ -51,6 +51,11 @@ class OIDCIssuer:
     role_map: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     algorithms: tuple[str, ...] = ("RS256", "ES256", "EdDSA")
     leeway_seconds: int = 30
+    #: Offer this issuer on the console's sign-in page; the console is then an OIDC
+    #: client whose client id is ``audience`` (the ID token's audience).
+    console: bool = False
+    console_client_secret: str | None = field(default=None, repr=False)
+    console_label: str = ""
 
     def __post_init__(self) -> None:
         if (self.jwks_url is None) == (self.jwks_file is None):
@@ -95,11 +100,24 @@ def load_oidc_config(path: Path) -> list[OIDCIssuer]:
                     role_map=role_map,
                     algorithms=tuple(item.get("algorithms", ("RS256", "ES256", "EdDSA"))),
                     leeway_seconds=int(item.get("leeway_seconds", 30)),
+                    console=bool(item.get("console", False)),
+                    console_client_secret=_secret(item.get("console_client_secret_file"), path),
+                    console_label=str(item.get("console_label", "")),
                 )
             )
         return out
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"the OIDC configuration {path} is unusable: {exc}") from exc
+
+
+def _secret(name: Any, config: Path) -> str | None:
+    """The console's OIDC client secret, read from its own file (never inline in
+    the configuration, which may be shared or committed)."""
+    if name is None:
+        return None
+    path = Path(str(name))
+    path = path if path.is_absolute() else config.parent / path
+    return path.read_text(encoding="utf-8").strip() or None
 
 
 class _KeySet:

@@ -22,6 +22,7 @@ from proctor.api._app import create_app
 from proctor.api._auth import OIDCIssuer
 from proctor.api._context import Limits
 from proctor.api._limits import CONNECTION, WINDOW, ConnectionGate, Held, gate_bounds
+from proctor.console import ConsoleConfig
 from proctor.errors import ProctorError, UsageError
 from proctor.ledger import Actor
 from proctor.runtime import Runtime
@@ -311,13 +312,14 @@ def serve_api(
     worker_threads: int = 40,
     json_log: bool = False,
     public_logs: Sequence[str] = (),
+    console: ConsoleConfig | None = None,
 ) -> ApiServer:
     """Start serving the API over ``rt`` in a background thread and return once it
     accepts connections. TLS when ``certfile`` and ``keyfile`` are given (both or
     neither). The socket is bound here, so a port in use fails now, in the caller.
     ``json_log``: uvicorn keeps the log handlers ``proctor serve`` set up (JSON lines)
     instead of installing its own. ``public_logs``: tenants whose tlog-tiles read paths
-    are served without a token."""
+    are served without a token. ``console``: serve the web console at ``/ui/``."""
     if (certfile is None) != (keyfile is None):
         raise UsageError("TLS needs both a certificate and its key")
     app = create_app(
@@ -328,6 +330,7 @@ def serve_api(
         backend=backend,
         worker_threads=worker_threads,
         public_logs=public_logs,
+        console=console,
     )
     limits = limits or Limits()
     # A connection is a descriptor: raise the soft limit, bound connections below it.

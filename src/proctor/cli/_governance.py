@@ -673,6 +673,16 @@ def serve(
         Path | None, typer.Option(help="OIDC issuers to trust (JSON, see docs/api.md)")
     ] = None,
     no_api: Annotated[bool, typer.Option("--no-api", help="Supervise only")] = False,
+    no_console: Annotated[
+        bool, typer.Option("--no-console", help="Serve the API without the web console at /ui/")
+    ] = False,
+    console_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The console's origin as people reach it (https://host:port), for the OIDC "
+            "redirect; default: the origin of each request"
+        ),
+    ] = None,
     public_log: Annotated[
         list[str] | None,
         typer.Option(
@@ -683,7 +693,7 @@ def serve(
     home: HomeOpt = None,
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
-    and the HTTP API (OpenAPI at /openapi.json)."""
+    the HTTP API (OpenAPI at /openapi.json) and the web console (/ui/)."""
     from proctor.lifecycle import Server, log_json
 
     log_json()  # one JSON object per line on stderr: docs/operations.md
@@ -695,6 +705,7 @@ def serve(
         api = None
         if not no_api:
             from proctor.api import load_oidc_config, serve_api
+            from proctor.console import ConsoleConfig
 
             api = serve_api(
                 rt, api_host, api_port,
@@ -704,12 +715,15 @@ def serve(
                 supervisor=sup,
                 json_log=True,
                 public_logs=public_log or (),
+                console=None if no_console else ConsoleConfig(public_url=console_url),
             )  # fmt: skip
         signal.signal(signal.SIGTERM, lambda *_: server.stop())
         signal.signal(signal.SIGINT, lambda *_: server.stop())
         console.print(f"serving {rt.home} (pid {sup.supervisor_id})")
         if api is not None:
             console.print(f"HTTP API at {api.url}")
+            if not no_console:
+                console.print(f"web console at {api.url}/ui/")
             for tenant in public_log or ():
                 mirror = f"{api.url}/tenants/{tenant}/log/"
                 console.print(f"the log of {tenant} is served without a token at {mirror}")

@@ -84,7 +84,8 @@ class Client:
     """``Client(url, token)``: a principal's view of a Proctor server.
 
     ``verify`` is passed to httpx: ``True`` (system CAs), ``False``, or a CA bundle
-    path for a server with its own certificate.
+    path for a server with its own certificate. ``headers`` go with every request
+    (the console passes its request id and the person's address this way).
     """
 
     def __init__(
@@ -95,12 +96,17 @@ class Client:
         timeout: float = 60.0,
         verify: bool | str = True,
         transport: httpx.BaseTransport | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         tls = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
         self._http = httpx.Client(
             base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "User-Agent": "proctor-client"},
+            headers={
+                "User-Agent": "proctor-client",
+                **(headers or {}),
+                "Authorization": f"Bearer {token}",
+            },
             timeout=timeout,
             verify=tls,
             transport=transport,
@@ -506,6 +512,10 @@ class Client:
 
     def verify(self, tenant: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/verify")
+
+    def export_archive(self, tenant: str) -> bytes:
+        """The log export as the server sends it: a tar.gz of what ``export`` unpacks."""
+        return self._request("GET", f"{self._t(tenant)}/export").content
 
     def export(self, tenant: str, dest: Path) -> Path:
         """Download the log export and unpack it into ``dest`` (created; must be empty);

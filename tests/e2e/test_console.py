@@ -1,0 +1,453 @@
+"""Issue 18: the web console, driven in a real browser (Debian's Chromium through
+Playwright) against a real `serve_api` on loopback and a real OIDC provider
+(`oidc-provider-mock`, authorization code flow, a registered client with a
+secret). Every click is checked where it lands: in the ledger.
+
+Screenshots of every page (1280x800 and a phone's 390x844) are written to
+build/console-screenshots/ and every page is checked with axe-core."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proctor.api import ApiServer, OIDCIssuer, serve_api
+from proctor.console import ConsoleConfig
+from tests.e2e.conftest_gov import Gov, build_gov
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+oidc_mock = pytest.importorskip("oidc_provider_mock")
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = Path(__file__).resolve().parents[2] / "build" / "console-screenshots"
+# What the probe of this machine found Chromium needs on a closed network.
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+SECRET_LINE = "RATE = 0.0421  # the line an approver must be able to read"
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="no chromium (make setup)")
+
+
+@dataclass
+class Env:
+    gov: Gov
+    server: ApiServer
+    issuer: str
+    digest: str  # by dev, waiting for approvers
+    own: str  # by bob (an approver): bob may not approve it
+    shots: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.url + "/ui"
+
+    def approvals(self, digest: str) -> list[Any]:
+        return self.gov.rt.approvals.for_artifact("acme", digest)
+
+    def events(self, action_prefix: str) -> list[dict[str, Any]]:
+        out = []
+        for raw in self.gov.rt.ledger.events_between("acme", since="2000-01-01T00:00:00Z"):
+            ev = json.loads(raw)
+            if str(ev["action"]).startswith(action_prefix):
+                out.append(ev)
+        return out
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("console")
+    gov = build_gov(tmp)
+    op = gov.rt.operator
+    for name, roles in (("carol", ["approver"]), ("audrey", ["auditor"])):
+        p, tok = gov.rt.principals.create("acme", name, "user", roles, op)
+        gov.people[name] = (p, tok)
+    art = gov.artifact_dir(
+        "churn", f"import json\n{SECRET_LINE}\nprint(json.dumps({{'rate': RATE}}))\n",
+        '[datasets.fake.tables.customers]\ncolumns = ["id", "country"]\naccess = "read"\n'
+        '[buckets]\nreports = "write"\n',
+    )  # fmt: skip
+    digest = gov.submit("acme", art, "dev")
+    own = gov.submit("acme", gov.artifact_dir("bobs", "print('mine')\n"), "bob")
+    with oidc_mock.run_server_in_thread(port=0, require_client_registration=True) as idp:
+        issuer = f"http://localhost:{idp.server_port}"
+        # The console is a registered client: exact redirect URI, a client secret.
+        reserved = serve_api(gov.rt, "127.0.0.1", 0)
+        port = reserved.port
+        reserved.stop()
+        callback = f"http://127.0.0.1:{port}/ui/oidc/callback"
+        reg = httpx.post(f"{issuer}/oauth2/clients", json={"redirect_uris": [callback]}).json()
+        secret_file = tmp / "console-secret"
+        secret_file.write_text(reg["client_secret"])
+        oidc = [OIDCIssuer(issuer=issuer, audience=reg["client_id"], tenant="acme",
+                           jwks_url=f"{issuer}/jwks", console=True,
+                           console_client_secret=reg["client_secret"],
+                           console_label="Example SSO")]  # fmt: skip
+        server = serve_api(gov.rt, "127.0.0.1", port, oidc=oidc, console=ConsoleConfig())
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        try:
+            yield Env(gov, server, issuer, digest, own, SHOTS)
+        finally:
+            server.stop()
+            gov.rt.close()
+
+
+@pytest.fixture(scope="module")
+def browser(env: Env) -> Iterator[Any]:
+    with playwright_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _page(browser: Any, **kw: Any) -> Any:
+    kw.setdefault("viewport", {"width": 1280, "height": 800})
+    ctx = browser.new_context(**kw)
+    page = ctx.new_page()
+    page.set_default_timeout(20_000)
+    return page
+
+
+def _token_sign_in(env: Env, browser: Any, who: str, **kw: Any) -> Any:
+    page = _page(browser, **kw)
+    page.goto(env.url + "/")
+    page.fill("#token", env.gov.token(who))
+    page.click("form[action$='/signin'] button[type=submit]")
+    page.wait_for_url(re.compile(r".*/ui/t/acme/$"))
+    return page
+
+
+def _flash(page: Any) -> str:
+    return str(page.locator(".flash").all_inner_texts())
+
+
+# -- sign-in through a real OIDC provider, read, approve ------------------------------
+
+
+def test_an_approver_signs_in_with_oidc_reads_a_file_and_approves(env: Env, browser: Any) -> None:
+    page = _page(browser)
+    page.goto(env.url + "/")
+    page.click("text=Sign in with Example SSO")
+    # The identity provider's own page: who is signing in.
+    page.wait_for_load_state()
+    assert page.url.startswith(env.issuer + "/oauth2/authorize"), (
+        page.url,
+        page.inner_text("body")[:500],
+    )
+    assert "code_challenge_method=S256" in page.url and "code_challenge=" in page.url
+    page.fill("input[name=sub]", "carol")
+    page.click("button:has-text('Authorize')")
+    page.wait_for_url(re.compile(r".*/ui/t/acme/$"))
+    assert "carol" in page.inner_text("header")
+    # The queue holds dev's artifact, not bob's own (bob's waits for others too).
+    page.click("nav >> text=Approvals")
+    queue = page.inner_text("main")
+    assert "churn" in queue
+    page.click(f"a[href$='/artifacts/{env.digest.replace(':', '%3A')}']")
+    # The file's content, as text on the page, and the capabilities in words.
+    assert SECRET_LINE.split("#", maxsplit=1)[0].strip() in page.inner_text("main")
+    caps = page.inner_text("#caps + ul")
+    assert "fake.customers" in caps and "columns country, id" in caps
+    assert "bucket reports" in caps
+    page.fill("#comment", "read main.py; fine")
+    page.click("button:has-text('Approve')")
+    page.wait_for_selector(".flash")
+    assert page.locator(".flash.ok").count() == 1, _flash(page)
+    assert "approved as acme/carol" in _flash(page)
+    assert "1 live approval" in page.inner_text("#decide ~ p") or "1 live approval" in (
+        page.inner_text("main")
+    )
+    page.screenshot(path=str(env.shots / "artifact-approved.png"), full_page=True)
+    # The ledger holds it, attributed to the person signed in, exactly as the CLI's.
+    mine = [a for a in env.approvals(env.digest) if a.principal == "acme/carol"]
+    assert len(mine) == 1 and mine[0].decision == "approve"
+    assert mine[0].comment == "read main.py; fine"
+    recorded = [e for e in env.events("approval.") if e.get("decision") == "allow"
+                and "carol" in json.dumps(e.get("actor"))]  # fmt: skip
+    assert recorded, "no approval event attributed to carol"
+    page.context.close()
+
+
+def test_the_authors_own_approval_is_refused_on_the_page(env: Env, browser: Any) -> None:
+    page = _token_sign_in(env, browser, "bob")
+    page.goto(f"{env.url}/t/acme/artifacts/{env.own}")
+    assert "You are this artifact's author" in page.inner_text("main")
+    page.click("button:has-text('Approve')")
+    page.wait_for_selector(".flash.error")
+    assert "not approved" in _flash(page)
+    assert "author" in _flash(page).lower() or "separation" in _flash(page).lower()
+    assert env.approvals(env.own) == []
+    page.context.close()
+
+
+# -- the auditor --------------------------------------------------------------------
+
+
+def test_an_auditor_checks_an_events_proof_in_the_page(env: Env, browser: Any) -> None:
+    auth = {"Authorization": f"Bearer {env.gov.token('audrey')}"}
+    kept = httpx.get(f"{env.server.url}/tenants/acme/log/checkpoint", headers=auth).text
+    env.gov.rt.resources.add_bucket("acme", "scratch", env.gov.rt.operator)  # the log grows
+    page = _token_sign_in(env, browser, "audrey")
+    page.click("nav >> text=Audit")
+    page.wait_for_selector("table")
+    first = page.locator("tbody tr td a").first
+    seq = int(first.inner_text())
+    first.click()
+    page.wait_for_url(re.compile(rf".*/audit/{seq}$"))
+    section = page.locator("section[data-proof=inclusion]")
+    section.locator("button[data-verify]").click()
+    result = section.locator("[data-result]")
+    page.wait_for_function("el => el.dataset.outcome", arg=result.element_handle(), timeout=10_000)
+    assert result.get_attribute("data-outcome") == "ok", result.inner_text()
+    assert "nothing but the verifier key" in result.inner_text()
+    page.screenshot(path=str(env.shots / "event-proof-verified.png"), full_page=True)
+    # Against another key, the same check fails: the page trusts the key, not the server.
+    other = _other_vkey(env)
+    section.locator("[data-field=vkey]").fill(other)
+    section.locator("button[data-verify]").click()
+    page.wait_for_function("el => el.dataset.outcome === 'fail'", arg=result.element_handle())
+    # Consistency with a checkpoint the auditor kept from before the log grew.
+    cons = page.locator("section[data-proof=consistency]")
+    cons.locator("[data-field=old-checkpoint]").fill(kept)
+    cons.locator("button[data-verify]").click()
+    cres = cons.locator("[data-result]")
+    page.wait_for_function("el => el.dataset.outcome", arg=cres.element_handle())
+    assert cres.get_attribute("data-outcome") == "ok", cres.inner_text()
+    page.context.close()
+
+
+def _other_vkey(env: Env) -> str:
+    from proctor.ledger import Signer
+
+    name = env.gov.rt.ledger.vkey().split("+")[0]
+    return Signer.generate(name).verifier.vkey()
+
+
+def test_an_auditors_session_cannot_approve(env: Env, browser: Any) -> None:
+    page = _token_sign_in(env, browser, "audrey")
+    page.goto(f"{env.url}/t/acme/artifacts/{env.digest}")
+    before = len(env.approvals(env.digest))
+    page.click("button:has-text('Approve')")
+    page.wait_for_selector(".flash.error")
+    assert "may not" in _flash(page)
+    assert len(env.approvals(env.digest)) == before
+    page.context.close()
+
+
+def test_another_tenants_pages_answer_404(env: Env, browser: Any) -> None:
+    page = _token_sign_in(env, browser, "alice")
+    for path in ("/", "/approvals", f"/artifacts/{env.digest}", "/audit", "/runs", "/resources"):
+        resp = page.goto(f"{env.url}/t/globex{path}")
+        assert resp.status == 404, path
+        assert "Not found" in page.inner_text("h1")
+    page.context.close()
+
+
+# -- sessions, CSRF and headers (no browser needed: the attacker has none either) -----
+
+
+def _signed_in(env: Env, who: str, base: str | None = None) -> httpx.Client:
+    c = httpx.Client(base_url=base or env.url, follow_redirects=True)
+    form = c.get("/signin").text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', form)
+    assert csrf
+    r = c.post("/signin", data={"csrf": csrf.group(1), "token": env.gov.token(who)})
+    assert r.status_code == 200 and "/t/acme/" in str(r.url), r.text[:300]
+    return c
+
+
+def _csrf(c: httpx.Client, path: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', c.get(path).text)
+    assert found
+    return found.group(1)
+
+
+def test_a_form_without_its_csrf_token_changes_nothing(env: Env) -> None:
+    c = _signed_in(env, "alice")
+    target = f"/t/acme/artifacts/{env.digest}/approve"
+    before = len(env.approvals(env.digest))
+    for data in ({}, {"csrf": "forged"}, {"csrf": ""}):
+        r = c.post(target, data={**data, "expires_days": "30"})
+        assert r.status_code == 403 and "CSRF" in r.text
+    # A cross-site post with the right token is still refused by its Origin.
+    token = _csrf(c, f"/t/acme/artifacts/{env.digest}")
+    r = c.post(target, data={"csrf": token}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403
+    assert len(env.approvals(env.digest)) == before
+    # The sign-in form is protected as well (no login CSRF).
+    fresh = httpx.Client(base_url=env.url)
+    r = fresh.post("/signin", data={"token": env.gov.token("alice")})
+    assert r.status_code == 403
+
+
+def test_forged_expired_and_signed_out_sessions_are_refused(env: Env) -> None:
+    forged = httpx.Client(base_url=env.url, cookies={"proctor_session": "x" * 43})
+    r = forged.get("/t/acme/approvals")
+    assert r.status_code == 303 and "/signin" in r.headers["location"]
+    r = forged.post(f"/t/acme/artifacts/{env.digest}/approve", data={"csrf": "x"})
+    assert r.status_code == 401
+    # Signed out: the same cookie opens nothing any more.
+    c = _signed_in(env, "alice")
+    cookie = c.cookies["proctor_session"]
+    token = _csrf(c, "/t/acme/")
+    c.post("/signout", data={"csrf": token})
+    replay = httpx.Client(base_url=env.url, cookies={"proctor_session": cookie})
+    assert replay.get("/t/acme/").status_code == 303
+    # Expired: a console whose sessions idle out after a second.
+    short = serve_api(env.gov.rt, "127.0.0.1", 0, console=ConsoleConfig(idle_seconds=1.0))
+    try:
+        s = _signed_in(env, "alice", base=short.url + "/ui")
+        assert s.get("/t/acme/").status_code == 200
+        time.sleep(1.5)
+        r = s.get("/t/acme/", follow_redirects=False)
+        assert r.status_code == 303 and "/signin" in r.headers["location"]
+    finally:
+        short.stop()
+
+
+def test_cookies_and_headers_hold_the_browser_to_the_rules(env: Env) -> None:
+    c = httpx.Client(base_url=env.url)
+    form = c.get("/signin")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', form.text)
+    assert csrf
+    r = c.post("/signin", data={"csrf": csrf.group(1), "token": env.gov.token("alice")})
+    assert r.status_code == 303
+    cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith("proctor_session="))
+    low = cookie.lower()
+    assert "httponly" in low and "samesite=strict" in low and "path=/ui/" in low
+    assert "secure" not in low  # plain HTTP here; under TLS it is Secure (next test)
+    page = c.get("/t/acme/approvals")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "frame-ancestors 'none'" in csp
+    assert page.headers["cache-control"] == "no-store"
+    # No inline script or style anywhere in the markup.
+    assert "<script>" not in page.text and " style=" not in page.text and "onclick" not in page.text
+    # A bad token never opens a session, and says why without echoing it.
+    c2 = httpx.Client(base_url=env.url)
+    csrf2 = re.search(r'name="csrf" value="([^"]+)"', c2.get("/signin").text)
+    assert csrf2
+    r = c2.post("/signin", data={"csrf": csrf2.group(1), "token": "pt_wrong"})
+    assert r.status_code == 401 and "pt_wrong" not in r.text
+    assert "proctor_session" not in c2.cookies
+
+
+def test_under_tls_the_session_cookie_is_secure(env: Env, tmp_path: Path) -> None:
+    certfile, keyfile = _self_signed(tmp_path)
+    tls = serve_api(env.gov.rt, "127.0.0.1", 0, certfile=certfile, keyfile=keyfile,
+                    console=ConsoleConfig())  # fmt: skip
+    try:
+        c = httpx.Client(base_url=tls.url + "/ui", verify=str(certfile))
+        csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/signin").text)
+        assert csrf
+        r = c.post("/signin", data={"csrf": csrf.group(1), "token": env.gov.token("alice")})
+        cookie = next(h for h in r.headers.get_list("set-cookie")
+                      if h.startswith("proctor_session="))  # fmt: skip
+        assert "secure" in cookie.lower()
+    finally:
+        tls.stop()
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    certfile, keyfile = tmp / "cert.pem", tmp / "key.pem"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                        serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    return certfile, keyfile
+
+
+# -- every page: accessible, usable at 1280x800 and on a phone, readable without JS ---
+
+
+def _pages(env: Env) -> list[tuple[str, str]]:
+    seq = 1
+    return [
+        ("home", "/t/acme/"), ("approvals", "/t/acme/approvals"),
+        ("artifacts", "/t/acme/artifacts"), ("artifact", f"/t/acme/artifacts/{env.digest}"),
+        ("deployments", "/t/acme/deployments"), ("runs", "/t/acme/runs"),
+        ("audit", "/t/acme/audit"), ("event", f"/t/acme/audit/{seq}"),
+        ("history", "/t/acme/history?at=2026-01-01T00:00"), ("tenant", "/t/acme/resources"),
+        ("bucket", "/t/acme/buckets/reports"),
+    ]  # fmt: skip
+
+
+def test_every_page_passes_axe_at_desktop_and_phone_width(env: Env, browser: Any) -> None:
+    from axe_playwright_python.sync_playwright import Axe
+
+    axe = Axe()
+    problems = []
+    for label, viewport in (("desktop", (1280, 800)), ("phone", (390, 844))):
+        page = _token_sign_in(env, browser, "root",
+                              viewport={"width": viewport[0], "height": viewport[1]})  # fmt: skip
+        targets = [("signin", None), *_pages(env)]
+        for name, path in targets:
+            if path is None:
+                anon = _page(browser, viewport={"width": viewport[0], "height": viewport[1]})
+                anon.goto(env.url + "/signin")
+                current = anon
+            else:
+                resp = page.goto(env.url + path)
+                assert resp.status == 200, (name, resp.status, page.inner_text("main")[:300])
+                current = page
+            results = axe.run(current)
+            for v in results.response["violations"]:
+                if v["impact"] in ("serious", "critical"):
+                    problems.append(f"{label} {name}: {v['id']} ({v['impact']}) "
+                                    f"{[n['target'] for n in v['nodes']][:3]}")  # fmt: skip
+            # No page is wider than the screen: wide tables scroll inside their box.
+            overflow = current.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 1, f"{label} {name} is {overflow}px wider than the screen"
+            current.screenshot(path=str(env.shots / f"{name}-{label}.png"), full_page=True)
+            if current is not page:
+                current.context.close()
+        page.context.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_pages_read_without_javascript(env: Env, browser: Any) -> None:
+    page = _token_sign_in(env, browser, "root", java_script_enabled=False)
+    page.goto(f"{env.url}/t/acme/artifacts/{env.digest}")
+    assert SECRET_LINE.split("#", maxsplit=1)[0].strip() in page.inner_text("main")
+    page.goto(f"{env.url}/t/acme/audit")
+    assert page.locator("tbody tr").count() > 0
+    page.context.close()
+
+
+def test_the_console_adds_no_api_path(env: Env) -> None:
+    from proctor.api import openapi_document
+
+    paths = openapi_document()["paths"]
+    assert not [p for p in paths if p.startswith("/ui")]
+    # What the console may import is held by tests/unit/test_layering.py: the SDK
+    # and the errors, nothing that could decide or record on its own.
