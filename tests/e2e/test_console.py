@@ -75,6 +75,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         '[datasets.fake.tables.customers]\ncolumns = ["id", "country"]\naccess = "read"\n'
         '[buckets]\nreports = "write"\n',
     )  # fmt: skip
+    gov.rt.subprocessors.add("acme", "benchmarks-inc", purpose="churn benchmarks",
+                             location="EU", hosts=["api.bench.example:443"],
+                             actor=gov.rt.operator)  # fmt: skip
     digest = gov.submit("acme", art, "dev")
     own = gov.submit("acme", gov.artifact_dir("bobs", "print('mine')\n"), "bob")
     with oidc_mock.run_server_in_thread(port=0, require_client_registration=True) as idp:
@@ -451,3 +454,18 @@ def test_the_console_adds_no_api_path(env: Env) -> None:
     assert not [p for p in paths if p.startswith("/ui")]
     # What the console may import is held by tests/unit/test_layering.py: the SDK
     # and the errors, nothing that could decide or record on its own.
+
+
+def test_subprocessors_show_to_whom_the_api_shows_them(env: Env, browser: Any) -> None:
+    # Read through the API's own path (GET /tenants/{t}/subprocessors), as the audit
+    # log is: an auditor sees the processor, a developer sees that the role does not.
+    aud = _token_sign_in(env, browser, "audrey")
+    aud.goto(f"{env.url}/t/acme/resources")
+    section = aud.locator("section[aria-labelledby=sp]").inner_text()
+    assert "benchmarks-inc" in section and "api.bench.example:443" in section, section
+    aud.context.close()
+    dev = _token_sign_in(env, browser, "dev")
+    dev.goto(f"{env.url}/t/acme/resources")
+    section = dev.locator("section[aria-labelledby=sp]").inner_text()
+    assert "benchmarks-inc" not in section and "does not show" in section, section
+    dev.context.close()

@@ -23,6 +23,7 @@ from proctor.client import Client
 from proctor.errors import LedgerError, NotFound, NotReady, ProctorError, UsageError
 from proctor.governance import ApprovalRequired, AuthenticationFailed, ControlDenied
 from proctor.ledger import Actor, EventDraft, open_checkpoint, root_from_inclusion
+from tests.conftest import run_cli
 from tests.integration.test_api_support import (
     ApiEnv,
     api_env,
@@ -345,3 +346,26 @@ def test_tls(tmp_path: Path) -> None:
     finally:
         env.server.stop()
         env.rt.close()
+
+
+def test_subprocessors_are_read_as_the_audit_log_is(api_env: ApiEnv, tmp_path: Path) -> None:
+    # The console's page and `proctor --server ... subprocessor list` read this path;
+    # who may read it is who may read the log (an auditor, not a developer).
+    rt = api_env.rt
+    rt.subprocessors.add("acme", "benchmarks-inc", purpose="churn benchmarks",
+                         location="EU", hosts=["api.bench.example:443"],
+                         actor=rt.operator)  # fmt: skip
+    [row] = client(api_env, "aud").subprocessors("acme")
+    assert (row["name"], row["location"], row["hosts"]) == (
+        "benchmarks-inc",
+        "EU",
+        ["api.bench.example:443"],
+    )
+    with pytest.raises(ControlDenied):
+        client(api_env, "dev").subprocessors("acme")
+    with pytest.raises(NotFound):  # another tenant's auditor: no such tenant, for it
+        client(api_env, "aud", "globex").subprocessors("acme")
+    # The CLI's --server form lists the same rows through the SDK.
+    out = run_cli("--server", api_env.url, "subprocessor", "list", "-t", "acme", "--json",
+                  "--token", api_env.token("acme", "aud")).out  # fmt: skip
+    assert [r["name"] for r in json.loads(out)] == ["benchmarks-inc"]

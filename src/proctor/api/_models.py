@@ -211,6 +211,19 @@ class SecretOut(BaseModel):
     twin_of: str | None = None  # a test secret: what sandbox runs get instead of twin_of
 
 
+class SubprocessorOut(BaseModel):
+    """A processor the tenant's data may go to (GDPR Art. 28): egress reaches only
+    the hosts some subprocessor names."""
+
+    tenant: str
+    name: str
+    purpose: str
+    location: str
+    hosts: list[str]
+    created_at: str
+    created_by: str
+
+
 class SecretIn(Strict):
     value: str = Field(min_length=1, max_length=16384)
     hosts: list[str] = Field(min_length=1, max_length=64)

@@ -47,6 +47,7 @@ from proctor.api._models import (
     SecretOut,
     StopIn,
     SubmittedOut,
+    SubprocessorOut,
     TenantOut,
     TokenOut,
 )
@@ -292,6 +293,17 @@ def list_secrets(ctx: CtxDep, tenant: str) -> list[SecretOut]:
         SecretOut(name=s.name, hosts=list(s.hosts), header=s.header, twin_of=s.twin_of)
         for s in ctx.rt.resources.secrets(tenant)
     ]
+
+
+@router.get(
+    "/tenants/{tenant}/subprocessors", response_model=list[SubprocessorOut], tags=["resources"]
+)
+def list_subprocessors(ctx: CtxDep, tenant: str) -> list[SubprocessorOut]:
+    """The tenant's subprocessors: who may receive its data, for what, from where
+    (`proctor subprocessor list`); read as the audit log is."""
+    ctx.authorize(Action.AUDIT_READ, tenant, f"tenant/{tenant}")
+    ctx.rt.tenants.get(tenant)
+    return [SubprocessorOut(**s.as_json()) for s in ctx.rt.subprocessors.list(tenant)]
 
 
 @router.put("/tenants/{tenant}/secrets/{name}", response_model=SecretOut, tags=["resources"])

@@ -411,16 +411,22 @@ def sp_list(
     home: HomeOpt = None,
 ) -> None:
     """List the tenant's subprocessors."""
-    with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.AUDIT_READ)
-        rows = Subprocessors(rt.store, rt.ledger).list(tenant)
+    from proctor.cli._common import remote
+
+    if (client := remote(token)) is not None:
+        rows = [dict(r) for r in client.subprocessors(tenant)]
+    else:
+        with open_runtime(home) as rt:
+            authorize_read(rt, token, tenant, Action.AUDIT_READ)
+            rows = [s.as_json() for s in Subprocessors(rt.store, rt.ledger).list(tenant)]
     if as_json:
-        _emit([s.as_json() for s in rows])
+        _emit(rows)
         return
     table = make_table("name", "purpose", "location", "hosts", "since", "by",
                        ids=("name", "hosts"))  # fmt: skip
-    for s in rows:
-        table.add_row(s.name, s.purpose, s.location, ", ".join(s.hosts), s.created_at, s.created_by)
+    for r in rows:
+        cells = [str(r[k]) for k in ("name", "purpose", "location")]
+        table.add_row(*cells, ", ".join(r["hosts"]), str(r["created_at"]), str(r["created_by"]))
     print_table(table, wide)
 
 

@@ -229,6 +229,9 @@ class Client:
     def secrets(self, tenant: str) -> Json:
         return self._json("GET", f"{self._t(tenant)}/secrets")
 
+    def subprocessors(self, tenant: str) -> Json:
+        return self._json("GET", f"{self._t(tenant)}/subprocessors")
+
     def set_secret(
         self, tenant: str, name: str, value: str, hosts: list[str], *,
         header: str = "Authorization", template: str = "Bearer {secret}",

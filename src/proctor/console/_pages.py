@@ -381,6 +381,7 @@ def resources(v: View) -> Response:
         ("datasets", lambda: v.client.datasets(v.tenant)),
         ("secrets", lambda: v.client.secrets(v.tenant)),
         ("buckets", lambda: v.client.buckets(v.tenant)),
+        ("subprocessors", lambda: v.client.subprocessors(v.tenant)),
         ("principals", lambda: v.client.principals(v.tenant)),
         ("quorum", lambda: v.client.quorum(v.tenant)),
     ):
