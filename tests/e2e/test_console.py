@@ -469,3 +469,21 @@ def test_subprocessors_show_to_whom_the_api_shows_them(env: Env, browser: Any) -
     section = dev.locator("section[aria-labelledby=sp]").inner_text()
     assert "benchmarks-inc" not in section and "does not show" in section, section
     dev.context.close()
+
+
+def test_an_auditor_downloads_an_evidence_pack_that_verifies(
+    env: Env, browser: Any, tmp_path: Path
+) -> None:
+    from proctor.evidence import verify_pack
+
+    page = _token_sign_in(env, browser, "audrey", accept_downloads=True)
+    page.goto(f"{env.url}/t/acme/audit")
+    page.fill("#e-from", "2000-01-01")
+    page.fill("#e-to", "2100-01-01")
+    with page.expect_download() as got:
+        page.click("button:has-text('Download the evidence pack')")
+    dest = tmp_path / "pack.zip"
+    got.value.save_as(str(dest))
+    # Checked offline against the key the auditor holds, not the pack's own.
+    assert verify_pack(dest, env.gov.rt.ledger.vkey()).events > 0
+    page.context.close()

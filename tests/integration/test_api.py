@@ -369,3 +369,27 @@ def test_subprocessors_are_read_as_the_audit_log_is(api_env: ApiEnv, tmp_path: P
     out = run_cli("--server", api_env.url, "subprocessor", "list", "-t", "acme", "--json",
                   "--token", api_env.token("acme", "aud")).out  # fmt: skip
     assert [r["name"] for r in json.loads(out)] == ["benchmarks-inc"]
+
+
+def test_an_evidence_pack_through_the_api_verifies_offline(api_env: ApiEnv, tmp_path: Path) -> None:
+    # The console's download and `proctor --server ... evidence export` read this path:
+    # the pack `proctor evidence export` writes, checked offline with the held key.
+    from proctor.evidence import verify_pack
+
+    vkey = api_env.rt.ledger.vkey()
+    got = client(api_env, "aud").evidence_pack("acme", "2000-01-01", "2100-01-01",
+                                               tmp_path / "pack.zip")  # fmt: skip
+    assert got["events"] > 0 and got["end_size"] >= got["end_seq"]
+    assert verify_pack(tmp_path / "pack.zip", vkey).events == got["events"]
+    with pytest.raises(ControlDenied):
+        client(api_env, "dev").evidence_pack("acme", "2000-01-01", "2100-01-01",
+                                             tmp_path / "dev.zip")  # fmt: skip
+    assert not (tmp_path / "dev.zip").exists()
+    with pytest.raises(UsageError):
+        client(api_env, "aud").evidence_pack("acme", "not a time", "2100-01-01",
+                                             tmp_path / "bad.zip")  # fmt: skip
+    out = run_cli("--server", api_env.url, "evidence", "export", "-t", "acme", "--from",
+                  "2000-01-01", "--to", "2100-01-01", "-o", str(tmp_path / "cli.zip"), "--json",
+                  "--token", api_env.token("acme", "aud")).out  # fmt: skip
+    assert json.loads(out)["events"] > 0
+    run_cli("evidence", "verify", str(tmp_path / "cli.zip"), "--key", vkey)

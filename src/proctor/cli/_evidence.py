@@ -113,19 +113,24 @@ def export(
     if fmt is ExportFormat.ocsf_parquet:
         _export_parquet(tenant, start, end, out, region, account_id, source, as_json, token, home)
         return
-    with open_runtime(home) as rt:
-        rt.tenants.get(tenant)
-        authorize_read(rt, token, tenant, Action.EVIDENCE_EXPORT)
-        info = export_pack(rt, tenant, start, end, out)
+    from proctor.cli._common import remote
+
+    if (client := remote(token)) is not None:
+        got = client.evidence_pack(tenant, start, end, out)
+    else:
+        with open_runtime(home) as rt:
+            rt.tenants.get(tenant)
+            authorize_read(rt, token, tenant, Action.EVIDENCE_EXPORT)
+            info = export_pack(rt, tenant, start, end, out)
+        got = {"events": info.events, "first_seq": info.first_seq, "end_seq": info.end_seq,
+               "context": info.context, "end_size": info.end_size}  # fmt: skip
     if as_json:
-        _emit({"pack": str(out), "tenant": tenant, "events": info.events,
-               "first_seq": info.first_seq, "end_seq": info.end_seq, "context": info.context,
-               "end_size": info.end_size})  # fmt: skip
+        _emit({"pack": str(out), "tenant": tenant, **got})
         return
     console.print(
-        f"exported {info.events} events (seq {info.first_seq} to {info.end_seq - 1}) and "
-        f"{info.context} context events of {tenant} to {escape(str(out))}; end checkpoint size "
-        f"{info.end_size}"
+        f"exported {got['events']} events (seq {got['first_seq']} to {got['end_seq'] - 1}) and "
+        f"{got['context']} context events of {tenant} to {escape(str(out))}; end checkpoint "
+        f"size {got['end_size']}"
     )
 
 
