@@ -487,3 +487,26 @@ def test_an_auditor_downloads_an_evidence_pack_that_verifies(
     # Checked offline against the key the auditor holds, not the pack's own.
     assert verify_pack(dest, env.gov.rt.ledger.vkey()).events > 0
     page.context.close()
+
+
+def test_signing_in_never_redirects_off_the_console(env: Env) -> None:
+    # "next" is where a sign-in lands: only a path of the console. A browser drops a
+    # tab or newline from a URL, so "/\t/evil.example" would become "//evil.example".
+    home = "/ui/t/acme/"
+    for nxt, lands in (
+        ("/ui/t/acme/audit", "/ui/t/acme/audit"),
+        ("//evil.example/x", home),
+        ("/\t/evil.example/x", home),
+        ("/\n/evil.example/x", home),
+        ("/\\evil.example/x", home),
+        ("https://evil.example/", home),
+        ("/tenants/acme/events", home),  # the API's, not a page of the console
+    ):
+        c = httpx.Client(base_url=env.url)
+        form = c.get("/signin", params={"next": nxt})
+        csrf = re.search(r'name="csrf" value="([^"]+)"', form.text)
+        assert csrf
+        r = c.post("/signin", params={"next": nxt},
+                   data={"csrf": csrf.group(1), "token": env.gov.token("alice"), "next": nxt})  # fmt: skip
+        assert r.status_code == 303, (nxt, r.text[:200])
+        assert r.headers["location"] == lands, (nxt, r.headers["location"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,8 @@ _STATIC = {
     "console.js": "text/javascript; charset=utf-8",
 }
 _FORM_LIMIT = 64 * 1024
+#: What a sign-in's "next" path may hold: URL characters, no space, control or backslash.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9/._~%?&=+:@!$'()*,;-]{1,2048}\Z")
 
 #: No inline script or style anywhere: every script and stylesheet is a file of ours.
 CSP = (
@@ -318,15 +321,18 @@ class Console:
         )
         return resp
 
-    def _next(self, raw: str | None) -> str:
-        # Only a path of the console itself: never an open redirect.
-        if raw and raw.startswith("/") and not raw.startswith("//") and "\\" not in raw:
+    def _next(self, request: Request, raw: str | None) -> str:
+        # Only a path of the console itself, in plain URL characters: never an open
+        # redirect ("//host", a backslash, or a tab or newline that browsers drop
+        # from "/\t/host" to leave "//host").
+        base = self._base(request) + "/"
+        if raw and raw.startswith(base) and not raw.startswith("//") and _SAFE_PATH.match(raw):
             return raw
         return ""
 
     async def _signin(self, request: Request) -> Response:
         browser = self._login_cookie(request)
-        nxt = self._next(request.query_params.get("next"))
+        nxt = self._next(request, request.query_params.get("next"))
         if request.method == "GET":
             page = self._signin_page(request, browser, nxt)
             return self._with_login_cookie(request, page, browser)
