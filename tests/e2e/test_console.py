@@ -510,3 +510,12 @@ def test_signing_in_never_redirects_off_the_console(env: Env) -> None:
                    data={"csrf": csrf.group(1), "token": env.gov.token("alice"), "next": nxt})  # fmt: skip
         assert r.status_code == 303, (nxt, r.text[:200])
         assert r.headers["location"] == lands, (nxt, r.headers["location"])
+
+
+def test_the_audit_page_filters_by_actor_on_the_server(env: Env) -> None:
+    # Every row is the asked actor's, however far back in the log they are.
+    _signed_in(env, "alice").get("/t/acme/approvals")  # events by acme/alice
+    page = _signed_in(env, "audrey").get("/t/acme/audit", params={"actor": "acme/alice"}).text
+    rows = re.findall(r"<tr class=\"(?:allow|deny)\">(.*?)</tr>", page, re.S)
+    actors = {re.findall(r"<td>(.*?)</td>", r, re.S)[2] for r in rows}
+    assert rows and actors == {"acme/alice"}, actors

@@ -393,3 +393,20 @@ def test_an_evidence_pack_through_the_api_verifies_offline(api_env: ApiEnv, tmp_
                   "--token", api_env.token("acme", "aud")).out  # fmt: skip
     assert json.loads(out)["events"] > 0
     run_cli("evidence", "verify", str(tmp_path / "cli.zip"), "--key", vkey)
+
+
+def test_events_filtered_by_actor_through_the_api_and_the_cli(api_env: ApiEnv) -> None:
+    # The console's audit filter and `proctor audit events --actor`: decided on the
+    # server over the whole log, not over a page the client was given.
+    aud = client(api_env, "aud")
+    aud.tenant("acme")  # an event by acme/aud
+    mine = aud.events("acme", actor="acme/aud", newest=True, limit=1000)
+    assert mine and {json.loads(e)["actor"]["id"] for e in mine} == {"acme/aud"}
+    paged = list(aud.iter_events("acme", actor="acme/aud"))
+    assert len(paged) >= len(mine)
+    assert aud.events("acme", actor="acme/nobody", newest=True, limit=10) == []
+    out = run_cli("--server", api_env.url, "audit", "events", "-t", "acme", "--actor",
+                  "acme/aud", "--json", "--token", api_env.token("acme", "aud")).out  # fmt: skip
+    assert {e["actor"]["id"] for e in json.loads(out)} == {"acme/aud"}
+    with pytest.raises(UsageError):
+        aud.events("acme", actor="x" * 201)

@@ -73,3 +73,25 @@ def test_filters_newest_and_first_n_match_a_plain_filter(ledger_env: LedgerEnv) 
             EventFilter(**bad)
     with pytest.raises(UsageError):
         query_events(ledger, "acme", EventFilter(), limit=0)
+
+
+def test_the_actor_filter_matches_the_actors_id_exactly(ledger_env: LedgerEnv) -> None:
+    from proctor.ledger import Actor
+
+    ledger = ledger_env.ledger
+    ledger.create_log("acme", _draft(0))
+    people = [Actor("user", "acme/alice"), Actor("user", "acme/alice2"), Actor("user", "acme/bob")]
+    ledger.append_many("acme", [EventDraft(people[i % 3], "test.event", f"t/{i}")
+                                for i in range(30)])  # fmt: skip
+
+    def ids(found: Any) -> list[str]:
+        return [json.loads(d)["actor"]["id"] for d in found]
+
+    got = query_events(ledger, "acme", EventFilter(actor="acme/alice"), limit=100)
+    # Exactly that id: not acme/alice2, whose id merely begins with it.
+    assert ids(got) == ["acme/alice"] * 10
+    assert ids(iter_events(ledger, "acme", EventFilter(actor="acme/bob"))) == ["acme/bob"] * 10
+    assert query_events(ledger, "acme", EventFilter(actor="acme/nobody"), limit=5) == []
+    for bad in ("", "x" * 201):
+        with pytest.raises(UsageError):
+            EventFilter(actor=bad)

@@ -63,6 +63,10 @@ RunQ = Annotated[
     Query(min_length=1, max_length=200, description="Only this run's events (any unique prefix)"),
 ]
 ActionQ = Annotated[str | None, Query(min_length=1, max_length=200, description="Only this action")]
+ActorQ = Annotated[
+    str | None,
+    Query(min_length=1, max_length=200, description="Only this actor's (its id, exactly)"),
+]
 DecisionQ = Annotated[
     str | None, Query(pattern="^(allow|deny)$", description="Only allowed or denied calls")
 ]
@@ -98,11 +102,12 @@ def _authorize_events(ctx: Ctx, tenant: str, run: str | None) -> str | None:
 
 def _filter(
     run: str | None, action: str | None, decision: str | None,
-    since: str | None, until: str | None,
+    since: str | None, until: str | None, actor: str | None = None,
 ) -> EventFilter:  # fmt: skip
     lo = parse_time(since, "since") if since else None
     hi = parse_time(until, "until") if until else None
-    return EventFilter(run=run, action=action, decision=decision, since=lo, until=hi)
+    return EventFilter(run=run, action=action, decision=decision, since=lo, until=hi,
+                       actor=actor)  # fmt: skip
 
 
 @router.get(
@@ -125,15 +130,16 @@ def events(
     run: RunQ = None,
     action: ActionQ = None,
     decision: DecisionQ = None,
+    actor: ActorQ = None,
     newest: Annotated[
         bool, Query(description="The newest ``limit`` matches instead of a page from ``start``")
     ] = False,
 ) -> Response:
     """A page of the log's events, the canonical bytes exactly as hashed, filtered by
-    run, action, decision and time (the filters combine). The header ``X-Next-Start``
+    run, action, actor, decision and time (the filters combine). The header ``X-Next-Start``
     gives ``start`` for the next page when there may be more. A developer may read
     the events of a run of a deployment they created (``run=``), nothing else."""
-    flt = _filter(run, action, decision, since, until)
+    flt = _filter(run, action, decision, since, until, actor)
     run_id = _authorize_events(ctx, tenant, run)
     if run_id is not None:
         flt = replace(flt, run=run_id)
@@ -182,11 +188,12 @@ async def follow_events(
     run: RunQ = None,
     action: ActionQ = None,
     decision: DecisionQ = None,
+    actor: ActorQ = None,
 ) -> StreamingResponse:
     """The log's events as they are appended, kept open until the client leaves;
     filtered and decided like ``events``. A principal may follow a few logs at once
     (429 beyond)."""
-    flt = _filter(run, action, decision, None, None)
+    flt = _filter(run, action, decision, None, None, actor)
     run_id = await run_in_threadpool(_authorize_events, ctx, tenant, run)
     if run_id is not None:
         flt = replace(flt, run=run_id)

@@ -71,6 +71,9 @@ ActionFilterOpt = Annotated[
 DecisionFilterOpt = Annotated[
     str | None, typer.Option("--decision", help="Only 'allow' or only 'deny'")
 ]
+ActorFilterOpt = Annotated[
+    str | None, typer.Option("--actor", help="Only this actor's (its id, e.g. acme/alice)")
+]
 
 
 def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | None) -> str | None:
@@ -147,6 +150,7 @@ def events(
     run: RunFilterOpt = None,
     action: ActionFilterOpt = None,
     decision: DecisionFilterOpt = None,
+    actor: ActorFilterOpt = None,
     limit: Annotated[
         int | None,
         typer.Option(
@@ -170,10 +174,11 @@ def events(
     same bytes as JSON Lines."""
     form = "jsonl" if as_lines else "json" if as_json else "table"
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
-    flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end)
+    flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end,
+                      actor=actor)  # fmt: skip
     if (client := remote(token)) is not None:
         kw: dict[str, Any] = {"since": start, "until": end, "run": run, "action": action,
-                              "decision": decision}  # fmt: skip
+                              "decision": decision, "actor": actor}  # fmt: skip
         if limit is not None and not from_start:
             found: Iterable[bytes] = client.events(tenant, limit=limit, newest=True, **kw)
         else:

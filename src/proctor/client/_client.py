@@ -441,12 +441,12 @@ class Client:
         self, tenant: str, *, start: int = 0, limit: int = 1000,
         since: str | None = None, until: str | None = None,
         run: str | None = None, action: str | None = None, decision: str | None = None,
-        newest: bool = False,
+        newest: bool = False, actor: str | None = None,
     ) -> list[bytes]:  # fmt: skip
         """One page of events, each the canonical bytes exactly as hashed; the filters
         combine. With ``newest``, the newest ``limit`` matches instead of a page from
         ``start``. ``run`` takes any unique prefix of a run id."""
-        params = _event_params(since, until, run, action, decision)
+        params = _event_params(since, until, run, action, decision, actor)
         params.update(start=start, limit=limit, newest="true" if newest else "false")
         resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
         return [line for line in resp.content.split(b"\n") if line]
@@ -454,10 +454,10 @@ class Client:
     def iter_events(
         self, tenant: str, *, since: str | None = None, until: str | None = None,
         run: str | None = None, action: str | None = None, decision: str | None = None,
-        start: int = 0,
+        start: int = 0, actor: str | None = None,
     ) -> Iterator[bytes]:  # fmt: skip
         """Every matching event from ``start`` on, page after page."""
-        params = _event_params(since, until, run, action, decision)
+        params = _event_params(since, until, run, action, decision, actor)
         while True:
             params.update(start=start, limit=1000)
             resp = self._request("GET", f"{self._t(tenant)}/events", params=params)
@@ -594,9 +594,10 @@ class Client:
 
 def _event_params(
     since: str | None, until: str | None, run: str | None, action: str | None,
-    decision: str | None,
+    decision: str | None, actor: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    given = {"since": since, "until": until, "run": run, "action": action, "decision": decision}
+    given = {"since": since, "until": until, "run": run, "action": action, "decision": decision,
+             "actor": actor}  # fmt: skip
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -1,4 +1,5 @@
-"""Filtered reads of one log: by run, action, decision and time, newest or oldest first.
+"""Filtered reads of one log: by run, action, actor, decision and time, newest or oldest
+first.
 
 One implementation for the CLI, the API and the SDK's server side. The log is read
 in pages of sequence numbers, each page its own short read, so a filtered read
@@ -34,6 +35,8 @@ class EventFilter:
     decision: str | None = None
     since: str | None = None
     until: str | None = None
+    #: The acting principal's or workload's id, exactly (``acme/alice``, a SPIFFE id).
+    actor: str | None = None
 
     def __post_init__(self) -> None:
         if self.decision is not None and self.decision not in DECISIONS:
@@ -41,7 +44,7 @@ class EventFilter:
                 f"decision {self.decision!r} is neither 'allow' nor 'deny'",
                 hint="give --decision allow or --decision deny",
             )
-        for name in ("run", "action"):
+        for name in ("run", "action", "actor"):
             value = getattr(self, name)
             if value is not None and (not value or len(value) > _MAX_TEXT):
                 raise UsageError(f"{name} must be 1 to {_MAX_TEXT} characters")
@@ -55,9 +58,15 @@ class EventFilter:
             (self.run is None or ev.get("run") == self.run)
             and (self.action is None or ev.get("action") == self.action)
             and (self.decision is None or ev.get("decision") == self.decision)
+            and (self.actor is None or _actor_id(ev) == self.actor)
             and (self.since is None or str(ev.get("time", "")) >= self.since)
             and (self.until is None or str(ev.get("time", "")) < self.until)
         )
+
+
+def _actor_id(ev: dict[str, Any]) -> str | None:
+    actor = ev.get("actor")
+    return str(actor.get("id")) if isinstance(actor, dict) else None
 
 
 def query_events(
