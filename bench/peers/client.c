@@ -270,6 +270,22 @@ static int prepare(struct endpoint *e, const char *host, int port, const char *m
 
 #define MIX_MAX 16
 
+/* The PORT:MODE endpoints of mix and keep, each with room for n samples; 0, or
+ * the exit code (usage, or 1 out of memory). */
+static int endpoints(struct endpoint *ends, double **samples, int count, char **specs,
+                     const char *host, const char *to, long n) {
+    for (int i = 0; i < count; i++) {
+        char mode[16] = "";
+        int port = 0;
+        if (sscanf(specs[i], "%d:%15s", &port, mode) != 2 ||
+            prepare(&ends[i], host, port, mode, to))
+            return usage();
+        samples[i] = calloc((size_t)n, sizeof(double));
+        if (!samples[i]) return 1;
+    }
+    return 0;
+}
+
 static int mix(int argc, char **argv) {
     /* client mix HOST TARGET N PAUSE_US PORT:MODE... */
     int count = argc - 6;
@@ -281,15 +297,8 @@ static int mix(int argc, char **argv) {
     static struct endpoint ends[MIX_MAX];
     static double *samples[MIX_MAX];
     long kept[MIX_MAX] = {0}, errors[MIX_MAX] = {0};
-    for (int i = 0; i < count; i++) {
-        char mode[16] = "";
-        int port = 0;
-        if (sscanf(argv[6 + i], "%d:%15s", &port, mode) != 2 ||
-            prepare(&ends[i], argv[2], port, mode, argv[3]))
-            return usage();
-        samples[i] = calloc((size_t)n, sizeof(double));
-        if (!samples[i]) return 1;
-    }
+    int bad = endpoints(ends, samples, count, argv + 6, argv[2], argv[3], n);
+    if (bad) return bad;
     for (long r = 0; r < n; r++) {
         for (int i = 0; i < count; i++) {
             double t = now();
@@ -323,16 +332,9 @@ static int keep(int argc, char **argv) {
     static double *samples[MIX_MAX];
     long kept[MIX_MAX] = {0}, errors[MIX_MAX] = {0}, dialed[MIX_MAX] = {0};
     int fds[MIX_MAX];
-    for (int i = 0; i < count; i++) {
-        char mode[16] = "";
-        int port = 0;
-        if (sscanf(argv[5 + i], "%d:%15s", &port, mode) != 2 ||
-            prepare(&ends[i], argv[2], port, mode, argv[3]))
-            return usage();
-        samples[i] = calloc((size_t)n, sizeof(double));
-        if (!samples[i]) return 1;
-        fds[i] = -1;
-    }
+    int bad = endpoints(ends, samples, count, argv + 5, argv[2], argv[3], n);
+    if (bad) return bad;
+    for (int i = 0; i < count; i++) fds[i] = -1;
     for (long r = 0; r < n; r++) {
         for (int i = 0; i < count; i++) {
             double t = now();

@@ -19,7 +19,6 @@ any answer still owed.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,8 +28,6 @@ from proctor.broker._admit import SHOWN_METHOD, shown
 from proctor.broker._calls import Acted, Call, Ruling
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, CallRefused, RunScope
 from proctor.ledger import Action
-
-log = logging.getLogger("proctor.broker")
 
 _SHOWN_REASON = 160
 
@@ -167,9 +164,6 @@ async def _completion(
             reason=reason, details=details,
         )  # fmt: skip
     except CallRefused as exc:
-        log.error("egress completion event for %s not recorded: %s", admitted.resource, exc)
-        # Fail closed from here on: the run's next call is refused, not one more
-        # call made whose end the log may also miss.
-        scope.completion_lost = lost
+        scope.lose_completion(lost, exc)
         return False
     return True

@@ -607,7 +607,7 @@ class RunScope:
         try:
             future = self.ledger.append_later(self.tenant, draft)
         except LedgerError as exc:
-            self._lose(lost, exc)
+            self.lose_completion(lost, exc)
             return
         counter = REQUEST_EVENTS.get()
         if counter is not None:
@@ -616,13 +616,14 @@ class RunScope:
         def settled(done: asyncio.Future[Appended]) -> None:
             exc = None if done.cancelled() else done.exception()
             if done.cancelled() or exc is not None:
-                self._lose(lost, exc)
+                self.lose_completion(lost, exc)
             elif self._quota is not None:
                 self._quota.observe(done.result().size)
 
         future.add_done_callback(settled)
 
-    def _lose(self, lost: str, exc: BaseException | None) -> None:
+    def lose_completion(self, lost: str, exc: BaseException | None) -> None:
+        """A completion record was not written: say so, and refuse the run's next call."""
         why = exc.message if isinstance(exc, ProctorError) else str(exc or "cancelled")
         log.error("%s: %s", lost, why)
         # Fail closed from here on: the run's next call is refused, not one more

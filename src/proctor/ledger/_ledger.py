@@ -391,13 +391,7 @@ class Ledger:
 
         Queued when called (not when first awaited), and a future rather than a
         coroutine: one frame less on the broker's path for every event."""
-        if self._closed:
-            raise LedgerError("the ledger is closed; the event was not recorded")
-        if self._thread is None:
-            self._ensure_writer()
-        future: asyncio.Future[Appended] = _running_loop().create_future()
-        self._queue.put(_Pending(log, draft, hook, False, future))
-        return future
+        return self._queued(_Pending(log, draft, hook, False, _running_loop().create_future()))
 
     def append_later(self, log: str, draft: EventDraft) -> asyncio.Future[Appended]:
         """Queue one event that nobody waits on now (what a call learned after its
@@ -405,13 +399,18 @@ class Ledger:
         ``linger`` seconds at the latest. Queued now, in order: an event appended
         after this one never commits without it. The future settles as
         :meth:`append_async`'s would, in the calling event loop."""
+        future = _running_loop().create_future()
+        return self._queued(_Pending(log, draft, None, False, future, lazy=True))
+
+    def _queued(self, item: _Pending) -> asyncio.Future[Appended]:
+        """Queue ``item`` (its future made in the caller's loop) and return that future."""
         if self._closed:
             raise LedgerError("the ledger is closed; the event was not recorded")
         if self._thread is None:
             self._ensure_writer()
-        future: asyncio.Future[Appended] = _running_loop().create_future()
-        self._queue.put(_Pending(log, draft, None, False, future, lazy=True))
-        return future
+        assert item.future is not None
+        self._queue.put(item)
+        return item.future
 
     def flush(self) -> None:
         """Return once everything queued before now is committed (or failed): the
