@@ -23,6 +23,7 @@ import pytest
 from proctor.api import ApiServer, OIDCIssuer, serve_api
 from proctor.console import ConsoleConfig
 from tests.e2e.conftest_gov import Gov, build_gov
+from tests.integration.test_api_support import self_signed
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 oidc_mock = pytest.importorskip("oidc_provider_mock")
@@ -346,7 +347,7 @@ def test_cookies_and_headers_hold_the_browser_to_the_rules(env: Env) -> None:
 
 
 def test_under_tls_the_session_cookie_is_secure(env: Env, tmp_path: Path) -> None:
-    certfile, keyfile = _self_signed(tmp_path)
+    certfile, keyfile = self_signed(tmp_path)
     tls = serve_api(env.gov.rt, "127.0.0.1", 0, certfile=certfile, keyfile=keyfile,
                     console=ConsoleConfig())  # fmt: skip
     try:
@@ -359,35 +360,6 @@ def test_under_tls_the_session_cookie_is_secure(env: Env, tmp_path: Path) -> Non
         assert "secure" in cookie.lower()
     finally:
         tls.stop()
-
-
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    import datetime as dt
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=1))
-        .not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    certfile, keyfile = tmp / "cert.pem", tmp / "key.pem"
-    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                        serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
-    return certfile, keyfile
 
 
 # -- every page: accessible, usable at 1280x800 and on a phone, readable without JS ---
