@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import httpx
 import pytest
@@ -491,3 +492,120 @@ def test_the_audit_page_filters_by_actor_on_the_server(env: Env) -> None:
     rows = re.findall(r"<tr class=\"(?:allow|deny)\">(.*?)</tr>", page, re.S)
     actors = {re.findall(r"<td>(.*?)</td>", r, re.S)[2] for r in rows}
     assert rows and actors == {"acme/alice"}, actors
+
+
+# -- attacks on the seams: the browser, the identity provider, the API behind ------------
+
+
+def test_a_planted_session_cookie_is_never_adopted(env: Env) -> None:
+    # Session fixation: an id the attacker chose (or one they saw before) is never the
+    # id a sign-in opens, and each sign-in ends the browser's previous session.
+    def sign_in(cookie: str) -> str:
+        c = httpx.Client(base_url=env.url, cookies={"proctor_session": cookie})
+        csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/signin").text)
+        assert csrf
+        r = c.post("/signin", data={"csrf": csrf.group(1), "token": env.gov.token("alice")})
+        assert r.status_code == 303
+        opened = next(h for h in r.headers.get_list("set-cookie")
+                      if h.startswith("proctor_session="))  # fmt: skip
+        return opened.split(";")[0].split("=", 1)[1]
+
+    def opens(cookie: str) -> bool:
+        c = httpx.Client(base_url=env.url, cookies={"proctor_session": cookie})
+        return c.get("/t/acme/").status_code == 200
+
+    planted = "attacker-chosen-" + "a" * 27
+    first = sign_in(planted)
+    assert first != planted and opens(first) and not opens(planted)
+    second = sign_in(first)  # the same browser signs in again
+    assert second != first and opens(second) and not opens(first)
+
+
+def test_an_answer_naming_another_issuer_is_refused_and_spends_the_sign_in(env: Env) -> None:
+    # RFC 9207 mix-up: the authorization response says which issuer sent it; one
+    # that is not where this sign-in went is refused before any code is exchanged.
+    c = httpx.Client(base_url=env.url)
+    start = c.get("/signin/oidc", params={"issuer": env.issuer})
+    assert start.status_code == 303
+    state = parse_qs(urlparse(start.headers["location"]).query)["state"][0]
+    r = c.get("/oidc/callback", params={"state": state, "code": "x",
+                                        "iss": "https://evil.example"})  # fmt: skip
+    assert r.status_code == 400 and "another identity provider" in r.text, r.text[:300]
+    # Spent: the same state with the right issuer does not open a session either.
+    r = c.get("/oidc/callback", params={"state": state, "code": "x", "iss": env.issuer})
+    assert r.status_code == 400 and "not started in this browser" in r.text
+    assert "proctor_session" not in c.cookies
+
+
+def test_failed_token_sign_ins_from_one_address_are_held_back(env: Env) -> None:
+    strict = serve_api(env.gov.rt, "127.0.0.1", 0, console=ConsoleConfig(failed_sign_ins=3))
+    try:
+        c = httpx.Client(base_url=strict.url + "/ui")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', c.get("/signin").text)
+        assert csrf
+        for _ in range(3):
+            r = c.post("/signin", data={"csrf": csrf.group(1), "token": "pt_" + "0" * 43})
+            assert r.status_code == 401
+        # Past the limit even the right token waits: nothing is asked of the API.
+        r = c.post("/signin", data={"csrf": csrf.group(1), "token": env.gov.token("alice")})
+        assert r.status_code == 429 and "too many failed sign-ins" in r.text
+        assert "proctor_session" not in c.cookies
+    finally:
+        strict.stop()
+
+
+def test_no_site_can_frame_the_console(env: Env, browser: Any) -> None:
+    # Clickjacking: another site's page puts the console in a frame to steer a click
+    # on "approve". Chromium obeys frame-ancestors 'none' and renders nothing there;
+    # the stylesheet (no such header) in the next frame shows that framing works.
+    import http.server
+    import threading
+
+    evil = (
+        f'<iframe src="{env.url}/t/acme/artifacts/{env.digest}"></iframe>'
+        f'<iframe src="{env.url}/static/console.css"></iframe>'
+    ).encode()
+
+    class Site(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(evil)))
+            self.end_headers()
+            self.wfile.write(evil)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    page = _token_sign_in(env, browser, "alice")  # signed in: the cookie is there
+    try:
+        page.goto(f"http://127.0.0.1:{site.server_port}/")
+        page.wait_for_load_state("load")
+        urls = [f.url for f in page.frames if f is not page.main_frame]
+        assert f"{env.url}/static/console.css" in urls, urls
+        assert not [u for u in urls if "/t/acme/" in u], urls
+        assert "chrome-error://chromewebdata/" in urls, urls
+    finally:
+        page.context.close()
+        site.shutdown()
+        site.server_close()
+
+
+def test_oversized_forms_and_other_methods_change_nothing(env: Env) -> None:
+    c = _signed_in(env, "alice")
+    token = _csrf(c, f"/t/acme/artifacts/{env.digest}")
+    target = f"/t/acme/artifacts/{env.digest}/approve"
+    before = len(env.approvals(env.digest))
+    # Refused by the API's guard before the body is read (the console sits behind it).
+    r = c.post(target, content=b"csrf=" + token.encode() + b"&c=" + b"x" * (4 << 20),
+               headers={"Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert r.status_code == 413
+    r = c.post(target, content=b"{}", headers={"Content-Type": "application/json"})
+    assert r.status_code == 415
+    for method in ("PUT", "DELETE", "PATCH"):
+        assert c.request(method, target, data={"csrf": token}).status_code == 405
+    head = c.head(f"/t/acme/artifacts/{env.digest}")
+    assert head.status_code == 200 and head.content == b""
+    assert len(env.approvals(env.digest)) == before

@@ -106,6 +106,11 @@ def test_a_running_runs_output_calls_and_the_artifacts_observed_calls(env: Env) 
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         try:
             page = _signed_in(browser, env, "dev")
+            # The live output is htmx swapping partials in: under the console's CSP,
+            # which Chromium reports on the console whenever it blocks anything.
+            violations: list[str] = []
+            page.on("console", lambda m: violations.append(m.text)
+                    if "Content Security Policy" in m.text else None)  # fmt: skip
             # The run appears in the list while it runs.
             for _ in range(100):
                 page.goto(env.url + "/t/acme/runs")
@@ -125,6 +130,12 @@ def test_a_running_runs_output_calls_and_the_artifacts_observed_calls(env: Env) 
             )
             runner.join(60)
             assert done["run"]["status"] == "succeeded", done
+            assert not violations, violations
+            # The listener hears what the policy blocks: an inline script is refused.
+            page.evaluate("""() => { const s = document.createElement('script');
+                s.textContent = 'window.__ran = 1'; document.body.appendChild(s); }""")
+            page.wait_for_timeout(200)
+            assert violations and page.evaluate("() => window.__ran") is None, violations
             page.reload()
             rows = page.locator("#calls ~ div tbody tr")
             assert rows.count() >= 2

@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class ConsoleConfig:
     idle_seconds: float = 900.0
     lifetime_seconds: float = 8 * 3600.0
     tenant_hint: str = ""
+    failed_sign_ins: int = 10
 
 
 @dataclass
@@ -113,12 +115,46 @@ class View:
 Handler = Callable[[View], Response]
 
 
+class Failures:
+    """Failed token sign-ins per client address in the last minute. A token is 256
+    random bits, so this is not what keeps one from being guessed; it keeps a
+    client from turning the sign-in page into a load on the API's authentication
+    and its log."""
+
+    WINDOW = 60.0
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def allowed(self, address: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            recent = [t for t in self._seen.get(address, ()) if now - t < self.WINDOW]
+            if recent:
+                self._seen[address] = recent
+            else:
+                self._seen.pop(address, None)
+            return len(recent) < self.limit
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._seen) > 10_000:
+                # Bounded: the stalest addresses go first.
+                for gone in sorted(self._seen, key=lambda a: self._seen[a][-1])[:1_000]:
+                    del self._seen[gone]
+            self._seen.setdefault(address, []).append(now)
+
+
 class Console:
     def __init__(self, api: ASGIApp, config: ConsoleConfig | None = None) -> None:
         self.config = config or ConsoleConfig()
         self.sessions = Sessions(self.config.idle_seconds, self.config.lifetime_seconds)
         self._api = api
         self._providers = {p.issuer: p for p in self.config.providers}
+        self._failures = Failures(self.config.failed_sign_ins)
         # Pages wait on the API in worker threads; their own limiter keeps them from
         # taking every thread the API's routes need to answer them.
         self._limiter = anyio.CapacityLimiter(8)
@@ -347,33 +383,34 @@ class Console:
             return self._error(
                 request, None, 403, "the form's CSRF token is missing or wrong: reload the page"
             )
-        token = form.get("token", "").strip()
+        refused, session = await self._check_token(request, form.get("token", ""))
+        if session is None:
+            status, error = refused
+            return self._signin_page(request, browser, nxt, status=status, error=error)
+        home = f"{self._base(request)}/t/{quote(session.tenant)}/"
+        resp: Response = RedirectResponse(nxt or home, status_code=303)
+        self._set_session(request, resp, session)
+        resp.delete_cookie(LOGIN_COOKIE, path=self._base(request) + "/")
+        return resp
+
+    async def _check_token(self, request: Request, raw: str,
+                           ) -> tuple[tuple[int, str], Session | None]:  # fmt: skip
+        """The session a pasted token opens, or why it opens none."""
+        address = request.client.host if request.client else ""
+        if not self._failures.allowed(address):
+            return (429, "too many failed sign-ins from this address: wait a minute"), None
+        token = raw.strip()
         if not token.startswith("pt_") or len(token) > 512:
-            return self._signin_page(
-                request,
-                browser,
-                nxt,
-                status=400,
-                error="paste a principal's token (it begins with pt_)",
-            )
+            return (400, "paste a principal's token (it begins with pt_)"), None
         try:
             session = await anyio.to_thread.run_sync(
                 functools.partial(self._whoami, request, token, "token", time.time() + 1e9),
                 limiter=self._limiter,
             )
         except ProctorError as exc:
-            return self._signin_page(
-                request,
-                browser,
-                nxt,
-                status=401,
-                error=f"that token does not sign in: {exc.message}",
-            )
-        home = f"{self._base(request)}/t/{quote(session.tenant)}/"
-        resp: Response = RedirectResponse(nxt or home, status_code=303)
-        self._set_session(request, resp, session)
-        resp.delete_cookie(LOGIN_COOKIE, path=self._base(request) + "/")
-        return resp
+            self._failures.failed(address)
+            return (401, f"that token does not sign in: {exc.message}"), None
+        return (200, ""), session
 
     def _signin_page(self, request: Request, browser: str, nxt: str, *, status: int = 200,
                      error: str = "") -> Response:  # fmt: skip
@@ -396,6 +433,11 @@ class Console:
         provider = self._providers.get(request.query_params.get("issuer", ""))
         if provider is None:
             return self._error(request, None, 404, "no such identity provider is configured")
+        if not self.sessions.room():
+            # Each start holds a little memory for ten minutes and is open to anyone:
+            # past the cap, starts wait for the oldest to lapse.
+            return self._error(request, None, 503,
+                               "too many sign-ins under way: try again in a minute")  # fmt: skip
         browser = self._login_cookie(request)
         verifier, challenge = _pkce()
         state, nonce = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
@@ -422,6 +464,14 @@ class Console:
             return self._error(request, None, 400,
                                "this sign-in was not started in this browser, or has expired: "
                                "start again")  # fmt: skip
+        said = q.get("iss")
+        if said is not None and said.rstrip("/") != pending.issuer.rstrip("/"):
+            # RFC 9207: an answer that names another issuer than the one this sign-in
+            # went to is a mix-up (a code from one provider sent to another's token
+            # endpoint); the sign-in is spent, nothing is exchanged.
+            return self._error(request, None, 400,
+                               "the answer names another identity provider than the one "
+                               "this sign-in went to: start again")  # fmt: skip
         provider = self._providers[pending.issuer]
         redirect = f"{self._origin(request)}{self._base(request)}/oidc/callback"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,25 @@ class SignInFailed(ProctorError):
     """An OIDC sign-in that cannot complete (said to the person, nothing leaks)."""
 
 
+#: Discovery documents by issuer, with when they were fetched: a sign-in page is
+#: open to anyone, and each start must not become a request to the provider.
+_DISCOVERED: dict[str, tuple[float, dict[str, Any]]] = {}
+_DISCOVERY_TTL = 300.0
+_lock = threading.Lock()
+
+
 def _discover(issuer: str) -> dict[str, Any]:
+    with _lock:
+        kept = _DISCOVERED.get(issuer)
+    if kept is not None and time.monotonic() - kept[0] < _DISCOVERY_TTL:
+        return kept[1]
+    doc = _fetch_discovery(issuer)
+    with _lock:
+        _DISCOVERED[issuer] = (time.monotonic(), doc)
+    return doc
+
+
+def _fetch_discovery(issuer: str) -> dict[str, Any]:
     url = issuer.rstrip("/") + "/.well-known/openid-configuration"
     try:
         resp = httpx.get(url, timeout=5.0, follow_redirects=False)

@@ -102,6 +102,14 @@ class Sessions:
                 del self._by_key[k]
         return len(gone)
 
+    #: OIDC sign-ins under way at once (each lasts at most ten minutes).
+    PENDING_CAP = 10_000
+
+    def room(self) -> bool:
+        with self._lock:
+            self._sweep()
+            return len(self._pending) < self.PENDING_CAP
+
     def begin(self, pending: PendingSignIn) -> None:
         with self._lock:
             self._sweep()
