@@ -50,6 +50,9 @@ _UPSERT_TILE = (
 )
 
 TxHook = Callable[[Conn], None]
+#: Checked inside every transaction the writer commits, just before its COMMIT:
+#: a node that lost its lease raises there, and the batch rolls back whole.
+Fence = Callable[[Conn], None]
 #: An event in a second log that commits with the first, all or nothing; its
 #: draft is made from the first event's leaf hash (a system-log entry that
 #: names a tenant log's event 0, say).
@@ -111,6 +114,14 @@ class LogHead:
     size: int
     root: bytes
     checkpoint: str
+
+
+class _Fenced(Exception):
+    """The fence refused a batch: carries the fence's own error to every append."""
+
+    def __init__(self, error: ProctorError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class _Done:
@@ -304,6 +315,7 @@ class Ledger:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        self._fence: Fence | None = None
 
     # -- identity -----------------------------------------------------------
 
@@ -341,6 +353,14 @@ class Ledger:
         return self._origin_signer(self.origin(log)).verifier.vkey()
 
     # -- writing ------------------------------------------------------------
+
+    def set_fence(self, fence: Fence | None) -> None:
+        """Run ``fence(conn)`` inside every transaction the writer commits (every
+        batch of appends, whatever the path), after the batch's writes and before
+        its COMMIT; ``None`` removes it. If it raises a :class:`ProctorError`, the
+        transaction rolls back and every append of that batch fails with that very
+        error (another exception fails them as a store failure does)."""
+        self._fence = fence
 
     def create_log(
         self,
@@ -513,7 +533,10 @@ class Ledger:
         return batch, barriers, False
 
     def _fail(self, batch: list[_Pending], exc: BaseException) -> None:
-        if isinstance(exc, LedgerError):
+        error: ProctorError
+        if isinstance(exc, _Fenced):
+            error = exc.error
+        elif isinstance(exc, LedgerError):
             error = exc
         else:
             why = exc.message if isinstance(exc, ProctorError) else str(exc) or type(exc).__name__
@@ -539,20 +562,7 @@ class Ledger:
             for item in batch:
                 draft = item.draft
                 if item.create or item.hook is not None or item.then is not None:
-                    staged = self._stage_atomic(conn, item, now, touched)
-                    if staged is None:
-                        continue
-                    # The in-memory right edges move only once nothing of the item can fail.
-                    for log, seq, time, data, ref, is_own in staged:
-                        leaf = _sha256(b"\x00" + data).digest()
-                        state = touched[log]
-                        state.push(leaf)
-                        state.last_time = time
-                        rows.append((log, seq, time, data, ref))
-                        if is_own:
-                            own.append((item, state, seq, leaf, data))
-                            if draft.objects:
-                                objects.append((log, seq, draft.objects))
+                    self._take_atomic(conn, item, now, touched, rows, own, objects)
                     continue
                 # The common case, one event and nothing else: no savepoint, and the
                 # event is made here rather than through _stage.
@@ -584,11 +594,48 @@ class Ledger:
             # Objects go in with their events, all of the batch at once, like the entries.
             store_objects(conn, objects, self._store.capabilities.bulk_insert)
             notes = {log: self._checkpoint(conn, log, state) for log, state in touched.items()}
+            if self._fence is not None:
+                self._check_fence(conn)
         # Durable from here on: the transaction committed.
         self._states.update(touched)
         for item, state, seq, leaf, data in own:
             log = item.log
             item.result = _new_tuple(Appended, (log, seq, leaf, state.tree.size, notes[log], data))
+
+    def _check_fence(self, conn: Conn) -> None:
+        fence = self._fence
+        if fence is not None:
+            try:
+                fence(conn)
+            except ProctorError as exc:
+                raise _Fenced(exc) from exc
+
+    def _take_atomic(
+        self,
+        conn: Conn,
+        item: _Pending,
+        now: str,
+        touched: dict[str, _LogState],
+        rows: list[tuple[str, int, str, bytes, str | None]],
+        own: list[tuple[_Pending, _LogState, int, bytes, bytes]],
+        objects: list[tuple[str, int, tuple[LedgerObject, ...]]],
+    ) -> None:
+        """Stage an item that writes more than its event (see :meth:`_stage_atomic`)
+        and add its events to the batch's rows."""
+        staged = self._stage_atomic(conn, item, now, touched)
+        if staged is None:
+            return
+        # The in-memory right edges move only once nothing of the item can fail.
+        for log, seq, at, data, ref, is_own in staged:
+            leaf = _sha256(b"\x00" + data).digest()
+            state = touched[log]
+            state.push(leaf)
+            state.last_time = at
+            rows.append((log, seq, at, data, ref))
+            if is_own:
+                own.append((item, state, seq, leaf, data))
+                if item.draft.objects:
+                    objects.append((log, seq, item.draft.objects))
 
     def _checkpoint(self, conn: Conn, log: str, state: _LogState) -> str:
         """Write the log's changed tiles, its head and its signed checkpoint."""
