@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -134,6 +135,26 @@ def test_every_manifest_is_valid_for_the_kubernetes_api_in_strict_mode(version: 
         # The package falls back to an older version's schemas for a newer one it
         # lacks: that would be a version the docs name and nothing checked.
         assert checked == version, f"{name}: checked against {checked}, not {version}"
+
+
+def test_what_kustomize_builds_is_valid_and_names_the_image_to_set() -> None:
+    """What ``kubectl apply -k`` applies: the files with the namespace and the image set."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here: the files themselves are checked above")
+    built = subprocess.run([kubectl, "kustomize", str(DEPLOY)], capture_output=True, text=True,
+                           timeout=60, check=True).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(built) if d]
+    assert len(docs) == len(_resources())
+    (image,) = _kustomization()["images"]
+    for doc in docs:
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == _kustomization()["namespace"]
+        if doc["kind"] == "Deployment":
+            (container,) = doc["spec"]["template"]["spec"]["containers"]
+            assert container["image"] == f"{image['newName']}:{image['newTag']}"
 
 
 def _misspelled(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
