@@ -78,6 +78,9 @@ def node_main(dsn: str, key: str, total: int, writers: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=60_000)
+    ap.add_argument(
+        "--writers", type=int, nargs="*", default=[1, 8, 64], help="one node's writer counts"
+    )
     ap.add_argument("--node", nargs=4, metavar=("DSN", "KEY", "EVENTS", "WRITERS"))
     args = ap.parse_args()
     if args.node:
@@ -91,7 +94,7 @@ def main() -> None:
         )
         print("| writers | events/s | p50 ms | p99 ms | events per batch |")
         print("|---|---|---|---|---|")
-        for writers in (1, 8, 64):
+        for writers in args.writers:
             dsn = server.create_database(f"bench_w{writers}")
             store = open_store(dsn, create=True)
             ledger = Ledger(store, Signer.generate("bench.local"), "bench.local")

@@ -40,7 +40,7 @@ from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint
 from proctor.ledger._objects import LedgerObject, store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
-from proctor.store import Conn, Store
+from proctor.store import Conn, Engine, Store
 
 SYSTEM_LOG = "system"
 _TILE_BYTES = TILE_WIDTH * 32
@@ -61,6 +61,44 @@ Followup = tuple[str, Callable[[bytes], EventDraft]]
 # is the item's own.
 _Staged = tuple[str, int, str, bytes, str | None, bool]
 _INSERT_ENTRY = "INSERT INTO ledger_entries (log, seq, time, data, ref) VALUES (?, ?, ?, ?, ?)"
+# PostgreSQL: a log's head, and, when its size is not the one given (another node
+# appended), the tile at the right edge of each level that holds any of it.
+_EDGE = (
+    "SELECT l.size, l.origin, l.last_time, t.level, t.idx, t.hashes FROM ledger_logs l"
+    " LEFT JOIN LATERAL (SELECT t.level, t.idx, t.hashes FROM generate_series(0, 7) AS g(lv)"
+    " JOIN ledger_tiles t ON t.log = l.log AND t.level = g.lv"
+    " AND t.idx = (l.size >> (8 * g.lv)) >> 8"
+    " WHERE l.size <> ? AND ((l.size >> (8 * g.lv)) & 255) <> 0) t ON true"
+    " WHERE l.log = ?"
+)
+# PostgreSQL: a batch's events, tiles, heads and checkpoints, one statement over
+# arrays (one round trip). Data-modifying CTEs all run, on distinct tables. The
+# events' bytes go as one bytea cut by offsets: psycopg writes a list of bytes as
+# a text array, escaping every byte (1.4 ms a batch of 62 events, against 0.02).
+_WRITE_BATCH = (
+    "WITH b AS (SELECT ?::bytea AS blob),"
+    " e AS (INSERT INTO ledger_entries (log, seq, time, data, ref)"
+    " SELECT u.log, u.seq, u.time, substring(b.blob FROM u.at FOR u.len), u.ref FROM b,"
+    " unnest(?::text[], string_to_array(?, ',')::bigint[], ?::text[],"
+    " string_to_array(?, ',')::int[], string_to_array(?, ',')::int[], ?::text[])"
+    " AS u(log, seq, time, at, len, ref)),"
+    " t AS (INSERT INTO ledger_tiles (log, level, idx, hashes)"
+    " SELECT * FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bytea[])"
+    " ON CONFLICT (log, level, idx) DO UPDATE SET hashes = excluded.hashes),"
+    " h AS (SELECT * FROM unnest(?::text[], ?::bigint[], ?::bytea[], ?::text[], ?::text[])"
+    " AS h(log, size, root, last_time, note)),"
+    " c AS (INSERT INTO ledger_checkpoints (log, size, time, note)"
+    " SELECT log, size, last_time, note FROM h ON CONFLICT (log, size) DO NOTHING)"
+    " UPDATE ledger_logs l SET size = h.size, root = h.root, last_time = h.last_time,"
+    " checkpoint = h.note FROM h WHERE l.log = h.log"
+)
+
+
+def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[tuple[Any, ...]]:
+    """``rows`` as ``width`` columns (empty columns for no rows)."""
+    return list(zip(*rows, strict=True)) if rows else [()] * width
+
+
 _sha256 = hashlib.sha256
 # Appended's own constructor is a Python function; the tuple's is not.
 _new_tuple = tuple.__new__
@@ -231,8 +269,13 @@ class _LogState:
         )
         if row is None:
             return None
-        origin, size, last_time = str(row[0]), int(row[1]), str(row[2])
-        nodes = TileNodes(conn, log, cache)
+        return cls.from_edge(TileNodes(conn, log, cache), str(row[0]), int(row[1]), str(row[2]))
+
+    @classmethod
+    def from_edge(cls, nodes: TileNodes, origin: str, size: int, last_time: str) -> _LogState:
+        """The right edge at ``size``, from the tiles ``nodes`` holds or reads: the
+        partial tile of each level (every peak lies in one of them)."""
+        log = nodes.log
         state = cls(log, origin, last_time, CompactRange.from_tree(nodes, size))
         level = 0
         while size >> (8 * level):
@@ -316,6 +359,13 @@ class Ledger:
         self._start_lock = threading.Lock()
         self._closed = False
         self._fence: Fence | None = None
+        # PostgreSQL: the right edge comes with the head, and a batch's rows go in
+        # one statement (see _EDGE and _WRITE_BATCH); SQLite keeps the plain path.
+        self._pg = store.engine is Engine.POSTGRESQL
+        # An item the writer took from the queue after taking a batch's locks that
+        # those locks do not cover: the next batch starts with it, keeping the order.
+        self._carry: _Pending | None = None
+        self._stopping = False
 
     # -- identity -----------------------------------------------------------
 
@@ -480,19 +530,48 @@ class Ledger:
     def _run(self) -> None:
         stop = False
         while not stop:
-            first = self._queue.get()
+            first: _Pending | _Done | None = self._carry
+            if first is None:
+                first = self._queue.get()
+            else:
+                self._carry = None
             if first is None:
                 break
             batch, barriers, stop = self._gather(first)
             if batch:
                 try:
-                    self._commit(batch)
+                    self._commit(batch, barriers)
                 except BaseException as exc:
                     # Every waiter must be woken, whatever went wrong.
                     self._fail(batch, exc)
                 _wake(batch)
+                stop = stop or self._stopping
             for barrier in barriers:
                 barrier.set()
+
+    def _drain(self, batch: list[_Pending], logs: set[str], barriers: list[_Done]) -> None:
+        """Add to ``batch`` what was queued while its locks were awaited: on a log
+        another node holds, the appends that came meanwhile join this batch instead
+        of waiting for the next turn of the lock. Stops at the first item the held
+        locks do not cover (carried to the next batch: appends keep their order)."""
+        get_nowait, max_batch = self._queue.get_nowait, self._max_batch
+        while len(batch) < max_batch:
+            try:
+                item = get_nowait()
+            except queue.Empty:
+                return
+            if type(item) is _Pending:
+                if item.log in logs and (item.then is None or item.then[0] in logs):
+                    batch.append(item)
+                else:
+                    self._carry = item
+                    return
+            elif item is None:
+                self._stopping = True
+                return
+            else:
+                assert isinstance(item, _Done)
+                barriers.append(item)
 
     def _gather(self, first: _Pending | _Done) -> tuple[list[_Pending], list[_Done], bool]:
         """``first`` and what else is queued: the batch, the flushes it ends, and
@@ -550,7 +629,7 @@ class Ledger:
             if item.error is None:
                 item.error = error
 
-    def _commit(self, batch: list[_Pending]) -> None:
+    def _commit(self, batch: list[_Pending], barriers: list[_Done]) -> None:
         logs = sorted({item.log for item in batch} | {i.then[0] for i in batch if i.then})
         rows: list[tuple[str, int, str, bytes, str | None]] = []
         # The batch's own events, for their results: item, its log's state, seq, leaf, bytes.
@@ -558,6 +637,7 @@ class Ledger:
         objects: list[tuple[str, int, tuple[LedgerObject, ...]]] = []
         touched: dict[str, _LogState] = {}
         with self._store.write(*(f"ledger:{log}" for log in logs)) as conn:
+            self._drain(batch, set(logs), barriers)
             now = self._clock()
             for item in batch:
                 draft = item.draft
@@ -590,10 +670,13 @@ class Ledger:
                 own.append((item, state, seq, leaf, data))
                 if draft.objects:
                     objects.append((log, seq, draft.objects))
-            conn.executemany(_INSERT_ENTRY, rows)
             # Objects go in with their events, all of the batch at once, like the entries.
             store_objects(conn, objects, self._store.capabilities.bulk_insert)
-            notes = {log: self._checkpoint(conn, log, state) for log, state in touched.items()}
+            if self._pg:
+                notes = self._write_batch(conn, rows, touched)
+            else:
+                conn.executemany(_INSERT_ENTRY, rows)
+                notes = {log: self._checkpoint(conn, log, state) for log, state in touched.items()}
             if self._fence is not None:
                 self._check_fence(conn)
         # Durable from here on: the transaction committed.
@@ -636,6 +719,45 @@ class Ledger:
                 own.append((item, state, seq, leaf, data))
                 if item.draft.objects:
                     objects.append((log, seq, item.draft.objects))
+
+    def _write_batch(
+        self,
+        conn: Conn,
+        rows: list[tuple[str, int, str, bytes, str | None]],
+        touched: dict[str, _LogState],
+    ) -> dict[str, str]:
+        """PostgreSQL: the batch's events, changed tiles, heads and checkpoints in one
+        statement, one round trip under the log's lock (five before)."""
+        notes: dict[str, str] = {}
+        tiles: list[tuple[str, int, int, bytes]] = []
+        heads: list[tuple[str, int, bytes, str, str]] = []
+        for log, state in touched.items():
+            size = state.tree.size
+            root = state.tree.root()
+            note = notes[log] = self._sign(Checkpoint(state.origin, size, root))
+            tiles.extend((log, lvl, idx, bytes(buf)) for (lvl, idx), buf in state.dirty.items())
+            state.dirty.clear()
+            heads.append((log, size, root, state.last_time, note))
+        logs, seqs, times, datas, refs = _columns(rows, 5)
+        at, starts = 1, []
+        for data in datas:
+            starts.append(at)
+            at += len(data)
+        conn.execute(
+            _WRITE_BATCH,
+            (
+                b"".join(datas),
+                list(logs),
+                ",".join(map(str, seqs)),
+                list(times),
+                ",".join(map(str, starts)),
+                ",".join(str(len(d)) for d in datas),
+                list(refs),
+                *(list(col) for col in _columns(tiles, 4)),
+                *(list(col) for col in _columns(heads, 5)),
+            ),
+        )
+        return notes
 
     def _checkpoint(self, conn: Conn, log: str, state: _LogState) -> str:
         """Write the log's changed tiles, its head and its signed checkpoint."""
@@ -734,17 +856,38 @@ class Ledger:
             return state
         if state is not None:
             return state
-        row = conn.query_one("SELECT size FROM ledger_logs WHERE log = ?", (item.log,))
-        if row is None:
+        cached = self._states.get(item.log)
+        read = self._edge if self._pg else self._reload
+        state = read(conn, item.log, cached)
+        if state is None:
             item.error = NotFound(f"no log {item.log!r}: unknown tenant")
             return None
-        cached = self._states.get(item.log)
-        # Another process (or node) may have appended since we last wrote.
-        if cached is None or cached.tree.size != int(row[0]):
-            cached = _LogState.load(conn, item.log, self._cache)
-            assert cached is not None
-        touched[item.log] = cached
-        return cached
+        touched[item.log] = state
+        return state
+
+    def _reload(self, conn: Conn, log: str, cached: _LogState | None) -> _LogState | None:
+        """``cached`` if the log's head is still at its size, else the log's right
+        edge as stored (another process or node appended); None: no such log."""
+        row = conn.query_one("SELECT size FROM ledger_logs WHERE log = ?", (log,))
+        if row is None:
+            return None
+        if cached is not None and cached.tree.size == int(row[0]):
+            return cached
+        return _LogState.load(conn, log, self._cache)
+
+    def _edge(self, conn: Conn, log: str, cached: _LogState | None) -> _LogState | None:
+        """:meth:`_reload` on PostgreSQL: the head, and the right edge's tiles only
+        when another node appended, in one round trip either way."""
+        known = -1 if cached is None else cached.tree.size
+        edge = conn.query(_EDGE, (known, log))
+        if not edge:
+            return None
+        size = int(edge[0][0])
+        if cached is not None and cached.tree.size == size:
+            return cached
+        tiles = {(int(r[3]), int(r[4])): bytes(r[5]) for r in edge if r[3] is not None}
+        nodes = TileNodes(conn, log, self._cache, tiles)
+        return _LogState.from_edge(nodes, str(edge[0][1]), size, str(edge[0][2]))
 
     # -- reading ------------------------------------------------------------
 

@@ -94,11 +94,22 @@ class FullTileCache:
 class TileNodes:
     """``node(start, height)`` for one log, reading tiles through one transaction."""
 
-    def __init__(self, conn: Conn, log: str, cache: FullTileCache) -> None:
+    def __init__(
+        self,
+        conn: Conn,
+        log: str,
+        cache: FullTileCache,
+        partial: dict[tuple[int, int], bytes] | None = None,
+    ) -> None:
         self._conn = conn
         self._log = log
         self._cache = cache
-        self._partial: dict[tuple[int, int], bytes] = {}
+        # Tiles already read with something else, by (level, index).
+        self._partial: dict[tuple[int, int], bytes] = partial if partial is not None else {}
+
+    @property
+    def log(self) -> str:
+        return self._log
 
     def tile(self, level: int, index: int) -> bytes:
         key = (self._log, level, index)
