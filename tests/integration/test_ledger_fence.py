@@ -69,12 +69,14 @@ def test_a_refusing_fence_fails_every_append_and_nothing_is_written(
     with pytest.raises(LeaseLost):
         ledger.append("acme", draft(6), then=("system", lambda leaf: draft(7)))
 
-    async def awaited() -> list[BaseException | object]:
-        return await asyncio.gather(
-            ledger.append_async("acme", draft(8)),
-            ledger.append_async("acme", draft(9), hook=hook),
-            ledger.append_later("acme", draft(10)),
-            return_exceptions=True,
+    async def awaited() -> list[object]:
+        return list(
+            await asyncio.gather(
+                ledger.append_async("acme", draft(8)),
+                ledger.append_async("acme", draft(9), hook=hook),
+                ledger.append_later("acme", draft(10)),
+                return_exceptions=True,
+            )
         )
 
     results = asyncio.run(awaited())

@@ -37,6 +37,10 @@ def _lease_fence(node: str, epoch: int, seen: list[int]) -> Fence:
     return fence
 
 
+def _raise_epoch(conn: Conn) -> None:
+    conn.execute("UPDATE fence_lease SET epoch = 9")
+
+
 def test_the_fence_runs_in_the_batch_transaction_and_a_taken_lease_stops_a_node(
     pg_dsn: str,
 ) -> None:
@@ -75,13 +79,15 @@ def test_the_fence_runs_in_the_batch_transaction_and_a_taken_lease_stops_a_node(
         with pytest.raises(LeaseLost):
             a.append("acme", draft(6))
         with pytest.raises(LeaseLost):
-            a.append("acme", draft(7), hook=lambda c: c.execute("UPDATE fence_lease SET epoch = 9"))
+            a.append("acme", draft(7), hook=_raise_epoch)
 
         async def queued() -> list[object]:
-            return await asyncio.gather(
-                a.append_async("acme", draft(8)),
-                a.append_later("acme", draft(9)),
-                return_exceptions=True,
+            return list(
+                await asyncio.gather(
+                    a.append_async("acme", draft(8)),
+                    a.append_later("acme", draft(9)),
+                    return_exceptions=True,
+                )
             )
 
         assert [type(r) for r in asyncio.run(queued())] == [LeaseLost, LeaseLost]
