@@ -9,9 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,17 @@ pytest_plugins = ["tests.host_group", "pytester"]
 
 OPERATOR = Actor("operator", "test-operator")
 PROCTOR = str(Path(sys.executable).with_name("proctor"))
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """``cond()``'s first truthy value, polled; fails naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
 
 
 def draft(i: int = 0, **extra: object) -> EventDraft:

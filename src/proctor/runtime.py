@@ -90,6 +90,8 @@ def run_owner_alive(owner: str) -> bool:
 
 #: The reason a run whose owner died is closed with (``run.end`` says "interrupted: …").
 OWNER_DIED = "supervisor died"
+#: ... and a run of a node whose lease lapsed (lifecycle/_nodes.py).
+NODE_LAPSED = "node lease lapsed"
 
 
 class _AlreadyClosed(ProctorError):
@@ -321,8 +323,9 @@ class Runtime:
     # -- runs whose owner died -------------------------------------------------------
 
     def close_orphaned_runs(
-        self, actor: Actor | None = None, *, other_hosts: bool = False, skip: str | None = None
-    ) -> list[tuple[str, str]]:
+        self, actor: Actor | None = None, *, other_hosts: bool = False, skip: str | None = None,
+        node: str | None = None,
+    ) -> list[tuple[str, str]]:  # fmt: skip
         """Record as interrupted every run left 'running' by an owner that is gone;
         returns their (tenant, run id).
 
@@ -334,20 +337,30 @@ class Runtime:
         sandboxes are killed first (they hold its broker sockets), then its
         sockets go, then each run is closed; a run another process closes
         meanwhile is recorded once, by whichever commits first.
+
+        Runs of a node (a ``serve`` sharing the store, lifecycle/_nodes.py) on
+        another host are judged by its lease, not here; ``node`` names one that was
+        found dead, and closes its runs alone.
         """
         with self.store.read() as conn:
             rows = conn.query(
                 "SELECT id, tenant, deployment, digest, supervisor, started_at FROM runs"
                 " WHERE status = 'running'"
             )
+            nodes = {str(r[0]) for r in conn.query("SELECT id FROM nodes WHERE state = 'live'")}
         host = os.uname().nodename
         dead = []
         started: dict[str, str] = {}
+        reason = OWNER_DIED if node is None else NODE_LAPSED
         for run_id, tenant, name, digest, supervisor, started_at in rows:
             owner = "" if supervisor is None else str(supervisor)
-            if owner == skip or (not other_hosts and owner.partition(":")[0] != host):
+            elsewhere = owner.partition(":")[0] != host
+            if node is not None:
+                if owner != node:
+                    continue
+            elif owner == skip or (elsewhere and (not other_hosts or owner in nodes)):
                 continue
-            if not run_owner_alive(owner):
+            if node is not None or not run_owner_alive(owner):
                 dead.append((str(run_id), str(tenant), str(name), str(digest)))
                 started[str(run_id)] = str(started_at) if started_at else ""
         if not dead:
@@ -365,7 +378,7 @@ class Runtime:
                 changed = conn.execute(
                     "UPDATE runs SET status = 'interrupted', reason = ?, ended_at = ?"
                     " WHERE id = ? AND status = 'running'",
-                    (OWNER_DIED, utc_now(), run_id),
+                    (reason, utc_now(), run_id),
                 )
                 if changed != 1:
                     raise _AlreadyClosed(f"run {run_id} is closed already")
@@ -375,7 +388,7 @@ class Runtime:
                 self.ledger.append(
                     tenant,
                     EventDraft(actor, Action.RUN_END, f"run/{run_id}",
-                               reason=f"interrupted: {OWNER_DIED}", deployment=name, run=run_id,
+                               reason=f"interrupted: {reason}", deployment=name, run=run_id,
                                artifact=digest, details={"status": "interrupted"}),
                     hook=update,
                 )  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from proctor.lifecycle import Runs, Server, Supervisor
-from tests.conftest import PROCTOR, run_cli
+from tests.conftest import PROCTOR, run_cli, wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import BACKENDS, working
 
@@ -186,14 +186,7 @@ def _serve(gov: Gov, backend: str) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def _wait(cond: Any, what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+_wait = wait_until
 
 
 @pytest.mark.parametrize("backend", EVERY)

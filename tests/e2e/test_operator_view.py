@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 from proctor.client import Client
 from proctor.errors import ProctorError
 from proctor.lifecycle import Runs
-from tests.conftest import PROCTOR, run_cli
+from tests.conftest import PROCTOR, run_cli, wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import working
 
@@ -91,13 +90,7 @@ def _free_port() -> int:
 
 
 def _wait(cond: Any, what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    return wait_until(cond, what, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -287,30 +287,6 @@ def test_a_second_start_of_a_running_service_is_refused_and_recorded(
     assert len(refusals) == 2 and all("running already" in e["reason"] for e in refusals)
 
 
-@pytest.mark.postgres
-def test_two_homes_on_one_postgresql_store_have_one_serve(pg_dsn: str, tmp_path: Path) -> None:
-    """Homes can share a PostgreSQL store; until node membership exists, one of
-    them supervises it. The lock is the store's, held on a session of its own."""
-    from proctor.errors import AlreadyExists
-    from proctor.lifecycle._lock import ServeLock
-    from proctor.store import open_store
-
-    stores = [open_store(pg_dsn, create=True), open_store(pg_dsn)]
-    homes = [tmp_path / "a", tmp_path / "b"]
-    for h in homes:
-        h.mkdir()
-    try:
-        first = ServeLock(homes[0], stores[0], "host:1:1").acquire()
-        with pytest.raises(AlreadyExists, match="store"):
-            ServeLock(homes[1], stores[1], "host:2:2").acquire()
-        assert not (homes[1] / "serve.lock").read_text(), "a refused serve holds nothing"
-        first.release()
-        ServeLock(homes[1], stores[1], "host:2:2").acquire().release()
-    finally:
-        for s in stores:
-            s.close()
-
-
 def test_a_run_that_no_longer_stands_is_refused_every_call_but_keeps_its_evidence(
     gov: Gov,
 ) -> None:

@@ -690,18 +690,27 @@ def serve(
             "without a token, as a public or auditor-facing mirror; repeatable"
         ),
     ] = None,
+    node_lease: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            max=300.0,
+            help="Seconds this node's lease lasts unrenewed: past it, other nodes of the "
+            "store take over its runs' services (docs/deploy.md)",
+        ),
+    ] = 10.0,
     home: HomeOpt = None,
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
     the HTTP API (OpenAPI at /openapi.json) and the web console (/ui/)."""
-    from proctor.lifecycle import Server, log_json
+    from proctor.lifecycle import NodeLost, Server, log_json
 
     log_json()  # one JSON object per line on stderr: docs/operations.md
     with open_runtime(home) as rt, rt.make_broker() as broker:
         for tenant in public_log or ():
             rt.tenants.get(tenant)  # an unknown tenant fails now, not at the first read
         sup = rt.supervisor(broker, backend)
-        server = Server(sup)
+        server = Server(sup, lease=node_lease)
         api = None
         if not no_api:
             from proctor.api import load_oidc_config, serve_api
@@ -732,6 +741,27 @@ def serve(
         finally:
             if api is not None:
                 api.stop()
+    if server.lost is not None:
+        # Started again (systemd, Kubernetes), it joins as a new node.
+        raise NodeLost(f"this node lost its lease and stopped its runs: {server.lost}")
+
+
+def nodes_list(as_json: JsonOpt = False, home: HomeOpt = None) -> None:
+    """The runtime nodes of this home's store: each serve, its lease and state."""
+    from proctor.lifecycle import nodes
+
+    with open_runtime(home) as rt:
+        found = nodes(rt.store)
+    if as_json:
+        emit_json([n.as_json() for n in found])
+        return
+    if not found:
+        console.print("no node has served this store yet")
+        return
+    for n in found:
+        lease = f"lease {n.expires_in:.1f} s" if n.state == "live" else n.state
+        console.print(f"{n.id}  {n.state}  epoch {n.epoch}  {lease}  "
+                      f"{','.join(n.backends)}  started {n.started_at}")  # fmt: skip
 
 
 # -- tenants: freeze, history, egress ---------------------------------------------
@@ -991,6 +1021,7 @@ def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
     app.command()(deploy)
     app.command()(run)
     app.command()(serve)
+    app.command("nodes")(nodes_list)
     app.command()(history)
 
     @tenant_app.command("freeze")

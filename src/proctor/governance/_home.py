@@ -72,7 +72,9 @@ class Home(Protocol):
         ...
 
     def close_orphaned_runs(
-        self, actor: Actor | None = None, *, other_hosts: bool = False, skip: str | None = None
-    ) -> list[tuple[str, str]]:
-        """Record as interrupted every run left 'running' by an owner that is gone."""
+        self, actor: Actor | None = None, *, other_hosts: bool = False, skip: str | None = None,
+        node: str | None = None,
+    ) -> list[tuple[str, str]]:  # fmt: skip
+        """Record as interrupted every run left 'running' by an owner that is gone
+        (or, with ``node``, every run of that node, found dead by its lease)."""
         ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol, runtime_checkable
 
 from proctor.errors import RunRefused
@@ -123,6 +124,27 @@ class Runs:
                 (tenant, deployment),
             )
         return None if row is None else str(row[0])
+
+    def latest(self, tenant: str, deployment: str) -> RunRecord | None:
+        """The deployment's most recently started run, on any node."""
+        with self._store.read() as conn:
+            row = conn.query_one(
+                f"SELECT {_COLUMNS} FROM runs WHERE tenant = ? AND deployment = ?"  # noqa: S608
+                " ORDER BY started_at DESC, id DESC LIMIT 1",
+                (tenant, deployment),
+            )
+        return None if row is None else _row(row)
+
+    def failed_since(self, tenant: str, deployment: str, since: float) -> int:
+        """How many of the deployment's runs failed after ``since`` (epoch seconds)."""
+        when = datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT COUNT(*) FROM runs WHERE tenant = ? AND deployment = ?"
+                " AND status = 'failed' AND ended_at >= ?",
+                (tenant, deployment, when),
+            )
+        return 0 if row is None else int(row[0])
 
     def get(self, tenant: str, run_id: str) -> RunRecord:
         """The run with this id, or the one run whose id starts with it."""

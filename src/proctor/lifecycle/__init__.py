@@ -6,6 +6,7 @@ from proctor.governance import RunRecord, Runs
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
 from proctor.lifecycle._history import effective_policy, what_ran
 from proctor.lifecycle._jsonlog import REQUEST, JsonFormatter, log_event, log_json, scrub
+from proctor.lifecycle._nodes import Node, NodeInfo, NodeLost, nodes
 from proctor.lifecycle._receipt import run_receipt
 from proctor.lifecycle._serve import Server
 from proctor.lifecycle._supervisor import Interrupt, Supervisor
@@ -16,6 +17,9 @@ __all__ = [
     "REQUEST",
     "Interrupt",
     "JsonFormatter",
+    "Node",
+    "NodeInfo",
+    "NodeLost",
     "RunRecord",
     "RunRefused",
     "Runs",
@@ -26,6 +30,7 @@ __all__ = [
     "effective_policy",
     "log_event",
     "log_json",
+    "nodes",
     "run_brokered",
     "run_receipt",
     "scrub",

@@ -4,9 +4,10 @@ Two supervisors of one home would each keep every service up and fire every
 schedule: twice the runs, each believing it is the only one. The first ``serve``
 holds an exclusive ``flock`` on ``<home>/serve.lock`` for its whole life (the
 kernel drops it when the process dies, SIGKILL included, so a dead server never
-blocks its successor). A PostgreSQL store can be shared by several homes, so
-there the lock is a session advisory lock on the store as well, held on a
-connection of its own; until node membership exists, one ``serve`` per store.
+blocks its successor). Several homes may share one PostgreSQL store: each of
+their ``serve`` processes is a node of it (lifecycle/_nodes.py), and what must
+happen once across them (a service's next run, a schedule's tick) is claimed in
+the store, not locked here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 
@@ -22,7 +22,6 @@ from proctor.errors import AlreadyExists
 from proctor.store import Store
 
 LOCK_FILE = "serve.lock"
-_STORE_LOCK = "proctor:serve:supervisor"
 
 
 class ServeLock:
@@ -33,7 +32,6 @@ class ServeLock:
         self.store = store
         self.owner = owner
         self._fd: int | None = None
-        self._held: AbstractContextManager[None] | None = None
 
     def acquire(self) -> ServeLock:
         path = self.home / LOCK_FILE
@@ -50,31 +48,9 @@ class ServeLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{self.owner}\n".encode(), 0)
         self._fd = fd
-        try:
-            self._lock_store()
-        except BaseException:
-            self.release()
-            raise
         return self
 
-    def _lock_store(self) -> None:
-        if not self.store.capabilities.advisory_lock:
-            return  # a store without session locks belongs to one home: the file lock is enough
-        held = self.store.try_lock(_STORE_LOCK)
-        if held is None:
-            raise AlreadyExists(
-                f"a proctor serve supervises the store of {self.home} already "
-                "(a PostgreSQL store shared by another home)",
-                hint="one serve per store until node membership exists: stop the other one",
-            )
-        held.__enter__()
-        self._held = held
-
     def release(self) -> None:
-        if self._held is not None:
-            with contextlib.suppress(Exception):
-                self._held.__exit__(None, None, None)
-            self._held = None
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, 0)

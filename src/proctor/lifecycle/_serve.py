@@ -1,13 +1,19 @@
 """``proctor serve``: keep services up, fire schedules, stop what loses its footing.
 
-One ``serve`` per home (and per PostgreSQL store): a second is refused when it
-is built (see _lock.py).
+One ``serve`` per home: a second is refused when it is built (see _lock.py).
+Each ``serve`` is a node of its store (see _nodes.py): several homes sharing a
+PostgreSQL store are several nodes, and a service's next run or a schedule's
+tick is started by the one node whose claim of it wins. A node that finds
+another's lease lapsed records that node's runs as interrupted, and its
+services start again wherever the next claim wins. A node that loses its own
+lease stops every run it has and ``serve`` ends (``Server.lost`` says why).
 
 One loop, once a second, reads the store (so a `proctor deploy`, `freeze` or
 `approval revoke` made by another process takes effect here): a service whose
 run ended is restarted with exponential backoff, and stopped for good after too
-many failures in a window (a crash loop, recorded); a schedule fires when its
-interval has passed since its last start; a frozen tenant's runs are stopped.
+many failures in a window (a crash loop, recorded); a schedule fires once in each
+interval of its period (by the wall clock, so every node counts the same ones);
+a frozen tenant's runs are stopped.
 When told to stop (SIGTERM, SIGINT), it stops every run it supervises, the
 API's included, and records each ``run.end`` (interrupted: supervisor
 stopping) before it returns.
@@ -24,8 +30,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
@@ -33,7 +39,17 @@ from proctor.governance import Deployment, Home, Retention, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
-from proctor.lifecycle._supervisor import AlreadyRunning, Supervisor
+from proctor.lifecycle._nodes import (
+    LEASE_SECONDS,
+    Node,
+    NodeLost,
+    claim,
+    declare_dead,
+    lapsed,
+    prune_claims,
+    running_per_node,
+)
+from proctor.lifecycle._supervisor import SUPERVISOR_STOPPING, AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 from proctor.witness import Submitter, TenantWitnesses, submit_interval
 
@@ -41,6 +57,12 @@ log = logging.getLogger("proctor.lifecycle")
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 60.0)
 SWEEP_SECONDS = 5.0
 PRUNE_SECONDS = 6 * 3600.0
+#: The reason a node's runs end with when it loses its lease.
+NODE_LOST = "node lost its lease"
+#: How long a slot waits for a less loaded node before any node takes it.
+_UNCLAIMED = 3.0
+#: How long a claimed slot may go without its run before it can be claimed again.
+_RECLAIM = 30.0
 
 
 @dataclass
@@ -50,13 +72,11 @@ class _Slot:
     version: int = 0
     thread: threading.Thread | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    failures: deque[float] = field(default_factory=deque)
-    next_start: float = 0.0
     last_start: float | None = None
     last: RunRecord | None = None
     attempt: int = 0
     elsewhere: bool = False  # the last start found a run of it in progress
-    restart: bool = False  # the next start follows a failure
+    tried: str | None = None  # the last slot this node tried to claim
 
     @property
     def running(self) -> bool:
@@ -73,6 +93,8 @@ class Server:
         crash_window: float = 300.0,
         backoff: tuple[float, ...] = BACKOFF,
         sweep: float = SWEEP_SECONDS,
+        lease: float = LEASE_SECONDS,
+        address: str | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.rt = supervisor.rt
@@ -84,11 +106,22 @@ class Server:
         self.actor = Actor("runtime", f"supervisor:{supervisor.supervisor_id}")
         self._slots: dict[tuple[str, str], _Slot] = {}
         self._stop = threading.Event()
-        # Taken first, before the API or any run: a second serve of this home (or of
-        # this PostgreSQL store) is refused here, not left to double every schedule.
+        # Taken first, before the API or any run: a second serve of this home is
+        # refused here, not left to double every schedule.
         self._lock: ServeLock | None = ServeLock(
             self.rt.home, self.rt.store, supervisor.supervisor_id
         ).acquire()
+        #: Why this node stopped holding its lease, if it did (then serve ends).
+        self.lost: str | None = None
+        self.node = Node(self.rt.store, supervisor.supervisor_id, address=address,
+                         backends=(supervisor.driver.name,), lease=lease)  # fmt: skip
+        try:
+            self.node.register()
+        except BaseException:
+            self.close()
+            raise
+        # Every write this node's ledger commits holds the lease in its transaction.
+        self.rt.ledger.set_fence(self.node.fence)
 
     def close(self) -> None:
         """Let another serve take over (done when :meth:`serve` returns)."""
@@ -119,8 +152,32 @@ class Server:
         if closed:
             log_event(log, "reap", runs=[run for _, run in closed], interrupted=len(closed))
 
+    def sweep_nodes(self) -> None:
+        """Find the nodes whose lease lapsed: the first node to see one marks it dead
+        and records its runs as interrupted (then their services start elsewhere)."""
+        for node in lapsed(self.rt.store):
+            if node == self.node.id or not declare_dead(self.rt.store, node):
+                continue  # ours is the lease thread's to judge; another node won this one
+            gone = self.rt.close_orphaned_runs(self.actor, node=node)
+            log_event(log, "node.dead", logging.WARNING, node=node,
+                      runs=[run for _, run in gone], interrupted=len(gone))  # fmt: skip
+
+    def _lose(self, why: str) -> None:
+        """This node's lease is gone: stop everything, record nothing more."""
+        self.lost = why
+        log_event(log, "node.lost", logging.ERROR, node=self.node.id, reason=why)
+        self._stop.set()
+        # Its runs are stopped now, not at the loop's next turn: each call they make
+        # is refused already (the fence), and another node is about to take over.
+        threading.Thread(target=self.supervisor.shutdown, args=(NODE_LOST,),
+                         daemon=True).start()  # fmt: skip
+
     def serve(self) -> None:
-        self.reap()
+        self.node.keep(self._lose)
+        log_event(log, "node.join", node=self.node.id, epoch=self.node.epoch,
+                  lease_seconds=self.node.lease)  # fmt: skip
+        with contextlib.suppress(NodeLost):
+            self.reap()
         next_sweep = time.monotonic() + self.sweep_seconds
         # Checkpoints go to each tenant's witnesses from a thread of their own: a
         # witness that is slow or down never holds up a tick or a call.
@@ -133,8 +190,10 @@ class Server:
                     next_prune = time.monotonic() + PRUNE_SECONDS
                     with contextlib.suppress(ProctorError):  # a busy store: next pass
                         prune_all(self.rt, self.actor)
+                        prune_claims(self.rt.store, _day_before())
                 # A failed tick (a busy store, say) is tried again at the next one.
                 with contextlib.suppress(ProctorError):
+                    self.sweep_nodes()
                     self.tick()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_seconds
@@ -146,7 +205,7 @@ class Server:
             # stopped and its end recorded before we exit: a run left 'running'
             # with its sandbox alive would wait for the next serve to be closed.
             submitter.stop()
-            unfinished = self.supervisor.shutdown()
+            unfinished = self.supervisor.shutdown(NODE_LOST if self.lost else SUPERVISOR_STOPPING)
             if unfinished:
                 log.error("proctor serve: runs %s did not end in time", ", ".join(unfinished))
             for slot in self._slots.values():
@@ -154,6 +213,7 @@ class Server:
             for slot in self._slots.values():
                 if slot.thread is not None:
                     slot.thread.join(timeout=30)
+            self.node.leave()
             self.close()
 
     def tick(self) -> None:
@@ -201,44 +261,80 @@ class Server:
         slot.thread = threading.Thread(target=body, name=f"run-{slot.name}", daemon=True)
         slot.thread.start()
 
+    def _claim(self, slot: _Slot, name: str, since: float) -> bool:
+        """Whether this node starts what ``name`` stands for (tried once per slot).
+        A node leaves a slot to a live node running fewer runs than it, so work
+        spreads, unless the slot has waited ``_UNCLAIMED`` seconds (since ``since``,
+        epoch seconds) and that node is not taking it."""
+        if slot.tried == name:
+            return False
+        if time.time() - since < _UNCLAIMED and not self._least_loaded():
+            return False
+        slot.tried = name
+        return claim(self.rt.store, slot.tenant, slot.name, name, self.node.id)
+
+    def _least_loaded(self) -> bool:
+        load = running_per_node(self.rt.store)
+        mine = load.get(self.node.id, 0)
+        return all(count >= mine for count in load.values())
+
     def _service(self, slot: _Slot, dep: Deployment, now: float) -> None:
-        if slot.thread is not None:  # it ran before and has ended
-            slot.thread = None
-            ok = slot.last is not None and slot.last.status in ("succeeded", "stopped")
-            ok = ok or slot.elsewhere
-            slot.elsewhere = False
-            if not ok:
-                slot.failures.append(now)
-                while slot.failures and now - slot.failures[0] > self.crash_window:
-                    slot.failures.popleft()
-                if len(slot.failures) >= self.crash_limit:
-                    self.rt.deployments.set_status(
-                        slot.tenant, slot.name, "stopped", self.actor,
-                        f"crash loop: {len(slot.failures)} failures in "
-                        f"{self.crash_window:.0f} s",
-                    )  # fmt: skip
-                    log_event(log, "service.stopped", logging.WARNING, tenant=slot.tenant,
-                              deployment=slot.name, failures=len(slot.failures),
-                              reason="crash loop")  # fmt: skip
-                    return
-                delay = self.backoff[min(len(slot.failures) - 1, len(self.backoff) - 1)]
-                slot.next_start = now + delay
-                slot.restart = True
-        if now >= slot.next_start:
-            if slot.restart:
-                slot.restart = False
-                log_event(log, "service.restart", tenant=slot.tenant, deployment=slot.name,
-                          attempt=slot.attempt + 1, failures=len(slot.failures),
-                          last_run=slot.last.id if slot.last else None)  # fmt: skip
-            self._launch(slot, dep)
+        # Read from the store, not from this node's memory: whichever node starts the
+        # next run, the backoff and the crash loop count every node's runs.
+        slot.thread = None
+        last = self.supervisor.runs.latest(slot.tenant, slot.name)
+        if last is not None and last.status == "running":
+            return  # started since the tick looked: its end is the next slot
+        failures = 0
+        if last is not None and last.status == "failed":
+            failures = self.supervisor.runs.failed_since(
+                slot.tenant, slot.name, time.time() - self.crash_window
+            )
+            delay = self.backoff[min(max(failures, 1) - 1, len(self.backoff) - 1)]
+            if _seconds_since(last.ended_at) < delay:
+                return
+        free_since = time.time() - _seconds_since(last.ended_at if last else None)
+        # A claim whose node never started the run (it died just after, or its start
+        # was refused) would hold the slot for ever: each _RECLAIM seconds the slot
+        # is a new one. Two runs never follow: the store allows one running at a time.
+        waited = time.time() - free_since if last is not None else time.time()
+        generation = int(max(waited, 0) // _RECLAIM)
+        name = f"after:{last.id if last else '-'}:{generation}"
+        if not self._claim(slot, name, free_since):
+            return
+        if failures >= self.crash_limit:
+            self.rt.deployments.set_status(
+                slot.tenant, slot.name, "stopped", self.actor,
+                f"crash loop: {failures} failures in {self.crash_window:.0f} s",
+            )  # fmt: skip
+            log_event(log, "service.stopped", logging.WARNING, tenant=slot.tenant,
+                      deployment=slot.name, failures=failures, reason="crash loop")  # fmt: skip
+            return
+        if last is not None:
+            log_event(log, "service.restart", tenant=slot.tenant, deployment=slot.name,
+                      attempt=slot.attempt + 1, failures=failures, last_run=last.id,
+                      last_status=last.status)  # fmt: skip
+        self._launch(slot, dep)
 
     def _schedule(self, slot: _Slot, dep: Deployment, now: float) -> None:
-        every = dep.every_seconds or 0.0
+        every = max(dep.every_seconds or 1.0, 0.001)
         slot.thread = None
-        if slot.last_start is None or now - slot.last_start >= every:
+        tick = int(time.time() // every)
+        if self._claim(slot, f"tick:{every:g}:{tick}", tick * every):
             log_event(log, "schedule.fire", tenant=slot.tenant, deployment=slot.name,
-                      every_seconds=every, version=dep.version)  # fmt: skip
+                      every_seconds=every, version=dep.version, tick=tick)  # fmt: skip
             self._launch(slot, dep)
+
+
+def _seconds_since(iso: str | None) -> float:
+    if not iso:
+        return 1e9
+    when = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return time.time() - when.timestamp()
+
+
+def _day_before() -> str:
+    return (datetime.now(UTC) - timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def prune_all(rt: Home, actor: Actor) -> None:

@@ -17,6 +17,20 @@ class Engine(StrEnum):
     SQLITE = "sqlite"
     POSTGRESQL = "postgresql"
 
+    @property
+    def clock(self) -> str:
+        """An SQL expression for the database server's clock, in seconds since the
+        epoch: nodes judge one another's leases by one clock, never their own."""
+        if self is Engine.POSTGRESQL:
+            return "EXTRACT(EPOCH FROM clock_timestamp())::float8"
+        return "((julianday('now') - 2440587.5) * 86400.0)"
+
+    @property
+    def lock_shared(self) -> str:
+        """What ends a SELECT to hold its rows against a concurrent UPDATE until the
+        transaction ends (SQLite's one writer holds everything already)."""
+        return " FOR SHARE" if self is Engine.POSTGRESQL else ""
+
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:

@@ -357,4 +357,34 @@ SQLITE_MIGRATIONS: list[list[str]] = [
         "DROP INDEX ledger_entries_ref",
         "CREATE INDEX ledger_entries_ref ON ledger_entries (ref, log) WHERE ref IS NOT NULL",
     ],
+    # 14: runtime nodes that share one store (issue 19). A node is one ``serve``
+    # process; it holds a lease it renews, and a node whose lease has lapsed is dead
+    # for every other. ``epoch`` is the fencing token: a node writes only while its
+    # row is live with the epoch it registered at (lifecycle/_nodes.py), and the node
+    # that finds it dead raises the epoch in the same statement that marks it.
+    # ``lifecycle_claims``: who starts a service's next run or fires a schedule's
+    # tick; the first insert wins, so each happens once across every node.
+    [
+        """CREATE TABLE nodes (
+            id TEXT PRIMARY KEY,
+            host TEXT NOT NULL,
+            address TEXT,
+            backends TEXT NOT NULL,
+            capacity INTEGER NOT NULL,
+            epoch INTEGER NOT NULL,
+            state TEXT NOT NULL,
+            started_at TEXT NOT NULL,
+            lease_expires REAL NOT NULL
+        )""",
+        "CREATE INDEX nodes_state ON nodes (state, lease_expires)",
+        """CREATE TABLE lifecycle_claims (
+            tenant TEXT NOT NULL,
+            deployment TEXT NOT NULL,
+            slot TEXT NOT NULL,
+            node TEXT NOT NULL,
+            claimed_at TEXT NOT NULL,
+            PRIMARY KEY (tenant, deployment, slot)
+        )""",
+        "CREATE INDEX lifecycle_claims_at ON lifecycle_claims (claimed_at)",
+    ],
 ]

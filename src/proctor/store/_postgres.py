@@ -40,6 +40,14 @@ from proctor.store._pgtext import redact, to_pg_sql
 
 # Wait this long for another node's lock before giving up: SQLite's busy timeout.
 _LOCK_TIMEOUT = "30s"
+_IDLE_IN_TX = "15s"
+_TCP_USER_TIMEOUT_MS = 10_000
+#: What libpq gives up after when the server stops answering (a cut network): a
+#: connection or a read fails in about ten seconds instead of TCP's fifteen minutes.
+_CUT_OFF: dict[str, Any] = {
+    "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+    "keepalives_count": 3, "tcp_user_timeout": _TCP_USER_TIMEOUT_MS,
+}  # fmt: skip
 _DATABASE_LOCK = "proctor:database"
 _MIGRATION_LOCK = "proctor:migrations"
 
@@ -75,13 +83,15 @@ def _conflicts() -> Iterator[None]:
 
 
 class _PGConn:
-    __slots__ = ("_begin", "_cursors", "_db")
+    __slots__ = ("_begin", "_cursors", "_db", "last")
 
     def __init__(self, db: psycopg.Connection[Any], begin: str | None = None) -> None:
         self._db = db
         self._cursors: list[ServerCursor[Any]] = []
         # A read's BEGIN is sent in one round trip with its first statement.
         self._begin = begin
+        # A write's last statement, sent with its COMMIT (see commit_with).
+        self.last: tuple[str, tuple[Any, ...]] | None = None
 
     @property
     def started(self) -> bool:
@@ -105,6 +115,16 @@ class _PGConn:
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._run(sql, params).rowcount
+
+    def commit_with(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run ``sql`` as the write's last statement, sent in one round trip with
+        its COMMIT (PostgreSQL only; a caller finds it with ``getattr``): under a
+        lock another node waits for, one round trip less. Its result is not read;
+        if it fails, the write fails as a failed COMMIT does, and nothing is
+        committed. Nothing may run on this transaction after it."""
+        if self.last is not None:
+            raise StoreError("a write has one last statement")
+        self.last = (to_pg_sql(sql), _adapt(params))
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         batch = [_adapt(r) for r in rows]
@@ -217,9 +237,14 @@ class PostgresStore:
 
     def _connect(self) -> psycopg.Connection[Any]:
         try:
-            db = psycopg.connect(self._dsn, autocommit=True, application_name="proctor")
+            db = psycopg.connect(self._dsn, autocommit=True, application_name="proctor",
+                                 **_CUT_OFF)  # fmt: skip
             db.execute("SET synchronous_commit = on")
             db.execute(f"SET lock_timeout = '{_LOCK_TIMEOUT}'")
+            # A node cut off in the middle of a transaction must not hold its locks
+            # (a tenant log's, for every node) until TCP gives up, hours later.
+            db.execute(f"SET idle_in_transaction_session_timeout = '{_IDLE_IN_TX}'")
+            db.execute(f"SET tcp_user_timeout = {_TCP_USER_TIMEOUT_MS}")
             db.execute("SET TIME ZONE 'UTC'")
         except psycopg.Error as exc:
             raise StoreError(
@@ -334,12 +359,39 @@ class PostgresStore:
             return
         if not conn.started:
             return  # a read that ran no statement never began
+        if commit and conn.last is not None:
+            self._commit_with(db, conn.last, what)
+            return
         try:
             db.execute("COMMIT" if commit else "ROLLBACK")
         except psycopg.Error as exc:
             self._forget(db)
             if commit:
                 raise StoreError(f"cannot {what} the store {self.url}: {_first_line(exc)}") from exc
+
+    def _commit_with(
+        self, db: psycopg.Connection[Any], last: tuple[str, tuple[Any, ...]], what: str
+    ) -> None:
+        """The last statement and COMMIT in one pipeline. If the statement fails,
+        the server skips the COMMIT (a pipeline stops at its first error) and the
+        transaction is rolled back here."""
+        try:
+            with db.pipeline():
+                db.execute(*last)
+                db.execute("COMMIT")
+        except psycopg.Error as exc:
+            if db.closed or db.broken:
+                self._forget(db)
+            else:
+                try:
+                    db.execute("ROLLBACK")  # a warning only if the COMMIT had ended it
+                except psycopg.Error:
+                    self._forget(db)
+            if isinstance(exc, _CONFLICTS):
+                raise Conflict(
+                    f"the store refused a conflicting write: {_first_line(exc)}"
+                ) from exc
+            raise StoreError(f"cannot {what} the store {self.url}: {_first_line(exc)}") from exc
 
     # -- schema -------------------------------------------------------------------
 

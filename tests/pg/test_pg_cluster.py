@@ -1,0 +1,182 @@
+"""Issue 19: three ``proctor serve`` nodes on one PostgreSQL store.
+
+Three homes (copies of one: the same keys and code) each run a real ``serve``
+against one PostgreSQL server, with a service and a schedule deployed. Each
+node is a row in ``nodes`` with a lease of two seconds. Checked from the store,
+the ledger and the nodes' own logs: the schedule fires once per tick across the
+nodes, whichever fires it; the service runs on exactly one node; runs spread
+over the nodes; SIGKILL the service's node, and the service comes back on
+another within the lease and a restart, its interrupted run is recorded once,
+and every log verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proctor.lifecycle import nodes
+from tests.conftest import PROCTOR, wait_until
+from tests.e2e.conftest_gov import Gov, build_gov
+from tests.sandbox_conftest_helpers import any_backend
+
+pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
+
+LEASE = 2.0
+EVERY = 2.0
+SLEEPER = """
+import time
+print("serving", flush=True)
+time.sleep(600)
+"""
+TICK = 'print("tick", flush=True)\n'
+
+
+class Cluster:
+    def __init__(self, gov: Gov, homes: list[Path], backend: str, logs: Path) -> None:
+        self.gov = gov
+        self.homes = homes
+        self.backend = backend
+        self.logs = logs
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, i: int) -> None:
+        env = dict(os.environ, PROCTOR_HOME=str(self.homes[i]))
+        err = (self.logs / f"node{i}.log").open("ab")
+        self.procs[i] = subprocess.Popen(
+            [PROCTOR, "serve", "--backend", self.backend, "--no-api",
+             "--node-lease", str(LEASE)],
+            env=env, stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+
+    def node_of(self, i: int) -> str:
+        pid = self.procs[i].pid
+        return next(n.id for n in nodes(self.gov.rt.store) if n.id.split(":")[1] == str(pid))
+
+    def lines(self, event: str) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.logs.glob("node*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith("{") and f'"{event}"' in line:
+                    doc = json.loads(line)
+                    if doc.get("event") == event:
+                        out.append(doc)
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def _runs(gov: Gov, name: str) -> list[Any]:
+    with gov.rt.store.read() as conn:
+        return conn.query(
+            "SELECT id, status, supervisor, reason FROM runs WHERE tenant = 'acme'"
+            " AND deployment = ? ORDER BY started_at",
+            (name,),
+        )
+
+
+def _events(gov: Gov) -> list[dict[str, Any]]:
+    return [json.loads(e) for e in gov.rt.ledger.entries("acme")]
+
+
+@pytest.fixture
+def cluster(pg_dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    backend = any_backend()[0]
+    monkeypatch.setenv("PROCTOR_STORE", pg_dsn)
+    gov = build_gov(tmp_path / "a")
+    for name, main, mode in (("svc", SLEEPER, "service"), ("tick", TICK, "schedule")):
+        every = f'every = "{EVERY:g}s"\n' if mode == "schedule" else ""
+        art = gov.artifact_dir(name, main, f'[lifecycle]\nmode = "{mode}"\n{every}')
+        digest = gov.submit("acme", art)
+        gov.rt.deployments.deploy(
+            "acme", gov.rt.artifacts.get("acme", digest), name, environment="sandbox",
+            mode=mode, every_seconds=EVERY if mode == "schedule" else None,
+            instruction="cluster test", actor=gov.op,
+        )  # fmt: skip
+    # Each node is a home of its own: the same keys, configuration and code.
+    homes = [gov.home]
+    for letter in ("b", "c"):
+        other = tmp_path / letter / "home"
+        shutil.copytree(gov.home, other, ignore=shutil.ignore_patterns("serve.lock", "runs"))
+        homes.append(other)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    c = Cluster(gov, homes, backend, logs)
+    try:
+        yield c
+    finally:
+        c.stop()
+        gov.rt.close()
+
+
+def test_three_nodes_share_the_work_and_take_over_a_killed_nodes_service(
+    cluster: Cluster,
+) -> None:
+    gov = cluster.gov
+    for i in range(3):
+        cluster.start(i)
+    wait_until(lambda: len([n for n in nodes(gov.rt.store) if n.state == "live"]) == 3,
+          "three live nodes")  # fmt: skip
+    # The service runs, on exactly one node; the schedule fires tick after tick.
+    wait_until(lambda: any(r[1] == "running" for r in _runs(gov, "svc")), "the service")
+    wait_until(lambda: len(_runs(gov, "tick")) >= 5, "five ticks", timeout=90)
+    fired = cluster.lines("schedule.fire")
+    ticks = Counter(doc["tick"] for doc in fired)
+    assert ticks and max(ticks.values()) == 1, f"a tick fired twice: {ticks}"
+    assert len([r for r in _runs(gov, "svc") if r[1] == "running"]) == 1
+    # Work spreads: the ticks go to the nodes that are not running the service.
+    tick_nodes = {r[2] for r in _runs(gov, "tick")}
+    svc_run = next(r for r in _runs(gov, "svc") if r[1] == "running")
+    assert len(tick_nodes | {svc_run[2]}) >= 2, (tick_nodes, svc_run)
+
+    # SIGKILL the service's node: another takes the service over.
+    victim = next(i for i in cluster.procs if cluster.node_of(i) == svc_run[2])
+    killed_at = time.monotonic()
+    cluster.procs[victim].send_signal(signal.SIGKILL)
+    cluster.procs[victim].wait(30)
+
+    def replaced() -> Any:
+        return next((r for r in _runs(gov, "svc") if r[1] == "running" and r[0] != svc_run[0]),
+                    None)  # fmt: skip
+
+    again = wait_until(replaced, "the service on another node", timeout=60)
+    took = time.monotonic() - killed_at
+    assert again[2] != svc_run[2]
+    # Within the lease, a sweep and a sandbox's start (generous: a loaded machine).
+    assert took < LEASE + 30, took
+    old = next(r for r in _runs(gov, "svc") if r[0] == svc_run[0])
+    assert old[1] == "interrupted", old
+    ends = [e for e in _events(gov) if e["action"] == "run.end" and e.get("run") == svc_run[0]]
+    assert len(ends) == 1, ends
+    # The dead node is found dead, once, by its lease or its pid.
+    wait_until(lambda: any(n.id == svc_run[2] and n.state == "dead" for n in nodes(gov.rt.store)),
+          "the killed node marked dead")  # fmt: skip
+    starts = Counter(e["run"] for e in _events(gov) if e["action"] == "run.start"
+                     and e.get("decision") == "allow")  # fmt: skip
+    assert max(starts.values()) == 1
+    cluster.stop()
+    # Every log verifies (verify raises on any fault), and holds every event.
+    assert gov.rt.ledger.verify("acme").size == len(_events(gov))
+    gov.rt.ledger.verify("system")
+    # A clean stop leaves each survivor's row 'left', not 'live'.
+    states = {n.id: n.state for n in nodes(gov.rt.store)}
+    assert sorted(states.values()) == ["dead", "left", "left"], states
