@@ -5,11 +5,13 @@ fails, nothing of the transaction is committed, the error is the store's
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from proctor.errors import LedgerError, StoreError
 from proctor.ledger import Ledger, Signer
 from proctor.store import Conflict, Store, open_store
+from proctor.store._postgres import lock_key
 from tests.conftest import draft
 
 pytestmark = pytest.mark.postgres
@@ -85,4 +87,45 @@ def test_a_ledger_batch_refused_at_its_commit_writes_nothing_and_the_log_goes_on
         assert ledger.verify("acme").size == 3
     finally:
         ledger.close()
+        store.close()
+
+
+def _advisory_held(dsn: str, name: str) -> bool:
+    key = lock_key(name)
+    with psycopg.connect(dsn, autocommit=True) as other:
+        row = other.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND ((classid::bigint << 32) | objid::bigint) = (%s::bigint & x'ffffffffffffffff'::bigint)",
+            (key,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]) > 0
+
+
+def test_a_lazy_write_locks_with_its_first_statement_and_commits_a_lone_last_one(
+    pg_dsn: str,
+) -> None:
+    store = open_store(pg_dsn, create=True)
+    try:
+        with store.write() as conn:
+            conn.execute("CREATE TABLE t (k INTEGER PRIMARY KEY)")
+        lazy = store.write_lazy  # type: ignore[attr-defined]
+        with lazy("t") as conn:
+            assert not _advisory_held(pg_dsn, "t"), "nothing is sent before a statement"
+            conn.execute("INSERT INTO t (k) VALUES (?)", (1,))
+            assert _advisory_held(pg_dsn, "t"), "the lock came with the first statement"
+        assert not _advisory_held(pg_dsn, "t")
+        # No statement: nothing begun, nothing held, nothing to commit.
+        with lazy("t"):
+            pass
+        # Only a last statement: BEGIN, the lock, it and COMMIT in one pipeline.
+        with lazy("t") as conn:
+            conn.commit_with("INSERT INTO t (k) VALUES (?)", (2,))
+        with pytest.raises(Conflict), lazy("t") as conn:
+            conn.commit_with("INSERT INTO t (k) VALUES (?)", (2,))
+        assert _rows(store) == [1, 2]
+        with store.write("t") as conn:
+            conn.execute("INSERT INTO t (k) VALUES (?)", (3,))
+        assert _rows(store) == [1, 2, 3]
+    finally:
         store.close()

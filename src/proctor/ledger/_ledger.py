@@ -40,7 +40,7 @@ from proctor.ledger._note import Checkpoint, Signer, Verifier, open_checkpoint
 from proctor.ledger._objects import LedgerObject, store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
-from proctor.store import Conn, Engine, Store
+from proctor.store import Conn, Engine, Row, Store
 
 SYSTEM_LOG = "system"
 _TILE_BYTES = TILE_WIDTH * 32
@@ -61,15 +61,15 @@ Followup = tuple[str, Callable[[bytes], EventDraft]]
 # is the item's own.
 _Staged = tuple[str, int, str, bytes, str | None, bool]
 _INSERT_ENTRY = "INSERT INTO ledger_entries (log, seq, time, data, ref) VALUES (?, ?, ?, ?, ?)"
-# PostgreSQL: a log's head, and, when its size is not the one given (another node
-# appended), the tile at the right edge of each level that holds any of it.
-_EDGE = (
-    "SELECT l.size, l.origin, l.last_time, t.level, t.idx, t.hashes FROM ledger_logs l"
+# PostgreSQL: logs' heads, and, for a log whose size is not the one given (another
+# node appended), the tile at the right edge of each level that holds any of it.
+_EDGES = (
+    "SELECT l.log, l.size, l.origin, l.last_time, t.level, t.idx, t.hashes"
+    " FROM unnest(?::text[], ?::bigint[]) AS k(log, known) JOIN ledger_logs l ON l.log = k.log"
     " LEFT JOIN LATERAL (SELECT t.level, t.idx, t.hashes FROM generate_series(0, 7) AS g(lv)"
     " JOIN ledger_tiles t ON t.log = l.log AND t.level = g.lv"
     " AND t.idx = (l.size >> (8 * g.lv)) >> 8"
-    " WHERE l.size <> ? AND ((l.size >> (8 * g.lv)) & 255) <> 0) t ON true"
-    " WHERE l.log = ?"
+    " WHERE l.size <> k.known AND ((l.size >> (8 * g.lv)) & 255) <> 0) t ON true"
 )
 # PostgreSQL: a batch's events, tiles, heads and checkpoints, one statement over
 # arrays (one round trip). Data-modifying CTEs all run, on distinct tables. The
@@ -360,8 +360,12 @@ class Ledger:
         self._closed = False
         self._fence: Fence | None = None
         # PostgreSQL: the right edge comes with the head, and a batch's rows go in
-        # one statement (see _EDGE and _WRITE_BATCH); SQLite keeps the plain path.
+        # one statement (see _EDGES and _WRITE_BATCH); SQLite keeps the plain path.
         self._pg = store.engine is Engine.POSTGRESQL
+        # PostgreSQL: BEGIN and the locks go with the batch's first statement, which
+        # reads the heads of its logs (_edges): one round trip to lock and read.
+        self._write = getattr(store, "write_lazy", store.write)
+        self._edges: dict[str, list[Row]] = {}
         # An item the writer took from the queue after taking a batch's locks that
         # those locks do not cover: the next batch starts with it, keeping the order.
         self._carry: _Pending | None = None
@@ -637,7 +641,10 @@ class Ledger:
         own: list[tuple[_Pending, _LogState, int, bytes, bytes]] = []
         objects: list[tuple[str, int, tuple[LedgerObject, ...]]] = []
         touched: dict[str, _LogState] = {}
-        with self._store.write(*(f"ledger:{log}" for log in logs)) as conn:
+        self._edges = {}
+        with self._write(*(f"ledger:{log}" for log in logs)) as conn:
+            if self._pg:
+                self._read_edges(conn, logs)
             self._drain(batch, set(logs), barriers)
             now = self._clock()
             for item in batch:
@@ -881,19 +888,35 @@ class Ledger:
             return cached
         return _LogState.load(conn, log, self._cache)
 
+    def _read_edges(self, conn: Conn, logs: Sequence[str]) -> None:
+        """The heads of ``logs`` (and the right edges of those another node appended
+        to) for :meth:`_edge`, in one query: the batch's first, sent with its BEGIN
+        and locks, so it answers as soon as the locks are granted."""
+        known = []
+        for log in logs:
+            cached = self._states.get(log)
+            known.append(-1 if cached is None else cached.tree.size)
+        edges: dict[str, list[Row]] = {log: [] for log in logs}
+        for row in conn.query(_EDGES, (list(logs), known)):
+            edges[str(row[0])].append(row)
+        self._edges = edges
+
     def _edge(self, conn: Conn, log: str, cached: _LogState | None) -> _LogState | None:
         """:meth:`_reload` on PostgreSQL: the head, and the right edge's tiles only
-        when another node appended, in one round trip either way."""
-        known = -1 if cached is None else cached.tree.size
-        edge = conn.query(_EDGE, (known, log))
+        when another node appended, read with the batch's first statement."""
+        edge = self._edges.pop(log, None)
+        if edge is None:
+            # Not read ahead (a test calls this alone).
+            known = -1 if cached is None else cached.tree.size
+            edge = conn.query(_EDGES, ([log], [known]))
         if not edge:
             return None
-        size = int(edge[0][0])
+        size = int(edge[0][1])
         if cached is not None and cached.tree.size == size:
             return cached
-        tiles = {(int(r[3]), int(r[4])): bytes(r[5]) for r in edge if r[3] is not None}
+        tiles = {(int(r[4]), int(r[5])): bytes(r[6]) for r in edge if r[4] is not None}
         nodes = TileNodes(conn, log, self._cache, tiles)
-        return _LogState.from_edge(nodes, str(edge[0][1]), size, str(edge[0][2]))
+        return _LogState.from_edge(nodes, str(edge[0][2]), size, str(edge[0][3]))
 
     # -- reading ------------------------------------------------------------
 

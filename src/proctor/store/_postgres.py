@@ -52,6 +52,9 @@ _DATABASE_LOCK = "proctor:database"
 _MIGRATION_LOCK = "proctor:migrations"
 
 
+_Statements = tuple[tuple[str, tuple[Any, ...]], ...]
+
+
 def lock_key(name: str) -> int:
     """A lock name's stable signed 64-bit advisory lock key (the same on every node)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
@@ -85,10 +88,11 @@ def _conflicts() -> Iterator[None]:
 class _PGConn:
     __slots__ = ("_begin", "_cursors", "_db", "last")
 
-    def __init__(self, db: psycopg.Connection[Any], begin: str | None = None) -> None:
+    def __init__(self, db: psycopg.Connection[Any], begin: _Statements | None = None) -> None:
         self._db = db
         self._cursors: list[ServerCursor[Any]] = []
-        # A read's BEGIN is sent in one round trip with its first statement.
+        # A read's BEGIN (a lazy write's BEGIN and locks) is sent in one round trip
+        # with its first statement.
         self._begin = begin
         # A write's last statement, sent with its COMMIT (see commit_with).
         self.last: tuple[str, tuple[Any, ...]] | None = None
@@ -104,14 +108,22 @@ class _PGConn:
                 return self._db.execute(query, args)
             begin, self._begin = self._begin, None
             with self._db.pipeline():
-                self._db.execute(begin)
+                for statement in begin:
+                    self._db.execute(*statement)
                 cur = self._db.execute(query, args)
         return cur
 
     def _start(self) -> None:
         if self._begin is not None:
             begin, self._begin = self._begin, None
-            self._db.execute(begin)
+            with self._db.pipeline():
+                for statement in begin:
+                    self._db.execute(*statement)
+
+    def take_begin(self) -> _Statements:
+        """What is still to be sent before this transaction's first statement."""
+        begin, self._begin = self._begin or (), None
+        return begin
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         return self._run(sql, params).rowcount
@@ -302,7 +314,7 @@ class PostgresStore:
             yield nested
             return
         db = self._local.reader = self._usable(self._local.reader)
-        conn = _PGConn(db, begin="BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        conn = _PGConn(db, begin=(("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY", ()),))
         self._local.reading = conn
         ok = False
         try:
@@ -314,27 +326,42 @@ class PostgresStore:
             self._local.reading = None
             self._finish(db, conn, commit=ok, what="read")
 
+    def write(self, *locks: str) -> AbstractContextManager[_PGConn]:
+        return self._write(locks, lazy=False)
+
+    def write_lazy(self, *locks: str) -> AbstractContextManager[_PGConn]:
+        """:meth:`write` whose BEGIN and locks go in one round trip with its first
+        statement, whose answer therefore comes as soon as the locks are granted
+        (the ledger's batch: its log's head). Nothing is locked before that
+        statement, so only for a body that does nothing but statements; a caller
+        finds it with ``getattr`` (PostgreSQL only)."""
+        return self._write(locks, lazy=True)
+
     @contextmanager
-    def write(self, *locks: str) -> Iterator[_PGConn]:
+    def _write(self, locks: tuple[str, ...], *, lazy: bool) -> Iterator[_PGConn]:
         self._check_open()
         db = self._local.writer = self._usable(self._local.writer)
-        conn = _PGConn(db)
         keys = sorted({lock_key(name) for name in locks})
-        try:
-            # One round trip: BEGIN and every lock, in order.
-            with db.pipeline():
-                db.execute("BEGIN")
-                if keys:
-                    db.execute(
-                        "SELECT pg_advisory_xact_lock_shared(%s)", (lock_key(_DATABASE_LOCK),)
-                    )
-                    for key in keys:
-                        db.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-                else:
-                    db.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(_DATABASE_LOCK),))
-        except psycopg.Error as exc:
-            self._finish(db, conn, commit=False, what="write")
-            raise StoreError(f"cannot write the store {self.url}: {_first_line(exc)}") from exc
+        # BEGIN and every lock, in order, in one round trip.
+        begin: _Statements = (
+            ("BEGIN", ()),
+            *(
+                [("SELECT pg_advisory_xact_lock_shared(%s)", (lock_key(_DATABASE_LOCK),))]
+                + [("SELECT pg_advisory_xact_lock(%s)", (key,)) for key in keys]
+                if keys
+                else [("SELECT pg_advisory_xact_lock(%s)", (lock_key(_DATABASE_LOCK),))]
+            ),
+        )
+        conn = _PGConn(db, begin)
+        if not lazy:
+            try:
+                conn.take_begin()
+                with db.pipeline():
+                    for statement in begin:
+                        db.execute(*statement)
+            except psycopg.Error as exc:
+                self._finish(db, conn, commit=False, what="write")
+                raise StoreError(f"cannot write the store {self.url}: {_first_line(exc)}") from exc
         ok = False
         try:
             yield conn
@@ -357,11 +384,11 @@ class PostgresStore:
             if commit:
                 raise StoreError(f"cannot {what} the store {self.url}: the connection was lost")
             return
-        if not conn.started:
-            return  # a read that ran no statement never began
         if commit and conn.last is not None:
-            self._commit_with(db, conn.last, what)
+            self._commit_with(db, conn, conn.last, what)
             return
+        if not conn.started:
+            return  # a read (a lazy write) that ran no statement never began
         try:
             db.execute("COMMIT" if commit else "ROLLBACK")
         except psycopg.Error as exc:
@@ -370,13 +397,20 @@ class PostgresStore:
                 raise StoreError(f"cannot {what} the store {self.url}: {_first_line(exc)}") from exc
 
     def _commit_with(
-        self, db: psycopg.Connection[Any], last: tuple[str, tuple[Any, ...]], what: str
+        self,
+        db: psycopg.Connection[Any],
+        conn: _PGConn,
+        last: tuple[str, tuple[Any, ...]],
+        what: str,
     ) -> None:
-        """The last statement and COMMIT in one pipeline. If the statement fails,
-        the server skips the COMMIT (a pipeline stops at its first error) and the
-        transaction is rolled back here."""
+        """The last statement and COMMIT in one pipeline (after a lazy write's BEGIN
+        and locks if it ran nothing else). If a statement fails, the server skips
+        the rest (a pipeline stops at its first error) and the transaction is
+        rolled back here."""
         try:
             with db.pipeline():
+                for statement in conn.take_begin():
+                    db.execute(*statement)
                 db.execute(*last)
                 db.execute("COMMIT")
         except psycopg.Error as exc:
