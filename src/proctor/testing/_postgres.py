@@ -63,10 +63,19 @@ class PostgresServer:
     process is what they exercise, not a power cut); benches keep it on.
     """
 
-    def __init__(self, *, durable: bool = True, max_connections: int = 300) -> None:
+    def __init__(
+        self, *, durable: bool = True, max_connections: int = 300, netns: str | None = None,
+        address: str = "127.0.0.1", clients: str = "127.0.0.1/32",
+    ) -> None:  # fmt: skip
+        """``netns``: start the server inside that network namespace, listening on
+        ``address`` for ``clients`` (a CIDR) and on a Unix socket that
+        :meth:`local_dsn` names (reachable from any namespace by its path)."""
         self.durable = durable
         self.max_connections = max_connections
         self.port = 0
+        self.netns = netns
+        self.address = address
+        self.clients = clients
         self._bin = postgres_bin_dir()
         self._root: Path | None = None
         self._running = False
@@ -78,7 +87,12 @@ class PostgresServer:
         return self._root / "data"
 
     def dsn(self, dbname: str = "postgres", user: str = _SUPERUSER) -> str:
-        return f"postgresql://{user}@127.0.0.1:{self.port}/{dbname}"
+        return f"postgresql://{user}@{self.address}:{self.port}/{dbname}"
+
+    def local_dsn(self, dbname: str = "postgres", user: str = _SUPERUSER) -> str:
+        """Through the Unix socket (a server in a network namespace only)."""
+        assert self._root is not None and self.netns is not None
+        return f"postgresql://{user}@/{dbname}?host={self._root / 'sock'}&port={self.port}"
 
     def _cmd(self, name: str, *args: str) -> list[str]:
         assert self._bin is not None
@@ -101,6 +115,11 @@ class PostgresServer:
                 ) from exc
             os.chown(root, pw.pw_uid, pw.pw_gid)
             self._run_as = ["runuser", "-u", "postgres", "--"]
+        if self.netns is not None:
+            (root / "sock").mkdir()
+            if os.geteuid() == 0:
+                shutil.chown(root / "sock", "postgres", "postgres")
+            self._run_as = ["ip", "netns", "exec", self.netns, *self._run_as]
         try:
             self._run(
                 self._cmd(
@@ -108,9 +127,10 @@ class PostgresServer:
                     "-E", "UTF8", "--locale=C", "--no-sync",
                 )
             )  # fmt: skip
+            sockets = f"'{root / 'sock'}'" if self.netns is not None else "''"
             conf = {
-                "listen_addresses": "'127.0.0.1'",
-                "unix_socket_directories": "''",
+                "listen_addresses": f"'{self.address}'",
+                "unix_socket_directories": sockets,
                 "max_connections": str(self.max_connections),
                 "shared_buffers": "'128MB'",
                 "fsync": "on" if self.durable else "off",
@@ -122,9 +142,10 @@ class PostgresServer:
             with (self.data_dir / "postgresql.conf").open("a", encoding="utf-8") as f:
                 for key, value in conf.items():
                     f.write(f"{key} = {value}\n")
+            local = f"local all {_SUPERUSER} trust\n" if self.netns is not None else ""
             (self.data_dir / "pg_hba.conf").write_text(
-                f"host all {_SUPERUSER} 127.0.0.1/32 trust\n"
-                "host all all 127.0.0.1/32 scram-sha-256\n",
+                f"{local}host all {_SUPERUSER} {self.clients} trust\n"
+                f"host all all {self.clients} scram-sha-256\n",
                 encoding="utf-8",
             )
             for _attempt in range(5):
@@ -160,7 +181,8 @@ class PostgresServer:
         import psycopg
 
         copied = f' TEMPLATE "{template}"' if template else ""
-        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+        admin = self.local_dsn() if self.netns is not None else self.dsn()
+        with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"{copied}')
         return self.dsn(name)
 
@@ -169,7 +191,8 @@ class PostgresServer:
             raise ValueError(f"bad database name {name!r}")
         import psycopg
 
-        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+        admin = self.local_dsn() if self.netns is not None else self.dsn()
+        with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def stop(self) -> None:
