@@ -35,7 +35,7 @@ from tests.sandbox_conftest_helpers import any_backend, unavailable
 
 pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
 
-LEASE = 2.0
+LEASE = 3.0
 EVERY = 2.0
 SLEEPER = 'import time\nprint("serving", flush=True)\ntime.sleep(600)\n'
 TICK = 'print("tick", flush=True)\n'

@@ -629,6 +629,12 @@ async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
     # Refusals (frozen tenant, stopped deployment, no quorum) are answered as errors,
     # not as a stream that starts well and ends badly.
     await run_in_threadpool(sup.check_startable, tenant, name, actor)
+    # The supervisor of a serve node carries its run queue: with other nodes live, the
+    # run goes to whichever node has room.
+    queue = getattr(sup, "queue", None)
+    if queue is not None and await run_in_threadpool(queue.wanted):
+        return StreamingResponse(_queued_run(ctx, queue, tenant, name, actor),
+                                 media_type="application/x-ndjson")  # fmt: skip
     # The stream waits on the event loop, not on a worker thread: a client that
     # holds many runs' streams open holds no thread of the API's pool.
     loop = asyncio.get_running_loop()
@@ -668,6 +674,38 @@ async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
             yield line
 
     return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+async def _queued_run(
+    ctx: Any, queue: Any, tenant: str, name: str, actor: Any
+) -> AsyncIterator[bytes]:
+    """A run handed to whichever node takes it (lifecycle/_queue.py), followed here:
+    its output from the home's shared runs/ directory, then its record."""
+    from proctor.lifecycle import Runs
+
+    rid = await run_in_threadpool(queue.submit, tenant, name, actor)
+    offsets = {"stdout": 0, "stderr": 0}
+    while True:
+        request = await run_in_threadpool(queue.get, rid)
+        if request is not None and request.run_id is not None:
+            run_dir = ctx.rt.home / "runs" / request.run_id
+            for stream, offset in offsets.items():
+                chunk = await run_in_threadpool(_read_at, run_dir / f"{stream}.log", offset)
+                while chunk:
+                    offsets[stream] += len(chunk)
+                    doc = {"stream": stream, "data": chunk.decode("utf-8", errors="replace")}
+                    yield json.dumps(doc).encode() + b"\n"
+                    chunk = await run_in_threadpool(
+                        _read_at, run_dir / f"{stream}.log", offsets[stream]
+                    )
+        if request is not None and request.state == "done":
+            if request.error is not None:
+                yield json.dumps(request.error).encode() + b"\n"
+            else:
+                record = await run_in_threadpool(Runs(ctx.rt).get, tenant, request.run_id)
+                yield json.dumps({"run": record.as_json()}).encode() + b"\n"
+            return
+        await asyncio.sleep(0.1)
 
 
 def _run(r: Any) -> RunOut:

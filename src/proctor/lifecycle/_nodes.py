@@ -102,6 +102,7 @@ class Node:
         self.lost: str | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._left = False
 
     # -- the lease ---------------------------------------------------------------
 
@@ -202,8 +203,9 @@ class Node:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
-        if self.lost is not None:
+        if self.lost is not None or self._left:
             return
+        self._left = True
         try:
             with self.store.write(_NODES_LOCK) as conn:
                 conn.execute(

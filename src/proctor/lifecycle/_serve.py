@@ -49,6 +49,7 @@ from proctor.lifecycle._nodes import (
     prune_claims,
     running_per_node,
 )
+from proctor.lifecycle._queue import Request, RunQueue
 from proctor.lifecycle._supervisor import SUPERVISOR_STOPPING, AlreadyRunning, Supervisor
 from proctor.sandbox import SandboxCleanupFailed, reap_orphans
 from proctor.witness import Submitter, TenantWitnesses, submit_interval
@@ -122,15 +123,27 @@ class Server:
             raise
         # Every write this node's ledger commits holds the lease in its transaction.
         self.rt.ledger.set_fence(self.node.fence)
+        #: Runs asked of any node's API, for whichever node has room (_queue.py).
+        self.queue = RunQueue(self.rt.store, self.node.id)
+        supervisor.queue = self.queue
+        self._taken: set[str] = set()
+        # Kept from now, not from serve(): what the caller starts first (the API)
+        # may take longer than a lease.
+        self.node.keep(self._lose)
 
     def close(self) -> None:
-        """Let another serve take over (done when :meth:`serve` returns)."""
+        """Leave the store's nodes and let another serve take over (done when
+        :meth:`serve` returns)."""
+        node: Node | None = getattr(self, "node", None)
+        if node is not None and node.epoch:
+            node.leave()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     def stop(self) -> None:
         self._stop.set()
+        self.queue.kick.set()
 
     def reap(self) -> None:
         """Remove what killed predecessors left: their sandboxes first (they hold
@@ -159,21 +172,57 @@ class Server:
             if node == self.node.id or not declare_dead(self.rt.store, node):
                 continue  # ours is the lease thread's to judge; another node won this one
             gone = self.rt.close_orphaned_runs(self.actor, node=node)
+            requeued, ended = self.queue.release(node)
             log_event(log, "node.dead", logging.WARNING, node=node,
-                      runs=[run for _, run in gone], interrupted=len(gone))  # fmt: skip
+                      runs=[run for _, run in gone], interrupted=len(gone),
+                      requests_requeued=requeued, requests_ended=ended)  # fmt: skip
+
+    def take_requests(self) -> None:
+        """Take queued run requests while this node has room (a node running fewer
+        runs gets the first chance, as with claims)."""
+        while len(self._taken) < self.node.capacity and not self._stop.is_set():
+            waited = self.queue.waiting_since()
+            if waited is None or (waited < _UNCLAIMED and not self._least_loaded()):
+                return
+            request = self.queue.take()
+            if request is None:
+                return
+            self._run_request(request)
+
+    def _run_request(self, request: Request) -> None:
+        self._taken.add(request.id)
+        log_event(log, "request.take", request=request.id, tenant=request.tenant,
+                  deployment=request.deployment, actor=request.actor.id)  # fmt: skip
+
+        def started(run_id: str) -> None:
+            self.queue.started(request.id, run_id)
+
+        def body() -> None:
+            try:
+                record = self.supervisor.start(request.tenant, request.deployment,
+                                               request.actor, on_start=started)  # fmt: skip
+                self.queue.done(request.id, record.id, None)
+            except ProctorError as exc:
+                doc = {"error": {"code": exc.code, "message": exc.message, "hint": exc.hint}}
+                with contextlib.suppress(ProctorError):  # a lost node: the others end it
+                    self.queue.done(request.id, None, doc)
+            finally:
+                self._taken.discard(request.id)
+
+        threading.Thread(target=body, name=f"request-{request.id}", daemon=True).start()
 
     def _lose(self, why: str) -> None:
         """This node's lease is gone: stop everything, record nothing more."""
         self.lost = why
         log_event(log, "node.lost", logging.ERROR, node=self.node.id, reason=why)
         self._stop.set()
+        self.queue.kick.set()
         # Its runs are stopped now, not at the loop's next turn: each call they make
         # is refused already (the fence), and another node is about to take over.
         threading.Thread(target=self.supervisor.shutdown, args=(NODE_LOST,),
                          daemon=True).start()  # fmt: skip
 
     def serve(self) -> None:
-        self.node.keep(self._lose)
         log_event(log, "node.join", node=self.node.id, epoch=self.node.epoch,
                   lease_seconds=self.node.lease)  # fmt: skip
         with contextlib.suppress(NodeLost):
@@ -191,15 +240,19 @@ class Server:
                     with contextlib.suppress(ProctorError):  # a busy store: next pass
                         prune_all(self.rt, self.actor)
                         prune_claims(self.rt.store, _day_before())
+                        self.queue.prune(_day_before())
                 # A failed tick (a busy store, say) is tried again at the next one.
                 with contextlib.suppress(ProctorError):
                     self.sweep_nodes()
+                    self.take_requests()
                     self.tick()
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.sweep_seconds
                     with contextlib.suppress(ProctorError, OSError):
                         self.sweep()
-                self._stop.wait(self.tick_seconds)
+                # A request queued here wakes the loop at once; others wait a tick.
+                self.queue.kick.wait(self.tick_seconds)
+                self.queue.kick.clear()
         finally:
             # Every run of this process, whoever started it (a slot, the API), is
             # stopped and its end recorded before we exit: a run left 'running'
@@ -213,7 +266,6 @@ class Server:
             for slot in self._slots.values():
                 if slot.thread is not None:
                     slot.thread.join(timeout=30)
-            self.node.leave()
             self.close()
 
     def tick(self) -> None:

@@ -50,6 +50,7 @@ from proctor.governance import (
 from proctor.ledger import Action, Actor, EventDraft, clip, make_receipt, utc_now
 from proctor.lifecycle._brokered import run_brokered
 from proctor.lifecycle._jsonlog import log_event
+from proctor.lifecycle._queue import RunQueue
 from proctor.sandbox import (
     Limits,
     SandboxResult,
@@ -143,6 +144,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self._closing: str | None = None
         self._idle = threading.Condition(self._lock)
+        #: The run queue of the serve node this supervisor belongs to (set by serve):
+        #: the API hands it the runs asked of it when other nodes are live.
+        self.queue: RunQueue | None = None
 
     def shutdown(self, reason: str = SUPERVISOR_STOPPING, timeout: float = 60.0) -> list[str]:
         """Refuse new runs, stop every run in progress, and wait for each to be
@@ -228,6 +232,7 @@ class Supervisor:
         cancel: threading.Event | None = None,
         attempt: int = 1,
         env: dict[str, str] | None = None,
+        on_start: Callable[[str], object] | None = None,
     ) -> RunRecord:
         with self._lock:
             if self._closing is not None:
@@ -262,6 +267,8 @@ class Supervisor:
                 "environment": dep.environment, "attempt": attempt, "actor": actor.id,
             }  # fmt: skip
             log_event(_log, Action.RUN_START, **run_log)
+            if on_start is not None:
+                on_start(run_id)  # run.start is durable: whoever waits may follow it
             result, failure, output = self._run_sandbox(
                 scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
             )

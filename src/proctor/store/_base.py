@@ -31,6 +31,12 @@ class Engine(StrEnum):
         transaction ends (SQLite's one writer holds everything already)."""
         return " FOR SHARE" if self is Engine.POSTGRESQL else ""
 
+    @property
+    def lock_skip(self) -> str:
+        """What ends a SELECT to lock the rows it returns and pass over rows another
+        transaction holds (a work queue's take; SQLite's one writer takes alone)."""
+        return " FOR UPDATE SKIP LOCKED" if self is Engine.POSTGRESQL else ""
+
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:

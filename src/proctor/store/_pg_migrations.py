@@ -370,4 +370,23 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX lifecycle_claims_at ON lifecycle_claims (claimed_at)",
     ],
+    # 15: run requests handed out through the store (issue 19): a run asked of one
+    # node's API is queued, and a node with room takes it (FOR UPDATE SKIP LOCKED on
+    # PostgreSQL); the requester follows it by its run id, whichever node runs it.
+    [
+        """CREATE TABLE run_requests (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            deployment TEXT NOT NULL,
+            actor TEXT NOT NULL,
+            state TEXT NOT NULL,
+            node TEXT,
+            run_id TEXT,
+            error TEXT,
+            created_at TEXT NOT NULL,
+            taken_at TEXT,
+            done_at TEXT
+        )""",
+        "CREATE INDEX run_requests_state ON run_requests (state, created_at)",
+    ],
 ]
