@@ -25,6 +25,7 @@ from proctor.api import (
     _routes,
 )
 from proctor.api._auth import Authenticator, OIDCIssuer
+from proctor.api._console_shelf import StoreShelf
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
 from proctor.api._models import HealthOut, KeyOut
@@ -244,7 +245,9 @@ def create_app(
         config = replace(console, providers=[*console.providers, *providers])
         # The console calls the whole app (this one, middleware included), so its
         # requests are the API's own: same id, limits, decisions and log lines.
-        app.mount("/ui", Console(app, config).app(), name="console")
+        # A store that several nodes share keeps the sessions, so any node answers.
+        shelf = StoreShelf(rt) if rt.store.capabilities.advisory_lock else None
+        app.mount("/ui", Console(app, config, shelf).app(), name="console")
     app.add_middleware(_Guard, limits=limits)
 
     return app

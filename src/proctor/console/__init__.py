@@ -10,5 +10,14 @@ the layering test holds). Sign-in is a principal's token or OpenID Connect
 
 from proctor.console._app import CSP, Console, ConsoleConfig
 from proctor.console._oidc import SignInProvider
+from proctor.console._session import PENDING_TTL, MemoryShelf, Shelf
 
-__all__ = ["CSP", "Console", "ConsoleConfig", "SignInProvider"]
+__all__ = [
+    "CSP",
+    "PENDING_TTL",
+    "Console",
+    "ConsoleConfig",
+    "MemoryShelf",
+    "Shelf",
+    "SignInProvider",
+]

@@ -45,6 +45,7 @@ from proctor.console._session import (
     PendingSignIn,
     Session,
     Sessions,
+    Shelf,
     browser_key,
 )
 from proctor.errors import ProctorError
@@ -149,9 +150,14 @@ class Failures:
 
 
 class Console:
-    def __init__(self, api: ASGIApp, config: ConsoleConfig | None = None) -> None:
+    """``shelf``: where sessions are kept (default: this process's memory)."""
+
+    def __init__(
+        self, api: ASGIApp, config: ConsoleConfig | None = None, shelf: Shelf | None = None
+    ) -> None:
         self.config = config or ConsoleConfig()
-        self.sessions = Sessions(self.config.idle_seconds, self.config.lifetime_seconds)
+        self.sessions = Sessions(self.config.idle_seconds, self.config.lifetime_seconds,
+                                 shelf)  # fmt: skip
         self._api = api
         self._providers = {p.issuer: p for p in self.config.providers}
         self._failures = Failures(self.config.failed_sign_ins)
@@ -292,8 +298,14 @@ class Console:
                 return self._error(request, session, exc.status, exc.message)
             view = View(request, session, self._client(request, session), tenant, form,
                         self.render)  # fmt: skip
+            flash = list(session.flash)
             call = functools.partial(self._run, handler, view)
-            return await anyio.to_thread.run_sync(call, limiter=self._limiter)
+            resp = await anyio.to_thread.run_sync(call, limiter=self._limiter)
+            if session.flash != flash:
+                # A message for the next page (or one shown): kept where any node reads it.
+                token = request.cookies.get(COOKIE)
+                await anyio.to_thread.run_sync(self.sessions.save, token, session)
+            return resp
 
         return endpoint
 
@@ -449,7 +461,7 @@ class Console:
         except SignInFailed as exc:
             return self._error(request, None, 502, exc.message)
         self.sessions.begin(PendingSignIn(provider.issuer, state, nonce, verifier,
-                                          browser_key(browser), time.monotonic()))  # fmt: skip
+                                          browser_key(browser), time.time()))  # fmt: skip
         return self._with_login_cookie(request, RedirectResponse(url, status_code=303), browser)
 
     async def _oidc_callback(self, request: Request) -> Response:

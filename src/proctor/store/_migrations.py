@@ -406,4 +406,20 @@ SQLITE_MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE INDEX run_requests_state ON run_requests (state, created_at)",
     ],
+    # 16: the web console's sessions and OIDC sign-ins under way, kept in the store so
+    # that any node answers a person's next page (api/_console_shelf.py). Keyed by
+    # hashes; each row sealed with a key derived from the home's runtime key.
+    [
+        """CREATE TABLE console_sessions (
+            key TEXT PRIMARY KEY,
+            doc BLOB NOT NULL,
+            seen_at REAL NOT NULL,
+            expires_at REAL NOT NULL
+        )""",
+        """CREATE TABLE console_signins (
+            key TEXT PRIMARY KEY,
+            doc BLOB NOT NULL,
+            created REAL NOT NULL
+        )""",
+    ],
 ]
