@@ -27,7 +27,7 @@ from proctor.errors import (
 )
 from proctor.ledger._actions import INDEXED_ACTIONS, event_ref
 from proctor.ledger._canonical import canonical_event, canonical_json
-from proctor.ledger._event import EventDraft, bounded_event, utc_now
+from proctor.ledger._event import EVENT_VERSION, EventDraft, bounded_event, utc_now
 from proctor.ledger._merkle import (
     EMPTY_ROOT,
     CompactRange,
@@ -184,7 +184,8 @@ class _Done:
 
 class _Pending:
     __slots__ = (
-        "create", "done", "draft", "error", "future", "hook", "lazy", "log", "result", "then",
+        "create", "done", "draft", "error", "future", "head", "hook", "lazy", "log", "result",
+        "then",
     )  # fmt: skip
 
     def __init__(
@@ -208,6 +209,34 @@ class _Pending:
         self.future = future
         self.result: Appended | None = None
         self.error: BaseException | None = None
+        # A plain event's bytes up to its seq, made here in the caller's thread: the
+        # writer adds only seq, tenant and time, under the log's lock.
+        self.head = _event_head(draft) if hook is None and then is None and not create else None
+
+
+#: The keys of an event that sort after every key its draft gives (RFC 8785 order):
+#: what the writer adds to an event's head under the lock.
+_TAIL_KEYS = ("seq", "tenant", "time", "v")
+
+
+def _event_head(draft: EventDraft) -> bytes | None:
+    """``canonical_event(draft.to_event(seq, time, tenant))`` up to the value of
+    ``seq``: an object's canonical form is its members in key order, and the keys
+    the ledger sets sort last (held by tests/unit/test_ledger_hot_path.py). None if
+    the draft cannot be encoded: the writer meets the same error and fails the
+    append with it, as it did before heads were made ahead."""
+    event = draft.to_event(0, "", "")
+    for key in _TAIL_KEYS:
+        del event[key]
+    try:
+        return canonical_event(event)[:-1] + b',"seq":'
+    except ProctorError:
+        return None
+
+
+def _event_tail(tenant: str, time: str) -> bytes:
+    """What follows ``seq``'s value in an event of ``tenant`` at ``time``."""
+    return b"," + canonical_json({"tenant": tenant, "time": time, "v": EVENT_VERSION})[1:]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop:
@@ -249,6 +278,18 @@ def _wake(batch: list[_Pending]) -> None:
     for loop, items in loops.items():
         with suppress(RuntimeError):  # a closed loop has nobody waiting any more
             loop.call_soon_threadsafe(_settle, items)
+
+
+def _event_bytes(item: _Pending, seq: int, time: str, tails: dict[tuple[str, str], bytes]) -> bytes:
+    """The canonical bytes of a plain item's event at ``seq`` and ``time``."""
+    head = item.head
+    if head is None:
+        return bounded_event(canonical_event(item.draft.to_event(seq, time, item.log)))
+    key = (item.log, time)
+    tail = tails.get(key)
+    if tail is None:
+        tail = tails[key] = _event_tail(item.log, time)
+    return bounded_event(head + b"%d" % seq + tail)
 
 
 class _LogState:
@@ -642,6 +683,8 @@ class Ledger:
         objects: list[tuple[str, int, tuple[LedgerObject, ...]]] = []
         touched: dict[str, _LogState] = {}
         self._edges = {}
+        # The bytes after seq's value, per log and time (a batch's are mostly one).
+        tails: dict[tuple[str, str], bytes] = {}
         with self._write(*(f"ledger:{log}" for log in logs)) as conn:
             if self._pg:
                 self._read_edges(conn, logs)
@@ -664,7 +707,7 @@ class Ledger:
                 seq = state.tree.size
                 time = now if now > state.last_time else state.last_time
                 try:
-                    data = bounded_event(canonical_event(draft.to_event(seq, time, log)))
+                    data = _event_bytes(item, seq, time, tails)
                 except ProctorError as exc:
                     if item.error is None:
                         item.error = exc
