@@ -1,13 +1,18 @@
-"""Issue 19: a node cut off from the network, not killed.
+"""Issue 19: nodes killed and cut off, each in a network namespace of its own.
 
-Three ``proctor serve`` nodes, each in a network namespace of its own with its
-own address, reach one PostgreSQL server that runs in a fourth namespace (a
-bridge joins them; the test makes all four and removes them). The node running
-the service has its link set down: it cannot renew its lease, so it stops its
-runs and exits; another node marks it dead, records its run as interrupted
-once and starts the service. The link comes back and the node is started
-again, as a new node. Nothing it recorded lands after its death (every event
-it wrote comes before its run's end), nothing is recorded twice, each tick
+Three ``proctor serve`` nodes, each in a network namespace with its own address,
+reach one PostgreSQL server that runs in a fourth namespace (a bridge joins
+them; the test makes all four and removes them). A service writes a bucket
+object every few tenths of a second and prints each answer; a schedule fires
+every two seconds.
+
+First the service's node is SIGKILLed: the service comes back on another node
+within the lease and a restart, its run is recorded interrupted once, and every
+answer it printed before dying is in the ledger. Then the node now running the
+service has its link set down: it cannot renew its lease, so it stops its run
+and exits; another node marks it dead, records its run as interrupted once and
+starts the service. Each dead node is started again, as a new node. Nothing a
+dead node wrote lands after its run's end, nothing is recorded twice, each tick
 fired once, and every log verifies.
 """
 
@@ -20,6 +25,7 @@ import random
 import shutil
 import signal
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +43,18 @@ pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
 
 LEASE = 3.0
 EVERY = 2.0
-SLEEPER = 'import time\nprint("serving", flush=True)\ntime.sleep(600)\n'
+# Every answer the service gets is printed; the ledger must hold its event.
+WRITER = """
+import os, time
+import proctor_guest as g
+run = os.environ["PROCTOR_RUN"]
+for i in range(100000):
+    key = f"{run}/{i}.txt"
+    res = g.write("reports", key, f"{run} {i}".encode())
+    print(f"ANSWER {key} {res['sha256']}", flush=True)
+    time.sleep(0.3)
+"""
+CAPS = '[buckets]\nreports = "write"\n'
 TICK = 'print("tick", flush=True)\n'
 
 
@@ -138,7 +155,7 @@ def _traces(run_id: str) -> list[str]:
     return found
 
 
-def test_a_node_cut_off_stops_its_runs_and_another_takes_over(
+def test_nodes_killed_and_cut_off_hand_their_work_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if shutil.which("ip") is None:
@@ -159,9 +176,11 @@ def test_a_node_cut_off_stops_its_runs_and_another_takes_over(
             # reach it over their own links only.
             monkeypatch.setenv("PROCTOR_STORE", server.local_dsn("cluster"))
             gov = build_gov(tmp_path / "t")
-            for name, main, mode in (("svc", SLEEPER, "service"), ("tick", TICK, "schedule")):
+            for name, main, mode in (("svc", WRITER, "service"), ("tick", TICK, "schedule")):
                 every = f'every = "{EVERY:g}s"\n' if mode == "schedule" else ""
-                art = gov.artifact_dir(name, main, f'[lifecycle]\nmode = "{mode}"\n{every}')
+                caps = CAPS if mode == "service" else ""
+                art = gov.artifact_dir(name, main,
+                                       f'{caps}[lifecycle]\nmode = "{mode}"\n{every}')  # fmt: skip
                 gov.rt.deployments.deploy(
                     "acme", gov.rt.artifacts.get("acme", gov.submit("acme", art)), name,
                     environment="sandbox", mode=mode,
@@ -188,58 +207,93 @@ def test_a_node_cut_off_stops_its_runs_and_another_takes_over(
             server.stop()
 
 
+def _live(gov: Gov, count: int) -> bool:
+    return len([n for n in nodes(gov.rt.store) if n.state == "live"]) == count
+
+
+def _serving(gov: Gov, but: str | None = None) -> Any:
+    return next((r for r in _runs(gov, "svc") if r[1] == "running" and r[0] != but), None)
+
+
+def _victim(cluster: Nodes, node: str) -> int:
+    # nsenter enters the namespace and execs serve: the node's pid is ours.
+    return next(i for i, p in cluster.procs.items()
+                if p.poll() is None and node.split(":")[1] == str(p.pid))  # fmt: skip
+
+
 def _exercise(gov: Gov, cluster: Nodes) -> None:
     for i in range(3):
         cluster.start(i)
-    wait_until(lambda: len([n for n in nodes(gov.rt.store) if n.state == "live"]) == 3,
-               "three live nodes")  # fmt: skip
-    running = wait_until(lambda: next((r for r in _runs(gov, "svc") if r[1] == "running"), None),
-                         "the service")  # fmt: skip
+    wait_until(lambda: _live(gov, 3), "three live nodes")
+    first = wait_until(lambda: _serving(gov), "the service")
     wait_until(lambda: len(_runs(gov, "tick")) >= 3, "three ticks", timeout=90)
-    # nsenter enters the namespace and execs serve: the node's pid is ours.
-    victim = next(i for i, p in cluster.procs.items() if running[2].split(":")[1] == str(p.pid))
 
-    # Cut the service's node off: it can no longer reach the store.
-    _ip("-n", cluster.spaces[victim], "link", "set", "v0", "down")
-    gone = cluster.procs[victim]
+    # 1. SIGKILL the service's node.
+    killed = _victim(cluster, first[2])
+    cluster.procs[killed].send_signal(signal.SIGKILL)
+    cluster.procs[killed].wait(30)
+    killed_at = time.monotonic()
+    second = wait_until(lambda: _serving(gov, but=first[0]), "the service elsewhere", 60)
+    assert second[2] != first[2]
+    assert time.monotonic() - killed_at < LEASE + 30
+    old = next(r for r in _runs(gov, "svc") if r[0] == first[0])
+    assert old[1] == "interrupted" and old[3] in ("supervisor died", "node lease lapsed"), old
+    cluster.start(killed)  # started again by its service manager: a new node
+    wait_until(lambda: _live(gov, 3), "the killed node back, as a new one")
+
+    # 2. Cut the node now running the service off the network.
+    cut = _victim(cluster, second[2])
+    _ip("-n", cluster.spaces[cut], "link", "set", "v0", "down")
+    gone = cluster.procs[cut]
     gone.wait(90)
     assert gone.returncode not in (0, None), "a node that lost its lease exits non-zero"
-    lost = cluster.lines("node.lost")
-    assert lost and lost[0]["node"] == running[2], lost
+    assert any(d["node"] == second[2] for d in cluster.lines("node.lost"))
     # It stopped its run: nothing of the sandbox is left.
-    wait_until(lambda: not _traces(running[0]), "the cut node's sandbox to be gone", 30)
-
-    # Another node found it dead, ended its run once, and runs the service.
-    again = wait_until(
-        lambda: next((r for r in _runs(gov, "svc") if r[1] == "running" and r[0] != running[0]),
-                     None), "the service on another node", timeout=60)  # fmt: skip
-    assert again[2] != running[2]
-    old = next(r for r in _runs(gov, "svc") if r[0] == running[0])
+    wait_until(lambda: not _traces(second[0]), "the cut node's sandbox to be gone", 30)
+    third = wait_until(lambda: _serving(gov, but=second[0]), "the service taken over", 60)
+    assert third[2] != second[2]
+    old = next(r for r in _runs(gov, "svc") if r[0] == second[0])
     assert old[1] == "interrupted" and old[3] == "node lease lapsed", old
-
-    # The link comes back and the node is started again: a new node.
-    _ip("-n", cluster.spaces[victim], "link", "set", "v0", "up")
-    cluster.start(victim)
-    wait_until(lambda: len([n for n in nodes(gov.rt.store) if n.state == "live"]) == 3,
-               "the node back, as a new one")  # fmt: skip
-    wait_until(lambda: len({d["node"] for d in cluster.lines("node.join")}) == 4,
-               "the restarted node's join")  # fmt: skip
+    _ip("-n", cluster.spaces[cut], "link", "set", "v0", "up")
+    cluster.start(cut)
+    wait_until(lambda: _live(gov, 3), "the cut node back, as a new one")
+    wait_until(lambda: _serving(gov) is not None and len(_runs(gov, "tick")) >= 8,
+               "more ticks", timeout=60)  # fmt: skip
     cluster.stop()
+    _check(gov, cluster, dead={first[2]: first[0], second[2]: second[0]})
 
+
+def _check(gov: Gov, cluster: Nodes, dead: dict[str, str]) -> None:
     events = _events(gov)
-    ends = [e for e in events if e["action"] == "run.end" and e.get("run") == running[0]]
-    assert len(ends) == 1 and "node lease lapsed" in ends[0]["reason"], ends
-    # Nothing the cut node wrote lands after the end another node recorded for it.
-    mine = [e["seq"] for e in events if e["actor"]["id"] == f"supervisor:{running[2]}"
-            or (e.get("run") == running[0] and e is not ends[0])]  # fmt: skip
-    assert mine and max(mine) < ends[0]["seq"], (mine, ends[0]["seq"])
+    for node, run_id in dead.items():
+        ends = [e for e in events if e["action"] == "run.end" and e.get("run") == run_id]
+        assert len(ends) == 1, ends
+        # Nothing the dead node wrote lands after the end another node recorded.
+        mine = [e["seq"] for e in events if e["actor"]["id"] == f"supervisor:{node}"
+                or (e.get("run") == run_id and e is not ends[0])]  # fmt: skip
+        assert mine and max(mine) < ends[0]["seq"], (node, mine, ends[0]["seq"])
     starts = Counter(e["run"] for e in events
                      if e["action"] == "run.start" and e.get("decision") == "allow")  # fmt: skip
     finished = Counter(e["run"] for e in events if e["action"] == "run.end")
     assert max(starts.values()) == 1 and max(finished.values()) == 1
+    assert set(starts) == set(finished), "a run without its end"
+    # Every answer a service run printed (whichever node, killed or cut) was recorded.
+    writes = {e["resource"]: e["details"]["sha256"] for e in events
+              if e["action"] == "file.write" and e["decision"] == "allow"}  # fmt: skip
+    answers = 0
+    for home in cluster.homes:
+        for log in (home / "runs").glob("*/stdout.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("ANSWER "):
+                    _, key, digest = line.split()
+                    assert writes.get(f"bucket/reports/{key}") == digest, f"{key}: not recorded"
+                    answers += 1
+    assert answers > 0
     ticks = Counter(d["tick"] for d in cluster.lines("schedule.fire"))
     assert max(ticks.values()) == 1, ticks
+    # The ticks go to the nodes with room: more than one of them.
+    assert len({r[2] for r in _runs(gov, "tick")}) >= 2
     assert gov.rt.ledger.verify("acme").size == len(events)
     gov.rt.ledger.verify("system")
     states = Counter(n.state for n in nodes(gov.rt.store))
-    assert states == {"left": 3, "dead": 1}, states
+    assert states == {"left": 3, "dead": 2}, states
