@@ -97,11 +97,46 @@ def test_a_slot_is_claimed_once_and_work_counts_per_node(store_url: str) -> None
     a, b = Node(store, "h:1:1"), Node(store, "h:2:2")
     a.register()
     b.register()
-    assert claim(store, "acme", "nightly", "tick:60:1", a.id) is True
-    assert claim(store, "acme", "nightly", "tick:60:1", b.id) is False
-    assert claim(store, "acme", "nightly", "tick:60:2", b.id) is True
+    assert claim(store, "acme", "nightly", "tick:60:1", a) is True
+    assert claim(store, "acme", "nightly", "tick:60:1", b) is False
+    assert claim(store, "acme", "nightly", "tick:60:2", b) is True
+    # A node whose lease lapsed (or that left) claims nothing, though no one took it.
+    c = Node(store, "h:3:3", lease=0.2)
+    c.register()
+    time.sleep(0.3)
+    assert claim(store, "acme", "nightly", "tick:60:3", c) is False
+    assert claim(store, "acme", "nightly", "tick:60:3", a) is True
     assert running_per_node(store) == {"h:1:1": 0, "h:2:2": 0}
     a.leave()
     assert [n.state for n in nodes(store) if n.id == "h:1:1"] == ["left"]
     assert running_per_node(store) == {"h:2:2": 0}
+    store.close()
+
+
+def test_a_queued_request_is_taken_once_and_never_by_a_lapsed_node(store_url: str) -> None:
+    from proctor.ledger import Actor
+    from proctor.lifecycle._queue import RunQueue
+
+    store = open_store(store_url, create=True)
+    live, lapsing = Node(store, "h:1:1"), Node(store, "h:2:2", lease=0.2)
+    live.register()
+    lapsing.register()
+    asked = RunQueue(store, live)
+    rid = asked.submit("acme", "nightly", Actor("user", "acme/dev"))
+    time.sleep(0.3)
+    assert RunQueue(store, lapsing).take() is None  # its lease lapsed: nothing taken
+    got = asked.take()
+    assert got is not None and got.id == rid and got.actor == Actor("user", "acme/dev")
+    assert asked.take() is None  # taken once
+    asked.started(rid, "r-1")
+    # The node dies with the run started: the request ends, it is not run again.
+    assert asked.release("h:1:1") == (0, 1)
+    done = asked.get(rid)
+    assert done is not None and done.state == "done" and done.error is not None
+    # One taken but not started goes back to the queue.
+    rid2 = asked.submit("acme", "nightly", Actor("user", "acme/dev"))
+    assert asked.take() is not None
+    assert asked.release("h:1:1") == (1, 0)
+    again = asked.get(rid2)
+    assert again is not None and again.state == "queued" and again.node is None
     store.close()

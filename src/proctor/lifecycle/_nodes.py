@@ -277,14 +277,17 @@ def declare_dead(store: Store, node_id: str) -> bool:
     return changed == 1
 
 
-def claim(store: Store, tenant: str, deployment: str, slot: str, node: str) -> bool:
-    """Whether this node won ``slot`` (a service's next run, a schedule's tick)."""
+def claim(store: Store, tenant: str, deployment: str, slot: str, node: Node) -> bool:
+    """Whether ``node`` won ``slot`` (a service's next run, a schedule's tick). A node
+    whose lease has lapsed wins nothing, even before it notices."""
     try:
         with store.write(f"claim:{tenant}:{deployment}") as conn:
             changed = conn.execute(
-                "INSERT INTO lifecycle_claims (tenant, deployment, slot, node, claimed_at)"
-                " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                (tenant, deployment, slot, node, utc_now()),
+                "INSERT INTO lifecycle_claims (tenant, deployment, slot, node, claimed_at)"  # noqa: S608
+                " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM nodes WHERE id = ?"
+                " AND epoch = ? AND state = 'live'"
+                f" AND lease_expires > {store.engine.clock}) ON CONFLICT DO NOTHING",
+                (tenant, deployment, slot, node.id, utc_now(), node.id, node.epoch),
             )
     except Conflict:
         return False

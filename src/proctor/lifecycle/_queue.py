@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proctor.ledger import Actor, utc_now
-from proctor.lifecycle._nodes import live_ids
+from proctor.lifecycle._nodes import Node, live_ids
 from proctor.store import Store
 
 
@@ -53,10 +53,12 @@ def _request(r: tuple[Any, ...]) -> Request:
 class RunQueue:
     """The store's run requests, as one node sees them."""
 
-    def __init__(self, store: Store, node: str) -> None:
+    def __init__(self, store: Store, node: Node) -> None:
         self.store = store
-        self.node = node
+        self._node = node
+        self.node = node.id
         self._skip = store.engine.lock_skip
+        self._clock = store.engine.clock
         #: Set when this node queued a request: its loop takes it at once.
         self.kick = threading.Event()
         self._several: tuple[float, bool] = (0.0, False)
@@ -101,11 +103,15 @@ class RunQueue:
             )
             if row is None:
                 return None
-            conn.execute(
-                "UPDATE run_requests SET state = 'taken', node = ?, taken_at = ? WHERE id = ?"
-                " AND state = 'queued'",
-                (self.node, utc_now(), row[0]),
+            # A node whose lease has lapsed takes nothing, even before it notices.
+            taken = conn.execute(
+                "UPDATE run_requests SET state = 'taken', node = ?, taken_at = ? WHERE id = ?"  # noqa: S608
+                " AND state = 'queued' AND EXISTS (SELECT 1 FROM nodes WHERE id = ?"
+                f" AND epoch = ? AND state = 'live' AND lease_expires > {self._clock})",
+                (self.node, utc_now(), row[0], self.node, self._node.epoch),
             )
+        if taken != 1:
+            return None
         return _request((*row[:4], "taken", self.node, *row[6:]))
 
     def started(self, rid: str, run_id: str) -> None:

@@ -124,7 +124,7 @@ class Server:
         # Every write this node's ledger commits holds the lease in its transaction.
         self.rt.ledger.set_fence(self.node.fence)
         #: Runs asked of any node's API, for whichever node has room (_queue.py).
-        self.queue = RunQueue(self.rt.store, self.node.id)
+        self.queue = RunQueue(self.rt.store, self.node)
         supervisor.queue = self.queue
         self._taken: set[str] = set()
         # Kept from now, not from serve(): what the caller starts first (the API)
@@ -323,7 +323,7 @@ class Server:
         if time.time() - since < _UNCLAIMED and not self._least_loaded():
             return False
         slot.tried = name
-        return claim(self.rt.store, slot.tenant, slot.name, name, self.node.id)
+        return claim(self.rt.store, slot.tenant, slot.name, name, self.node)
 
     def _least_loaded(self) -> bool:
         load = running_per_node(self.rt.store)
