@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import functools
 import json
 import os
@@ -67,7 +68,7 @@ def detect(root: Path = CGROUP_ROOT) -> CgroupLayout:
     if _is_cgroup2(root):
         if own_v2 is None:
             raise SandboxUnavailable("/proc/self/cgroup names no cgroup v2 path")
-        return CgroupLayout(CgroupMode.V2, {}, root / own_v2.lstrip("/"))
+        return CgroupLayout(CgroupMode.V2, {}, runs_parent(root / own_v2.lstrip("/")))
     v1: dict[str, Path] = {}
     for controller in _V1_CONTROLLERS:
         mount = root / controller
@@ -184,9 +185,7 @@ class RunCgroup:
             wanted = {"memory", "pids", "cpu"} & set(
                 (parent / "cgroup.controllers").read_text().split()
             )
-            enabled = set((parent / "cgroup.subtree_control").read_text().split())
-            for controller in sorted(wanted - enabled):
-                _write(parent / "cgroup.subtree_control", f"+{controller}")
+            enable_for_children(parent, wanted)
             self.v2.mkdir()
             self._created.append(self.v2)
             _write(self.v2 / "memory.max", str(memory_bytes))
@@ -306,6 +305,43 @@ def layout() -> CgroupLayout:
 #: a reboot clears it, as it clears the cgroups it describes.
 REGISTRY = Path(os.environ.get("PROCTOR_SANDBOX_REGISTRY", "/run/proctor-sandboxes"))
 _STAGING = ".tmp-"
+
+
+#: The leaf a cgroup v2 parent's own processes move into so that runs can nest
+#: beside them (the kernel's "no internal processes" rule).
+LEAF = "proctor-supervisor"
+
+
+def runs_parent(own: Path) -> Path:
+    """Where this process's runs nest on cgroup v2: beside it, once it has moved
+    into :data:`LEAF` (its parent), else under its own cgroup."""
+    return own.parent if own.name == LEAF else own
+
+
+def enable_for_children(parent: Path, controllers: set[str]) -> None:
+    """Enable ``controllers`` for ``parent``'s children. cgroup v2 refuses that
+    (EBUSY) while ``parent`` itself holds processes, unless it is the root of the
+    hierarchy; in a container it never is (the pod's cgroup holds ``serve``). Then
+    every process of ``parent`` first moves into the leaf child :data:`LEAF`, as
+    container runtimes do for themselves, and runs nest beside it."""
+    enabled = set((parent / "cgroup.subtree_control").read_text().split())
+    for controller in sorted(controllers - enabled):
+        try:
+            _write(parent / "cgroup.subtree_control", f"+{controller}")
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            _move_into_leaf(parent)
+            _write(parent / "cgroup.subtree_control", f"+{controller}")
+
+
+def _move_into_leaf(parent: Path) -> None:
+    leaf = parent / LEAF
+    leaf.mkdir(exist_ok=True)
+    for pid in (parent / "cgroup.procs").read_text().split():
+        # A process gone meanwhile (ESRCH) needs no moving.
+        with contextlib.suppress(ProcessLookupError):
+            _write(leaf / "cgroup.procs", pid)
 
 
 def _is_run_dir(path: Path, name: str) -> bool:
