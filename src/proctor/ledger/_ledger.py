@@ -222,7 +222,7 @@ _TAIL_KEYS = ("seq", "tenant", "time", "v")
 def _event_head(draft: EventDraft) -> bytes | None:
     """``canonical_event(draft.to_event(seq, time, tenant))`` up to the value of
     ``seq``: an object's canonical form is its members in key order, and the keys
-    the ledger sets sort last (held by tests/unit/test_ledger_hot_path.py). None if
+    the ledger sets sort last (held by tests/unit/test_ledger_event_head.py). None if
     the draft cannot be encoded: the writer meets the same error and fails the
     append with it, as it did before heads were made ahead."""
     event = draft.to_event(0, "", "")
