@@ -93,6 +93,9 @@ class UpstreamFailed(BrokerError):
 
     code = "upstream_failed"
     status = 502
+    #: The completion event that records the failure, once it is durable: the answer
+    #: names it (``_http.error_bytes``), as a refusal's names its event.
+    seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -399,6 +399,15 @@ def error_bytes(
         doc.update(seq=seq, reason=reason)
         phrase = f"{phrase} (proctor refusal seq={seq}: {text})"
         headers.append((REFUSAL_HEADER, f'seq={seq}; reason="{text}"'))
+    elif isinstance(exc, UpstreamFailed) and exc.seq is not None:
+        # Allowed, but the upstream could not be reached or verified: the guest's own
+        # exception (``Tunnel connection failed: 502 ...``) says why, and names the
+        # completion event that records it. The message is the broker's words
+        # (the host, the address, OpenSSL's reason), never a secret or upstream bytes.
+        text = refusal_text(exc.message)
+        doc.update(seq=exc.seq, reason=exc.message)
+        phrase = f"{phrase} (proctor upstream failure seq={exc.seq}: {text})"
+        headers.append((UPSTREAM_FAILURE_HEADER, f'seq={exc.seq}; reason="{text}"'))
     body = json.dumps(doc, sort_keys=True).encode()
     head = [
         f"HTTP/1.1 {code} {phrase}",
@@ -412,6 +421,8 @@ def error_bytes(
 
 #: Names the ledger event of a refusal: ``seq=<n>; reason="<text>"``.
 REFUSAL_HEADER = "X-Proctor-Refusal"
+#: Names the completion event of an allowed call whose upstream failed, same form.
+UPSTREAM_FAILURE_HEADER = "X-Proctor-Upstream-Failure"
 _REFUSAL_MAX = 300
 
 

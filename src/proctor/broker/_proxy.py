@@ -325,15 +325,33 @@ class EgressProxy:
                     server_hostname=tls_name,
                 )
         except ssl.SSLCertVerificationError as exc:
+            # The answer to the guest names this (``_http.error_bytes``): OpenSSL's
+            # words and the name the guest asked for, nothing the upstream sent.
             raise UpstreamFailed(
-                f"the certificate of {admitted.host.display} did not verify: "
-                f"{exc.verify_message or exc.reason}"
+                f"upstream certificate did not verify: {exc.verify_message or exc.reason} "
+                f"({admitted.host.display})"
             ) from exc
         except (OSError, ssl.SSLError, TimeoutError) as exc:
-            what = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
             raise UpstreamFailed(
-                f"could not connect to {admitted.resource} ({admitted.address}): {what}"
+                f"could not connect to {admitted.resource} ({admitted.address}): "
+                f"{dial_failure(exc)}"
             ) from exc
+
+
+def dial_failure(exc: BaseException) -> str:
+    """Why a connection could not be made, in a person's words (``connection refused``):
+    what the guest's exception and ``runs show`` say, not an exception class."""
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {exc.reason or type(exc).__name__}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[:1].lower() + exc.strerror[1:]
+    return type(exc).__name__
 
 
 def _parse_url(url: str) -> tuple[Host, int, str, str]:

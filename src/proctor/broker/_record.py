@@ -26,6 +26,7 @@ from typing import Any
 from proctor.broker._admission import Admitted, Outcome
 from proctor.broker._admit import SHOWN_METHOD, shown
 from proctor.broker._calls import Acted, Call, Ruling
+from proctor.broker._egress import UpstreamFailed
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, CallRefused, RunScope
 from proctor.ledger import Action
 
@@ -115,18 +116,21 @@ async def complete(scope: RunScope, admitted: Admitted, outcome: Outcome) -> Bro
         outcome.error = outcome.error or answer.message
         outcome.answered = answer.status
     recorded = await _completion(scope, admitted, outcome, owed=answer is not None)
-    if answer is not None and not recorded and not isinstance(answer, CallRefused):
+    if answer is not None and recorded is None and not isinstance(answer, CallRefused):
         return CallRefused("the call was refused because the ledger cannot record it")
+    if isinstance(answer, UpstreamFailed) and isinstance(recorded, int):
+        answer.seq = recorded  # the guest's answer names the event that says why
     return answer
 
 
 async def _completion(
     scope: RunScope, admitted: Admitted, outcome: Outcome, *, owed: bool = False
-) -> bool:
+) -> int | bool | None:
     """The completion event. The call already happened, so a failure here is logged
     and the run's next call refused; the caller answers ``not_recorded`` instead of
     an error it still ``owed``. With nothing owed, nobody waits on the event: it is
-    queued to commit with the next one anything waits on (one fsync a call)."""
+    queued to commit with the next one anything waits on (one fsync a call).
+    The event's seq where it was waited on, True where queued, None if lost."""
     details: dict[str, Any] = {
         "decision_seq": admitted.seq,
         "host": admitted.host.name,
@@ -159,11 +163,11 @@ async def _completion(
                            reason=reason, details=details, lost=lost)  # fmt: skip
         return True
     try:
-        await scope.record(
+        appended = await scope.record(
             Action.HTTP_REQUEST_END, admitted.resource, admitted.decision,
             reason=reason, details=details,
         )  # fmt: skip
     except CallRefused as exc:
         scope.lose_completion(lost, exc)
-        return False
-    return True
+        return None
+    return appended.seq

@@ -115,15 +115,29 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
     return record.id
 
 
-def _event_row(table: Table, ev: dict[str, Any]) -> None:
+def _event_row(table: Table, ev: dict[str, Any], wide: bool = True) -> None:
     if "pruned" in ev:  # a pruned entry's marker (docs/ledger.md): no actor, no decision
         p = ev["pruned"] if isinstance(ev["pruned"], dict) else {}
         why = escape(f"pruned at {p.get('at')} under {p.get('rule')}")
+        if not wide:
+            table.add_row(str(ev["seq"]), f"{_short_time(ev.get('time'))}\n—",
+                          f"{Action.LEDGER_PRUNED}\n[dim]pruned[/]", why)  # fmt: skip
+            return
         table.add_row(str(ev["seq"]), str(ev.get("time")), "—", Action.LEDGER_PRUNED, "—",
                       "[dim]pruned[/]", why)  # fmt: skip
         return
     decision = ev["decision"]
     style = "green" if decision == "allow" else "bold red"
+    if not wide:
+        # Two lines a row, four columns: at 80 columns a row is two or three lines,
+        # not the eight or nine that seven columns of ids fold into.
+        table.add_row(
+            str(ev["seq"]),
+            escape(f"{_short_time(ev['time'])}\n{short_actor(ev['actor'])}"),
+            f"{escape(ev['action'])}\n[{style}]{decision}[/]",
+            escape(f"{ev['resource']}\n{ev['reason']}"),
+        )
+        return
     table.add_row(
         str(ev["seq"]),
         ev["time"],
@@ -135,11 +149,29 @@ def _event_row(table: Table, ev: dict[str, Any]) -> None:
     )
 
 
-def _events_table() -> Table:
-    table = Table("seq", "time", "actor", "action", "resource", "decision", "reason")
+def _events_table(wide: bool = True) -> Table:
+    if not wide:
+        table = Table("seq", "time (UTC)\nactor", "action\ndecision", "resource\nreason")
+    else:
+        table = Table("seq", "time", "actor", "action", "resource", "decision", "reason")
     for col in table.columns:
         col.overflow = "fold"
     return table
+
+
+def _short_time(value: object) -> str:
+    """``2026-12-05T08:06:55.949407Z`` as ``2026-12-05 08:06:55`` (--wide: as recorded)."""
+    text = str(value)
+    return text[:19].replace("T", " ") if len(text) >= 19 else text
+
+
+def short_actor(actor: dict[str, Any]) -> str:
+    """An actor as a table shows it without --wide: a workload by its run (its SPIFFE
+    id is the run's, ``.../run/<id>``), others as ``type:id``, breakable after the type."""
+    kind, ident = str(actor.get("type")), str(actor.get("id"))
+    if kind == "workload" and "/run/" in ident:
+        return "run " + ident.rsplit("/run/", 1)[1]
+    return f"{kind}: {ident}" if len(ident) > 16 else f"{kind}:{ident}"
 
 
 @audit_app.command("events")
@@ -221,9 +253,9 @@ def _print_events(found: Iterable[bytes], form: str, wide: bool = False) -> None
         out.write(b"[]\n" if sep == b"[\n" else b"\n]\n")
         out.flush()
         return
-    table = _events_table()
+    table = _events_table(wide)
     for data in found:
-        _event_row(table, json.loads(data))
+        _event_row(table, json.loads(data), wide)
     print_table(table, wide)
 
 
@@ -559,11 +591,17 @@ def export(
 @dataclass
 class RunCalls:
     """A run's calls out of its sandbox: the broker's decision events of the run,
-    refusals first. At most ``limit`` of each kind are kept; the rest are counted."""
+    refusals first. At most ``limit`` of each kind are kept; the rest are counted.
+
+    An allowed call whose upstream could not be reached or verified is shown as
+    failed, with the reason and seq of its completion event (``http.request.end``):
+    allowed by policy, but the job got a 502, not the upstream's answer."""
 
     denied: list[dict[str, Any]] = field(default_factory=list)
     allowed: list[dict[str, Any]] = field(default_factory=list)
-    total: dict[str, int] = field(default_factory=lambda: {"allow": 0, "deny": 0})
+    total: dict[str, int] = field(default_factory=lambda: {"allow": 0, "deny": 0, "failed": 0})
+    #: The completion event (seq, error) of each allowed call that failed, by decision seq.
+    failures: dict[int, tuple[int, str]] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, found: Iterable[bytes], limit: int) -> RunCalls:
@@ -571,8 +609,11 @@ class RunCalls:
         for data in found:
             ev = json.loads(data)
             action = str(ev.get("action", ""))
+            if action == Action.HTTP_REQUEST_END:
+                calls._completion(ev)
+                continue
             if action not in DATA_PLANE_ACTIONS and not action.startswith("broker."):
-                continue  # the run's start and end, completions: not decisions
+                continue  # the run's start and end: not decisions
             kind = "deny" if ev.get("decision") == "deny" else "allow"
             calls.total[kind] += 1
             kept = calls.denied if kind == "deny" else calls.allowed
@@ -580,8 +621,23 @@ class RunCalls:
                 kept.append(ev)
         return calls
 
+    def _completion(self, ev: dict[str, Any]) -> None:
+        details = ev.get("details") or {}
+        decided = details.get("decision_seq")
+        # Answered by the broker itself (a 502), not by the upstream: the call failed.
+        if ev.get("reason") == "failed" and details.get("answered") and isinstance(decided, int):
+            self.failures[decided] = (int(ev["seq"]), str(details.get("error") or "failed"))
+            self.total["failed"] += 1
+
+    def call_json(self, ev: dict[str, Any]) -> dict[str, Any]:
+        call = _call_json(ev)
+        failure = self.failures.get(int(ev["seq"]))
+        if failure is not None and call["decision"] == "allow":
+            call["failed"] = {"seq": failure[0], "error": failure[1]}
+        return call
+
     def as_json(self) -> list[dict[str, Any]]:
-        return [_call_json(ev) for ev in (*self.denied, *self.allowed)]
+        return [self.call_json(ev) for ev in (*self.denied, *self.allowed)]
 
     def print(self, run: dict[str, Any], wide: bool = False) -> None:
         console.print(
@@ -591,25 +647,39 @@ class RunCalls:
             + ("" if run.get("exit_code") is None else f", exit {run['exit_code']}"),
             soft_wrap=True,
         )
+        failed = self.total["failed"]
         console.print(
-            f"calls: {self.total['deny']} refused, {self.total['allow']} allowed", highlight=False
+            f"calls: {self.total['deny']} refused, {self.total['allow']} allowed"
+            + (f" ({failed} of them failed upstream)" if failed else ""),
+            highlight=False,
         )
         if not (self.denied or self.allowed):
             return
-        table = Table("seq", "action", "resource", "decision", "reason / policies")
+        if wide:
+            table = Table("seq", "action", "resource", "decision", "reason / policies")
+        else:
+            table = Table("seq", "action\ndecision", "resource\nreason / policies")
         for col in table.columns:
             col.overflow = "fold"
-        for ev in (*self.denied, *self.allowed):
-            call = _call_json(ev)
-            style = "green" if call["decision"] == "allow" else "bold red"
-            why = call["reason"] if call["decision"] == "deny" else ", ".join(call["policies"])
-            table.add_row(
-                str(call["seq"]),
-                escape(call["action"]),
-                escape(call["resource"]),
-                f"[{style}]{call['decision']}[/]",
-                escape(why or call["reason"]),
-            )
+        # Failed calls before the ones that went through: they are what a person looks for.
+        allowed = sorted(self.allowed, key=lambda ev: int(ev["seq"]) not in self.failures)
+        for ev in (*self.denied, *allowed):
+            call = self.call_json(ev)
+            if "failed" in call:
+                decision = "[bold yellow]failed upstream[/]"
+                why = f"{call['failed']['error']} (event {call['failed']['seq']})"
+            elif call["decision"] == "allow":
+                decision = "[green]allow[/]"
+                why = ", ".join(call["policies"]) or call["reason"]
+            else:
+                decision = "[bold red]deny[/]"
+                why = call["reason"]
+            if wide:
+                table.add_row(str(call["seq"]), escape(call["action"]), escape(call["resource"]),
+                              decision, escape(why))  # fmt: skip
+            else:
+                table.add_row(str(call["seq"]), f"{escape(call['action'])}\n{decision}",
+                              escape(f"{call['resource']}\n{why}"))  # fmt: skip
         print_table(table, wide)
         for kind, kept in (("deny", self.denied), ("allow", self.allowed)):
             if self.total[kind] > len(kept):
