@@ -198,8 +198,9 @@ def test_the_job_is_told_the_connection_was_refused_with_the_event(
     seq = plain["body"]["seq"]
     assert plain["body"]["error"] == "upstream_failed"
     assert "connection refused" in plain["body"]["reason"]
-    assert plain["header"].startswith(f"seq={seq}; reason=") and "connection refused" in (
-        plain["header"]
+    assert (
+        plain["header"].startswith(f"seq={seq}; reason=")
+        and "connection refused" in (plain["header"])
     )
     assert _event(gov, seq)["details"]["answered"] == 502
 
@@ -207,7 +208,7 @@ def test_the_job_is_told_the_connection_was_refused_with_the_event(
 def test_runs_show_lists_the_calls_as_failed_upstream(
     failed: tuple[Gov, str, dict[str, Any]],
 ) -> None:
-    gov, run_id, guest = failed
+    gov, run_id, _ = failed
     doc = json.loads(run_cli("runs", "show", run_id, "-t", "acme", "--json", home=gov.home).out)
     calls = [c for c in doc["calls"] if c["action"] == "http.request"]
     assert len(calls) == 3, doc["calls"]
@@ -220,4 +221,3 @@ def test_runs_show_lists_the_calls_as_failed_upstream(
     human = run_cli("runs", "show", run_id, "-t", "acme", home=gov.home).out
     assert "3 of them failed upstream" in human, human
     assert human.count("failed upstream") >= 4 and "self-signed certificate" in human, human
-
