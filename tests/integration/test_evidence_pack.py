@@ -225,8 +225,8 @@ def test_cli(home: Path, tmp_path: Path) -> None:
     listed = {s["name"]: s for s in json.loads(r.output)}
     assert listed["stripe"]["hosts"] == ["api.stripe.com:443"]
     for cmd in (
-        ["evidence", "dpa-annex"],
-        ["evidence", "ropa"],
+        ["evidence", "dpa-annex", "--json"],  # text for people without it (issue 33)
+        ["evidence", "ropa", "--json"],
         ["evidence", "sample", "--seed", "s"],
         ["lineage", "--dataset", "crm", "--key", "42", "--json"],
     ):

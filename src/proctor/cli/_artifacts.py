@@ -33,7 +33,7 @@ from proctor.cli._common import (
 )
 from proctor.errors import NotFound, UsageError
 from proctor.governance import Artifact, Artifacts, Manifest
-from proctor.ledger import Action
+from proctor.ledger import Action, utc_now
 from proctor.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -266,25 +266,65 @@ def artifact_list(
     home: HomeOpt = None,
 ) -> None:
     """The tenant's artifacts, oldest first."""
-    if (client := remote(token)) is not None:
-        rows: list[dict[str, Any]] = client.artifacts(tenant)
-    else:
-        with open_runtime(home) as rt:
-            rt.tenants.get(tenant)
-            rows = [
-                a.to_json()
-                for a in _artifacts(rt, token, tenant, Action.ARTIFACT_READ).list(tenant)
-            ]
+    rows, approvals = _artifacts_and_approvals(tenant, token, home)
+    for a in rows:
+        a["approved"] = bool(_standing(approvals, a))
     if as_json:
         emit_json(rows)
         return
-    table = make_table("digest", "name", "files", "size", "submitted", "by", "purpose",
-                       ids=("digest",))  # fmt: skip
+    table = make_table("digest", "name", "approved", "files", "size", "submitted", "by",
+                       "purpose", ids=("digest",))  # fmt: skip
     for a in rows:
-        table.add_row(a["digest"], _shown(a["name"]), str(a["file_count"]),
+        table.add_row(a["digest"], _shown(a["name"]),
+                      "[green]approved[/]" if a["approved"] else "", str(a["file_count"]),
                       _size(a["size"]), a["submitted_at"][:19], _shown(a["author"]),
                       _shown(a["purpose"]))  # fmt: skip
     print_table(table, wide)
+
+
+def _artifacts_and_approvals(
+    tenant: str, token: str | None, home: Path | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The tenant's artifacts (oldest first) and every approval and rejection of them."""
+    if (client := remote(token)) is not None:
+        return list(client.artifacts(tenant)), list(client.approvals(tenant))
+    with open_runtime(home) as rt:
+        rt.tenants.get(tenant)
+        found = _artifacts(rt, token, tenant, Action.ARTIFACT_READ).list(tenant)
+        approvals = [
+            ap.as_json() for a in found for ap in rt.approvals.for_artifact(tenant, a.digest)
+        ]
+        return [a.to_json() for a in found], approvals
+
+
+def _standing(approvals: list[dict[str, Any]], artifact: dict[str, Any]) -> list[dict[str, Any]]:
+    """The approvals of ``artifact`` in force now: approve, not revoked, not expired, of
+    its capabilities and purpose (what a deployment's quorum check counts, less the
+    quorum itself: `approve` and `deploy` say whether enough of them do)."""
+    now = utc_now()
+    return [
+        ap for ap in approvals
+        if ap["digest"] == artifact["digest"] and ap["decision"] == "approve"
+        and ap.get("revoked_at") is None and (ap.get("expires_at") or "~") > now
+        and ap["capabilities_hash"] == artifact["capabilities_hash"]
+        and ap["purpose"] == artifact["purpose"]
+    ]  # fmt: skip
+
+
+def approved_predecessor(
+    doc: dict[str, Any], artifacts: list[dict[str, Any]], approvals: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The newest other version of ``doc``'s artifact (same name, submitted before it)
+    that is approved now, with its approvals: what an approver compares a new one with."""
+    older = [a for a in artifacts if a["name"] == doc["name"] and a["digest"] != doc["digest"]
+             and a["submitted_at"] <= doc["submitted_at"]]  # fmt: skip
+    for a in sorted(older, key=lambda a: a["submitted_at"], reverse=True):
+        standing = _standing(approvals, a)
+        if standing:
+            return {"digest": a["digest"], "submitted_at": a["submitted_at"],
+                    "approvals": [{"id": ap["id"], "principal": ap["principal"],
+                                   "created_at": ap["created_at"]} for ap in standing]}  # fmt: skip
+    return None
 
 
 def print_diff(d: dict[str, Any]) -> None:
@@ -366,6 +406,20 @@ PathArg = Annotated[
 ]
 
 
+def visible_text(data: bytes) -> str:
+    """``data`` as a terminal may show it: on a terminal the bytes would act, not show (an
+    escape sequence in the code can hide lines from the person reading it), so control
+    and bidirectional characters are spelled out, with a warning; exact when piped."""
+    text = data.decode("utf-8", errors="backslashreplace")
+    lines = [_visible(line) for line in text.split("\n")]
+    if lines != text.split("\n"):
+        Console(stderr=True, highlight=False).print(
+            "[yellow]warning:[/] the file holds control or bidirectional characters,"
+            " shown here as \\xNN / \\uNNNN; pipe or redirect stdout for the exact bytes"
+        )
+    return "\n".join(lines)
+
+
 @artifact_app.command("cat")
 def artifact_cat(
     digest: DigestArg,
@@ -382,16 +436,7 @@ def artifact_cat(
             t = _local_tenant(rt, token, tenant, digest)
             data = _artifacts(rt, token, t, Action.ARTIFACT_READ).read_file(t, digest, path)
     if sys.stdout.isatty():
-        # On a terminal the bytes would act, not show: an escape sequence in the code can
-        # hide lines from the person reading it. Spelled out there; exact when piped.
-        text = data.decode("utf-8", errors="backslashreplace")
-        lines = [_visible(line) for line in text.split("\n")]
-        if lines != text.split("\n"):
-            Console(stderr=True, highlight=False).print(
-                "[yellow]warning:[/] the file holds control or bidirectional characters,"
-                " shown here as \\xNN / \\uNNNN; pipe or redirect stdout for the exact bytes"
-            )
-        data = "\n".join(lines).encode()
+        data = visible_text(data).encode()
     sys.stdout.flush()
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -455,28 +500,54 @@ def _write_artifact_tar(
 def artifact_review(
     digest: DigestArg,
     tenant: MaybeTenantOpt = None,
+    show_diff: Annotated[
+        bool,
+        typer.Option(
+            "--diff", help="Also what changed since the approved version of the same name"
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """What `proctor approve` shows before it asks: the capabilities in words, the
-    purpose, the files, and what the sandbox runs of this digest did (calls, refusals)."""
+    purpose, the files, what the sandbox runs of this digest did (calls, refusals), and
+    the approved version of the same name it follows (--diff: what changed since)."""
     doc = review(tenant, digest, token, home)
+    before = doc.get("approved_predecessor")
+    changes = None
+    if show_diff and before is not None:
+        changes = _diff_doc(doc["tenant"], before["digest"], doc["digest"], token, home)
     if as_json:
-        emit_json(doc)
+        emit_json({**doc, **({"diff": changes} if changes is not None else {})})
         return
     print_review(doc)
+    if changes is not None:
+        console.print()
+        print_diff(changes)
+
+
+def _diff_doc(
+    tenant: str, old: str, new: str, token: str | None, home: Path | None
+) -> dict[str, Any]:
+    if (client := remote(token)) is not None:
+        return dict(client.diff(tenant, old, new))
+    with open_runtime(home) as rt:
+        return _artifacts(rt, token, tenant, Action.ARTIFACT_READ).diff(tenant, old, new).to_json()
 
 
 def review(tenant: str | None, digest: str, token: str | None, home: Path | None) -> dict[str, Any]:
     """The review of one artifact, from the local home or through ``--server``."""
     if (client := remote(token)) is not None:
         doc: dict[str, Any] = client.review(_remote_tenant(client, tenant), digest)
-        return doc
-    with open_runtime(home) as rt:
-        t = _local_tenant(rt, token, tenant, digest)
-        doc = _artifacts(rt, token, t, Action.ARTIFACT_READ).review(t, digest)
-        doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(t, doc["digest"])]
+    else:
+        with open_runtime(home) as rt:
+            t = _local_tenant(rt, token, tenant, digest)
+            doc = _artifacts(rt, token, t, Action.ARTIFACT_READ).review(t, digest)
+            doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(t, doc["digest"])]
+    # The approver's first question about a new version: what was approved before it.
+    artifacts, approvals = _artifacts_and_approvals(doc["tenant"], token, home)
+    doc["approved_predecessor"] = approved_predecessor(doc, artifacts, approvals)
     return doc
 
 
@@ -520,6 +591,15 @@ def print_review(doc: dict[str, Any], out: Console | None = None) -> None:
             f"  {a['decision']} {a['id']} by {_shown(a['principal'])} at {a['created_at']}"
             + (" (revoked)" if a.get("revoked_at") else "")
         )
+    before = doc.get("approved_predecessor")
+    if before is not None:
+        by = ", ".join(f"{_shown(a['principal'])} ({a['id']})" for a in before["approvals"])
+        c.print(f"  [bold]follows the approved {_shown(doc['name'])} {before['digest']}[/]"
+                f" (approved by {by})")  # fmt: skip
+        c.print(f"  what changed since: proctor artifact review -t {_shown(doc['tenant'])} "
+                f"{doc['digest']} --diff")  # fmt: skip
+    elif doc.get("approved_predecessor", "") is None:
+        c.print(f"  no earlier version of {_shown(doc['name'])} is approved")
 
 
 def _warn_not_ready(rt: Runtime, tenant: str, capabilities: dict[str, Any]) -> None:

@@ -76,6 +76,26 @@ ActorFilterOpt = Annotated[
 ]
 
 
+def check_action(action: str | None) -> None:
+    """Refuse an ``--action`` no event can have: a typo is an error naming the near
+    ones, not an empty answer that reads as "nothing happened"."""
+    if action is None or action in Action.__members__.values():
+        return
+    import difflib
+
+    known = sorted(str(a) for a in Action)
+    near = difflib.get_close_matches(action, known, n=4, cutoff=0.5)
+    group = sorted({a for a in known if a.split(".")[0] == action.split(".")[0]})
+    shown = near or group[:8]
+    families = sorted({a.split(".")[0] + ".*" for a in known})
+    raise UsageError(
+        f"unknown action {action!r}",
+        hint=f"did you mean {', '.join(shown)}?"
+        if shown
+        else f"actions are named <family>.<verb>; the families: {', '.join(families)}",
+    )
+
+
 def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | None) -> str | None:
     """Decide a read of ``tenant``'s log, or of one run's events (an auditor, or the
     developer who created the run's deployment); returns the run's full id."""
@@ -205,6 +225,7 @@ def events(
     array, one event a line, each the event's bytes exactly as hashed; --jsonl the
     same bytes as JSON Lines."""
     form = "jsonl" if as_lines else "json" if as_json else "table"
+    check_action(action)
     start, end = parse_time(since, "--since"), parse_time(until, "--until")
     flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end,
                       actor=actor)  # fmt: skip
@@ -271,6 +292,7 @@ def tail(
 ) -> None:
     """Follow a log: print each new event as it is appended, until Ctrl-C; with
     --json, JSON Lines (each event's canonical bytes)."""
+    check_action(action)
     flt = EventFilter(run=run, action=action, decision=decision)
     try:
         if (client := remote(token)) is not None:

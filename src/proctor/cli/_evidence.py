@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -53,10 +54,16 @@ def _emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _write(doc: Any, out: Path | None, as_json: bool = False) -> None:
-    """The document on stdout (it is JSON already), or into --out; there, --json
-    says where it went as a JSON object."""
+def _write(
+    doc: Any, out: Path | None, as_json: bool = False, text: Callable[[Any], str] | None = None
+) -> None:
+    """The document on stdout (JSON; with ``text`` and without --json, ``text(doc)``
+    for people), or into --out as JSON; there, --json says where it went."""
     if out is None:
+        if text is not None and not as_json:
+            sys.stdout.write(text(doc))
+            sys.stdout.flush()
+            return
         _emit(doc)
         return
     out.write_text(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
@@ -215,13 +222,14 @@ def dpa_annex_cmd(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """The DPA's subprocessor annex: the register and the egress actually seen."""
+    """The DPA's subprocessor annex: the register and the egress actually seen (text;
+    --json or --out FILE: JSON)."""
     from proctor.evidence import dpa_annex
 
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = dpa_annex(rt, tenant)
-    _write(doc, out, as_json)
+    _write(doc, out, as_json, _dpa_annex_text)
 
 
 @evidence_app.command("ropa")
@@ -232,13 +240,76 @@ def ropa_cmd(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Records of processing (GDPR Art. 30(2)) from deployments, datasets and subprocessors."""
+    """Records of processing (GDPR Art. 30(2)) from deployments, datasets and
+    subprocessors (text; --json or --out FILE: JSON)."""
     from proctor.evidence import ropa
 
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = ropa(rt, tenant)
-    _write(doc, out, as_json)
+    _write(doc, out, as_json, _ropa_text)
+
+
+def _counts(reached: dict[str, int]) -> str:
+    return ", ".join(f"{host} ({n} call{'s' if n != 1 else ''})" for host, n in
+                     sorted(reached.items())) or "none"  # fmt: skip
+
+
+def _dpa_annex_text(doc: dict[str, Any]) -> str:
+    """The annex as a person reads it: each subprocessor and what runs reached of it,
+    then the egress no subprocessor covers."""
+    lines = [f"Subprocessor annex of {doc['tenant']}", ""]
+    subs = doc.get("subprocessors") or []
+    if not subs:
+        lines.append("No subprocessors registered (`proctor subprocessor add`).")
+    for sp in subs:
+        lines += [
+            f"{sp['name']}: {sp['purpose']}",
+            f"  location: {sp['location']}",
+            f"  hosts:    {', '.join(sp.get('hosts') or []) or 'none'}",
+            f"  since:    {sp.get('created_at')} (by {sp.get('created_by')})",
+            f"  reached:  {_counts(sp.get('reached') or {})}",
+        ]
+    uncovered = doc.get("uncovered") or {}
+    lines += ["", "Egress no subprocessor covers: " + _counts(uncovered)]
+    if uncovered:
+        lines.append("  (register them: proctor subprocessor add, or refuse them by policy)")
+    return "\n".join(lines) + "\n"
+
+
+def _ropa_text(doc: dict[str, Any]) -> str:
+    """Records of processing as a person reads them, one block a processing."""
+    lines = [
+        f"Records of processing (GDPR Art. 30(2)) of {doc['processor']} for {doc['tenant']}",
+        "",
+    ]
+    records = doc.get("records") or []
+    if not records:
+        lines.append("No production deployments: no processing on record.")
+    for r in records:
+        lines += [f"{r['processing']} ({r['status']}, since {r['since']})",
+                  f"  purpose:     {r.get('purpose')}",
+                  f"  instruction: {r.get('controller_instruction')}"]  # fmt: skip
+        if r.get("reference"):
+            lines.append(f"  reference:   {r['reference']}")
+        cats = r.get("categories_of_data") or []
+        lines.append("  data:        " + ("none" if not cats else ""))
+        for c in cats:
+            cols = ", ".join(c.get("columns") or []) or "all columns"
+            lines.append(f"    {c['dataset']}.{c['table']} ({c.get('access')}): {cols}")
+        recips = r.get("recipients") or []
+        lines.append("  recipients:  " + ("none" if not recips else ""))
+        for rc in recips:
+            by = ", ".join(rc.get("subprocessors") or []) or "no subprocessor registered"
+            lines.append(f"    {rc['host']} ({by})")
+        lines += [f"  approved by: {', '.join(r.get('approvals') or []) or 'nobody'}",
+                  f"  artifact:    {r.get('artifact')}", ""]  # fmt: skip
+    subs = doc.get("subprocessors") or []
+    lines.append("Subprocessors: " + ("none" if not subs else ""))
+    lines += [f"  {s['name']}: {s['purpose']} ({s['location']})" for s in subs]
+    lines += ["", "Security measures:"]
+    lines += [f"  - {m}" for m in doc.get("security_measures") or []]
+    return "\n".join(lines) + "\n"
 
 
 @evidence_app.command("sample")
@@ -423,6 +494,7 @@ def sp_list(
     else:
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, Action.AUDIT_READ)
+            rt.tenants.get(tenant)  # -t nope: unknown tenant, not an empty list
             rows = [s.as_json() for s in Subprocessors(rt.store, rt.ledger).list(tenant)]
     if as_json:
         _emit(rows)

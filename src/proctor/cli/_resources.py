@@ -132,20 +132,41 @@ def policy_show(
         emit_json({k: v for k, v in doc.items() if effective or k in ("tenant", "version", "text")})
         return
     if effective:
-        sys.stdout.write(
-            f"// the set a run of {doc['deployment']} v{doc['version']} ({doc['environment']}) "
-            f"is decided under: version {doc['policy_version']}\n"
-            f"// = the tenant's own set ({doc['tenant_policy_version']}), the deployment's "
-            "permits, the environment's forbid\n"
-        )
-        recorded = [v for v in doc.get("recorded") or [] if v != doc["policy_version"]]
-        if recorded:
-            sys.stdout.write(f"// its runs also recorded: {', '.join(recorded)}\n")
-    else:
-        sys.stdout.write(f"// version {doc['version']}\n")
+        _effective_head(doc)
+    elif not _tenant_head(doc, text):
+        return
     sys.stdout.write(text)
     if text and not text.endswith("\n"):
         sys.stdout.write("\n")
+
+
+def _effective_head(doc: dict[str, Any]) -> None:
+    sys.stdout.write(
+        f"// the set a run of {doc['deployment']} v{doc['version']} ({doc['environment']}) "
+        f"is decided under: version {doc['policy_version']}\n"
+        f"// = the tenant's own set ({doc['tenant_policy_version']}), the deployment's "
+        "permits, the environment's forbid\n"
+    )
+    recorded = [v for v in doc.get("recorded") or [] if v != doc["policy_version"]]
+    if recorded:
+        sys.stdout.write(f"// its runs also recorded: {', '.join(recorded)}\n")
+
+
+def _tenant_head(doc: dict[str, Any], text: str) -> bool:
+    """The head of a tenant's own set; False where it has none (said instead)."""
+    if text.strip():
+        sys.stdout.write(f"// version {doc['version']}\n")
+        return True
+    # The hash of nothing, alone, reads as a policy: say there is none, and where
+    # the rules a run is decided under are (its deployment's permits, the forbid).
+    sys.stdout.write(
+        f"// {doc['tenant']} has no policies of its own (version {doc['version']}, "
+        "the empty set)\n"
+        "// a run is decided under its deployment's permits and its environment's "
+        "forbid as well:\n"
+        f"// proctor policy show -t {doc['tenant']} --effective --deployment D\n"
+    )
+    return False
 
 
 def _print_policy_history(
@@ -251,6 +272,7 @@ def dataset_list(
     """A tenant's datasets: name, kind, and whether each is synthetic (never where they are)."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.TENANT_READ)
+        rt.tenants.get(tenant)  # -t nope: unknown tenant, not an empty list
         rows = rt.resources.datasets(tenant)
     if as_json:
         emit_json([_dataset_json(ds) for ds in rows])
@@ -322,6 +344,7 @@ def secret_list(
     """A tenant's secrets: where each is sent and in which header (never the value)."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.TENANT_READ)
+        rt.tenants.get(tenant)  # -t nope: unknown tenant, not an empty list
         rows = rt.resources.secrets(tenant)
     if as_json:
         emit_json([_secret_json(s) for s in rows])
@@ -356,6 +379,7 @@ def bucket_list(
     """A tenant's buckets."""
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.TENANT_READ)
+        rt.tenants.get(tenant)  # -t nope: unknown tenant, not an empty list
         names = list(rt.resources.buckets(tenant))
     if as_json:
         emit_json([{"tenant": tenant, "name": name} for name in names])
@@ -427,14 +451,17 @@ def bucket_get(
     key: KeyArg,
     output: Annotated[
         str,
-        typer.Option("--output", "-o", help="File to write the exact bytes to ('-': stdout)"),
-    ],
+        typer.Option(
+            "--output", "-o", help="File to write the exact bytes to (default '-': stdout)"
+        ),
+    ] = "-",
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Fetch an object's exact bytes; the read is recorded with their SHA-256 and size.
-    With --json (and -o FILE): one object saying what was written where."""
+    """Fetch an object's exact bytes, to stdout (like `artifact cat`) or to -o FILE; the
+    read is recorded with their SHA-256 and size. With --json (and -o FILE): one object
+    saying what was written where."""
     if as_json and output == "-":
         raise UsageError(
             "with -o -, stdout carries the object's bytes; --json needs -o FILE",
@@ -452,8 +479,7 @@ def bucket_get(
             )
             data = rt.resources.get_object(tenant, bucket, key, actor)
     if output == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        _to_stdout(data, bucket, key)
         return
     try:
         Path(output).write_bytes(data)
@@ -465,6 +491,29 @@ def bucket_get(
                    "written": output})  # fmt: skip
         return
     console.print(f"{len(data)} bytes written to {output} (sha256 {digest})")
+
+
+def _to_stdout(data: bytes, bucket: str, key: str) -> None:
+    """An object's bytes to stdout: exact when piped; on a terminal, text is shown with
+    its control characters spelled out (as `artifact cat` does) and binary is refused,
+    where its bytes would act on the terminal rather than show (the read is recorded)."""
+    if sys.stdout.isatty():
+        from proctor.cli._artifacts import visible_text
+
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or "\0" in text:
+            raise UsageError(
+                f"{bucket}/{key} is binary ({len(data)} bytes): not written to a terminal",
+                hint=f"-o FILE writes it to a file, or pipe stdout "
+                f"(`proctor bucket get ... {bucket} {key} > FILE`)",
+            )
+        data = visible_text(data).encode()
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
 
 
 @bucket_app.command("put")

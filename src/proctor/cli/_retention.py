@@ -119,6 +119,7 @@ def show_cmd(
     else:
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, Action.RETENTION_READ)
+            rt.tenants.get(tenant)  # -t nope: unknown tenant
             r = _retention(rt)
             rule = r.rule(tenant)
             doc = {
@@ -142,13 +143,18 @@ def show_cmd(
             Action.RETENTION_PRUNE: lambda d: f"{d.get('count')} pruned before {d.get('cutoff')}",
             Action.HOLD_ADD: lambda d: f"{d.get('hold')} on {d.get('scope')} {d.get('target')}",
             Action.HOLD_REMOVE: lambda d: f"{d.get('hold')} removed",
-            Action.ERASURE_REQUEST: lambda d: (
-                f"request {d.get('request_ref')}: {d.get('removed')} keys"
-            ),
+            Action.ERASURE_REQUEST: _erasure_what,
         }.get(e["action"], lambda d: "")(d)
         table.add_row(str(e["seq"]), str(e["time"]), e["action"], str(e["actor"]), escape(what))
     if doc["history"]:
         print_table(table, wide)
+
+
+def _erasure_what(d: dict[str, Any]) -> str:
+    ref = f"request {d.get('request_ref')} on {d.get('dataset')}"
+    if not d.get("events"):
+        return f"{ref}: nothing left to erase (erased already)"
+    return f"{ref}: key erased from {d.get('objects')} object(s) of {d.get('events')} event(s)"
 
 
 @retention_app.command("prune")
@@ -253,6 +259,7 @@ def hold_list(
     else:
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, Action.RETENTION_READ)
+            rt.tenants.get(tenant)  # -t nope: unknown tenant
             docs = [h.as_json() for h in _retention(rt).holds(tenant, all_=include_removed)]
     if as_json:
         emit_json(docs)
@@ -326,6 +333,13 @@ def erase_cmd(
                             actor).as_json()  # fmt: skip
     if as_json:
         emit_json(doc)
+        return
+    if not doc.get("events"):
+        console.print(
+            f"nothing to erase: no lineage of this key is left in {escape(doc['dataset'])} "
+            "(erased already, or never returned by a recorded read); nothing changed. "
+            f"The request {escape(doc['request_ref'])} is recorded at seq {doc['seq']}"
+        )
         return
     console.print(
         f"erasure {doc['erasure']} (request {escape(doc['request_ref'])}): the key is gone from "

@@ -65,8 +65,14 @@ class ErasureResult:
     objects: int
     seq: int
 
+    @property
+    def found(self) -> bool:
+        """Whether any lineage of the key was left to erase (False: erased already)."""
+        return self.events > 0
+
     def as_json(self) -> dict[str, Any]:
         return {
+            "found": self.found,
             "erasure": self.erasure,
             "tenant": self.tenant,
             "dataset": self.dataset,
@@ -166,7 +172,16 @@ def erase_key(
             actor,
             Action.ERASURE_REQUEST,
             f"dataset/{dataset}",
-            reason=f"erasure request {request_ref}: one record key erased from lineage",
+            # A key nothing holds any more (erased by an earlier request, or never
+            # returned by a recorded read) is still a request to answer: on record,
+            # saying that nothing was changed rather than that a key was erased.
+            reason=(
+                f"erasure request {request_ref}: one record key erased from lineage"
+                if refs
+                else f"erasure request {request_ref}: nothing of the key was left in the "
+                "lineage record (erased already, or never returned by a recorded read); "
+                "nothing changed"
+            ),
             details={
                 "erasure": erasure,
                 "request_ref": request_ref,
