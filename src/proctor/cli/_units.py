@@ -1,4 +1,4 @@
-"""Human units on the command line: sizes (256M) and durations (30s)."""
+"""Human units on the command line: sizes (256M) and durations (30s, 30d)."""
 
 from __future__ import annotations
 
@@ -22,5 +22,5 @@ def parse_size(text: str, flag: str) -> int:
 def parse_duration(text: str, flag: str) -> float:
     m = _DURATION_RE.match(text.strip())
     if not m:
-        raise UsageError(f"{flag}: {text!r} is not a duration (examples: 30s, 5m, 1h, 500ms)")
+        raise UsageError(f"{flag}: {text!r} is not a duration (examples: 30s, 5m, 1h, 30d, 500ms)")
     return float(m.group(1)) * _TIME_UNITS[m.group(2)]

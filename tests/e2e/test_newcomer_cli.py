@@ -1,0 +1,42 @@
+"""A newcomer's command line (issue 33, items 2, 4, 5, 10 and 13), through the real CLI
+in a subprocess, each as a person meets it:
+
+- ``make demo``/``make setup`` leave a ``proctor`` on PATH (as root), and the demo's
+  closing hint names the command the README's quick start uses (item 2);
+- a missing ``--from-export`` directory is named as such, not "the Proctor home may
+  be damaged"; a demo whose sandbox could not start stops there with the reason (4);
+- a usage error (a value out of range, an unknown option, a missing option or
+  argument) is one ``error:`` line and a hint, exit 2, never a boxed panel (5);
+- durations take days, and a bad one says so among its examples (10).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import CliResult, run_cli
+
+
+def _one_error(res: CliResult) -> list[str]:
+    """stderr's lines, after checking it is one ``error:`` line and at most a hint."""
+    lines = res.err.splitlines()
+    assert lines and lines[0].startswith("error: "), res.err
+    assert all(line.startswith("hint: ") for line in lines[1:2]) and len(lines) <= 2, res.err
+    assert "Traceback" not in res.err and res.out == "", (res.out, res.err)
+    return lines
+
+
+# -- item 10: days --------------------------------------------------------------------
+
+
+def test_a_duration_takes_days_and_a_bad_one_names_them(home: Path) -> None:
+    bad = run_cli("approve", "sha256:00", "-t", "acme", "--expires", "30x", check=False)
+    assert bad.code == 2
+    line = _one_error(bad)[0]
+    assert "'30x' is not a duration" in line and "30d" in line, line
+
+    run_cli("tenant", "create", "acme", home=home)
+    ok = run_cli("history", "-t", "acme", "--at", "now", "--window", "30d", "--json", home=home)
+    assert ok.code == 0 and '"runs"' in ok.out, ok
+    bad = run_cli("history", "-t", "acme", "--at", "now", "--window", "2w", home=home, check=False)
+    assert bad.code == 2 and "30d" in _one_error(bad)[0], bad.err
