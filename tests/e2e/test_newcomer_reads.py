@@ -255,3 +255,14 @@ def test_bucket_get_refuses_binary_to_a_terminal_and_shows_text(home: Home) -> N
     assert b"\x00\x01" not in shown
     code, shown, _ = on_tty("churn.md")
     assert code == 0 and b"all well" in shown
+
+
+def test_lineage_fits_80_columns_and_wide_keeps_its_columns(home: Home) -> None:
+    out = _at(80, "lineage", "-t", "acme", "--dataset", "crm", "--key", "5",
+              home=home.gov.home)  # fmt: skip
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert RUN in out and "2 events" not in out
+    assert len([line for line in out.splitlines() if line.startswith("│")]) == 2, out
+    wide = _at(80, "lineage", "-t", "acme", "--dataset", "crm", "--key", "5", "--wide",
+               home=home.gov.home)  # fmt: skip
+    assert "approved by" in wide and max(len(line) for line in wide.splitlines()) > 80

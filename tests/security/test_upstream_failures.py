@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from proctor.lifecycle import Supervisor
-from tests.conftest import run_cli
+from tests.conftest import PROCTOR, run_cli
 from tests.e2e.conftest_gov import Gov, build_gov
 from tests.sandbox_conftest_helpers import working
 
@@ -218,6 +219,10 @@ def test_runs_show_lists_the_calls_as_failed_upstream(
     assert sum("self-signed certificate" in e for e in errors) == 1, errors
     for c in calls:
         assert _event(gov, c["failed"]["seq"])["details"]["decision_seq"] == c["seq"]
+    env = {**os.environ, "PROCTOR_HOME": str(gov.home), "COLUMNS": "80"}
+    narrow = subprocess.run([PROCTOR, "runs", "show", run_id, "-t", "acme"], env=env,
+                            capture_output=True, check=True, timeout=120).stdout.decode()  # fmt: skip
+    assert max(len(line) for line in narrow.splitlines()) <= 80, narrow  # issue 33, item 7
     human = run_cli("runs", "show", run_id, "-t", "acme", home=gov.home).out
     assert "3 of them failed upstream" in human, human
     assert human.count("failed upstream") >= 4 and "self-signed certificate" in human, human

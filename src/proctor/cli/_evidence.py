@@ -338,6 +338,7 @@ def lineage_cmd(
         str, typer.Option("--key", help="The record's primary key (JSON array if composite)")
     ],
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -349,6 +350,9 @@ def lineage_cmd(
         doc = lineage(rt, tenant, dataset, key)
     if as_json:
         _emit(doc)
+        return
+    if not wide:
+        _lineage_narrow(doc)
         return
     table = make_table("run", "env", "deployment", "first", "last", "approved by", "events",
                        "lineage", ids=("run", "deployment"))  # fmt: skip
@@ -363,6 +367,24 @@ def lineage_cmd(
                 ", ".join(r["approved_by"]) or "—",
                 ", ".join(str(s) for s in r["events"][:10]),
                 kind,
+            )
+    print_table(table, wide)
+
+
+def _lineage_narrow(doc: dict[str, Any]) -> None:
+    """Lineage in four columns of two lines each, to fit 80 columns (--wide: eight)."""
+    table = make_table("run", "deployment (env)\napproved by", "first (UTC)\nlast",
+                       "events\nlineage", ids=("run",))  # fmt: skip
+    for kind, rows in (("row", doc["read"]), ("table only", doc["possibly"])):
+        for r in rows:
+            table.add_row(
+                r["run"],
+                escape(
+                    f"{r['deployment']} ({r['environment']})\n{', '.join(r['approved_by']) or '—'}"
+                ),
+                f"{str(r['first'])[:19].replace('T', ' ')}\n"
+                f"{str(r['last'])[:19].replace('T', ' ')}",
+                ", ".join(str(s) for s in r["events"][:10]) + f"\n{kind}",
             )
     print_table(table)
 

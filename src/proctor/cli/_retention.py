@@ -145,7 +145,9 @@ def show_cmd(
             Action.HOLD_REMOVE: lambda d: f"{d.get('hold')} removed",
             Action.ERASURE_REQUEST: _erasure_what,
         }.get(e["action"], lambda d: "")(d)
-        table.add_row(str(e["seq"]), str(e["time"]), e["action"], str(e["actor"]), escape(what))
+        # To the second without --wide: a time folded over two lines is read wrong.
+        when = str(e["time"]) if wide else str(e["time"])[:19].replace("T", " ")
+        table.add_row(str(e["seq"]), when, e["action"], str(e["actor"]), escape(what))
     if doc["history"]:
         print_table(table, wide)
 
