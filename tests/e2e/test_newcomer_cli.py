@@ -40,3 +40,27 @@ def test_a_duration_takes_days_and_a_bad_one_names_them(home: Path) -> None:
     assert ok.code == 0 and '"runs"' in ok.out, ok
     bad = run_cli("history", "-t", "acme", "--at", "now", "--window", "2w", home=home, check=False)
     assert bad.code == 2 and "30d" in _one_error(bad)[0], bad.err
+
+
+# -- item 5: usage errors -------------------------------------------------------------
+
+
+def test_a_usage_error_is_one_error_line_and_a_hint_not_a_panel() -> None:
+    cases = {
+        ("audit", "events", "-t", "acme", "--limit", "0"): "invalid value for '--limit': 0",
+        ("runs", "list", "--no-such-option"): "no such option: --no-such-option",
+        ("audit", "export", "-t", "acme"): "missing option '--out' / '-o'",
+        ("artifact", "diff", "sha256:00"): "missing argument 'new'",
+        ("no-such-command",): "no such command 'no-such-command'",
+    }
+    for args, said in cases.items():
+        res = run_cli(*args, check=False)
+        assert res.code == 2, (args, res)
+        error, hint = _one_error(res)
+        assert error == f"error: {said}" or error.startswith(f"error: {said} "), (args, error)
+        # The hint is the usage line and where the rest is, on one line.
+        assert hint.startswith("hint: usage: proctor ") and "--help" in hint, (args, hint)
+        assert not any(c in res.err for c in "╭╰│─"), res.err
+    # A bare group still shows its help, and nothing on stderr.
+    res = run_cli("audit", check=False)
+    assert res.code == 2 and "Commands" in res.out and res.err == "", res

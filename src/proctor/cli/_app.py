@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer._click import exceptions as _click_exceptions
 from typer._click import types as _click_types
 
 from proctor import __version__
+from proctor.cli import _print_error
 from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
 from proctor.cli._common import (
@@ -60,6 +62,35 @@ def _argument_metavar(self: typer.core.TyperArgument, ctx: object, *, usage: boo
 
 
 typer.core.TyperArgument.make_metavar = _argument_metavar  # type: ignore[method-assign]
+_typer_main = typer.core._main
+
+
+def _main(self: object, **kwargs: Any) -> Any:
+    # typer draws a usage error (--limit 0, an unknown option, a missing -o) as a boxed
+    # panel under the usage line; every other error is one `error:` line and a hint.
+    # Without rich markup here typer calls the exception's show() instead, which is
+    # ours (below); help keeps its panels (the command's own rich_markup_mode).
+    kwargs["rich_markup_mode"] = None
+    return _typer_main(self, **kwargs)  # type: ignore[arg-type]
+
+
+def _show_usage_error(self: _click_exceptions.ClickException, file: object = None) -> None:
+    if isinstance(self, _click_exceptions.NoArgsIsHelpError):
+        return  # the group printed its help already, as a bare `proctor audit` asks
+    message = " ".join(self.format_message().split()).rstrip(".")
+    ctx = getattr(self, "ctx", None)
+    hint = None
+    if ctx is not None:
+        usage = " ".join(ctx.get_usage().split())
+        usage = usage[:1].lower() + usage[1:]
+        hint = f"{usage}; see {ctx.command_path} --help"
+    _print_error(message[:1].lower() + message[1:], hint)
+
+
+typer.core._main = _main
+for _cls in (_click_exceptions.ClickException, _click_exceptions.UsageError,
+             _click_exceptions.NoArgsIsHelpError):  # fmt: skip
+    _cls.show = _show_usage_error  # type: ignore[method-assign]
 
 app = typer.Typer(
     name="proctor",
