@@ -44,6 +44,12 @@ class BrokerUnavailable(GuestError):
     """There is no broker to talk to: this run has no way out."""
 
 
+class UpstreamFailed(GuestError):
+    """The call was allowed, but its upstream could not be reached or verified (a
+    connection refused, a certificate that did not verify): the message says which, and
+    ``seq`` names the ``http.request.end`` event that records it."""
+
+
 class RateLimited(GuestError):
     """The run made calls faster than its limit allows; wait a second and retry."""
 
@@ -93,6 +99,8 @@ def _call(method: str, path: str, body: bytes | None = None, timeout: float = 60
     except (ValueError, KeyError, TypeError):
         message, code, policies = data.decode(errors="replace"), f"http_{resp.status}", ()
     kind = {403: Denied, 503: NotRecorded, 429: RateLimited}.get(resp.status, GuestError)
+    if code == "upstream_failed":
+        kind = UpstreamFailed
     raise kind(message, code, policies, seq, reason)
 
 
