@@ -221,7 +221,7 @@ def test_every_kind_of_hold_given_every_way_keeps_what_it_names(
     for flags, why in (
         (("--run", "r-zzzz9999"), "no run 'r-zzzz9999' in tenant 'acme'"),
         (("--run", "r-9999"), "'r-9999' is ambiguous: 2 run ids"),
-        (("--run", "r-"), "no run 'r-'"),
+        (("--run", "r-"), "'r-' is ambiguous: "),
         (("--run", ""), "a hold on a run names it"),
         (("--deployment", "batch"), "'batch' is ambiguous: 2 deployment names"),
         (("--deployment", "nope"), "no deployment 'nope'"),

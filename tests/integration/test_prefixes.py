@@ -34,8 +34,14 @@ def test_exact_ids_win_prefixes_resolve_and_ambiguity_is_an_error(store_url: str
         assert find("x%_-") == 4  # pattern characters are plain characters
         with pytest.raises(UsageError, match=r"ambiguous: 2 thing ids .*r-0a1b2c3d4e5f"):
             find("r-0a1b")
-        with pytest.raises(NotFound, match="no thing 'r-0'"):
-            find("r-0")  # too short to be meant
+        # Too short to be taken, and refused with how many it matches, not "no thing".
+        with pytest.raises(UsageError, match=r"'r-0' is ambiguous: 2 thing ids") as short:
+            find("r-0")
+        assert "at least 4 characters" in str(short.value.hint)
+        with pytest.raises(UsageError, match=r"'r-' is ambiguous: 4 thing ids"):
+            find("r-")  # the other tenant's r-beef… is not counted
+        with pytest.raises(NotFound, match="no thing 'r-9'"):
+            find("r-9")  # short, and matching nothing: not found
         with pytest.raises(NotFound, match="no thing 'r-%'"):
             find("r-%")
         with pytest.raises(NotFound):
@@ -73,7 +79,25 @@ def test_a_name_several_rows_share_resolves_to_that_name(store_url: str) -> None
             resolve("batc")
         with pytest.raises(NotFound, match="no deployment 'hourly'"):
             resolve("hourly")  # another tenant's
-        with pytest.raises(NotFound, match="no deployment 'nig'"):
-            resolve("nig")  # too short to be meant
+        with pytest.raises(UsageError, match="'nig' is too short to name a deployment"):
+            resolve("nig")  # one name starts with it, but too short to be meant
+        with pytest.raises(UsageError, match=r"'b' is ambiguous: 3 deployment names"):
+            resolve("b")
+    finally:
+        store.close()
+
+
+def test_an_ambiguous_prefix_is_refused_with_its_exact_count(store_url: str) -> None:
+    """Past the five ids shown, the count is still the count (docs/cli.md), not "more
+    than 5"; short prefixes are counted the same way."""
+    store = open_store(store_url, create=True)
+    try:
+        with store.write() as conn:
+            conn.execute("CREATE TABLE things (id TEXT PRIMARY KEY, tenant TEXT, n INTEGER)")
+            for n in range(12):
+                conn.execute("INSERT INTO things VALUES (?, ?, ?)", (f"r-aaaa{n:08x}", "acme", n))
+        for given in ("r-aaaa0", "r-", "r"):
+            with store.read() as conn, pytest.raises(UsageError, match="ambiguous: 12 thing ids"):
+                find_by_prefix(conn, "things", "id", "acme", given, noun="thing", hint="-")
     finally:
         store.close()

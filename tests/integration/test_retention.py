@@ -470,7 +470,7 @@ def test_holds_by_id_and_by_prefix_keep_what_they_name(
     # Unknown, too short and ambiguous ids are refused, and nothing is stored.
     for scope, given, err, why in (
         ("run", "r-zzzz9999", NotFound, "no run 'r-zzzz9999'"),
-        ("run", "r-", NotFound, "no run 'r-'"),
+        ("run", "r-", UsageError, r"'r-' is ambiguous: \d+ run ids"),
         ("run", "r-cccc", UsageError, r"ambiguous: 2 run ids .*r-cccc00000003"),
         ("deployment", "nope", NotFound, "no deployment 'nope'"),
         ("deployment", "batch", UsageError, r"ambiguous: 2 deployment names"),

@@ -10,7 +10,7 @@ ledger. See docs/api.md.
 from proctor.api._app import create_app, openapi_document
 from proctor.api._auth import OIDCIssuer, load_oidc_config
 from proctor.api._context import Limits
-from proctor.api._server import DEFAULT_HOST, DEFAULT_PORT, ApiServer, serve_api
+from proctor.api._server import DEFAULT_HOST, DEFAULT_PORT, ApiServer, check_tls, serve_api
 
 __all__ = [
     "DEFAULT_HOST",
@@ -18,6 +18,7 @@ __all__ = [
     "ApiServer",
     "Limits",
     "OIDCIssuer",
+    "check_tls",
     "create_app",
     "load_oidc_config",
     "openapi_document",

@@ -297,6 +297,65 @@ class ApiServer:
         self.stop()
 
 
+def _read_pem(path: Path, what: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(
+            f"cannot read the TLS {what} {path}: {exc.strerror or exc}",
+            hint=f"give {flag} the path of a readable PEM file",
+        ) from None
+
+
+def check_tls(certfile: Path | None, keyfile: Path | None) -> ssl.SSLContext:
+    """The API's server-side TLS context from a PEM certificate (its chain may
+    follow it) and its unencrypted PEM key. What cannot be used is one
+    :class:`UsageError` that names the file and what is wrong with it, never
+    OpenSSL's "PEM lib"; an encrypted key is refused rather than prompted for."""
+    from cryptography import x509
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    if certfile is None or keyfile is None:
+        raise UsageError("TLS needs both a certificate and its key",
+                         hint="give --tls-cert and --tls-key together")  # fmt: skip
+    cert_pem = _read_pem(certfile, "certificate", "--tls-cert")
+    key_pem = _read_pem(keyfile, "key", "--tls-key")
+    try:
+        x509.load_pem_x509_certificates(cert_pem)
+    except ValueError:
+        raise UsageError(f"{certfile} is not a PEM certificate",
+                         hint="--tls-cert takes a PEM file with a "
+                              "-----BEGIN CERTIFICATE----- block") from None  # fmt: skip
+    try:
+        serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:  # cryptography: "Password was not given but private key is encrypted"
+        raise UsageError(f"{keyfile} is an encrypted private key",
+                         hint="give the key unencrypted (e.g. `openssl pkey -in KEY -out "
+                              "KEY.plain`), readable by the serve user only") from None  # fmt: skip
+    except (ValueError, UnsupportedAlgorithm):
+        raise UsageError(f"{keyfile} is not a PEM private key",
+                         hint="--tls-key takes a PEM file with a "
+                              "-----BEGIN PRIVATE KEY----- (or RSA/EC PRIVATE KEY) block"
+                         ) from None  # fmt: skip
+    context = ssl.SSLContext(uvicorn.config.SSL_PROTOCOL_VERSION)
+    try:
+        # No password callback would make OpenSSL prompt on the terminal; the key
+        # is known unencrypted by now, so this one is never asked.
+        context.load_cert_chain(certfile, keyfile, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or exc.reason == "KEY_VALUES_MISMATCH":
+            raise UsageError(f"the key {keyfile} is not the key of the certificate {certfile}",
+                             hint="give the private key the certificate was issued for"
+                             ) from None  # fmt: skip
+        raise UsageError(f"cannot use the TLS certificate {certfile} with the key {keyfile}: "
+                         f"{exc.reason or exc}") from None  # fmt: skip
+    except OSError as exc:
+        raise UsageError(f"cannot read {certfile} or {keyfile}: {exc.strerror or exc}") from None
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def serve_api(
     rt: Runtime,
     host: str = DEFAULT_HOST,
@@ -320,8 +379,9 @@ def serve_api(
     ``json_log``: uvicorn keeps the log handlers ``proctor serve`` set up (JSON lines)
     instead of installing its own. ``public_logs``: tenants whose tlog-tiles read paths
     are served without a token. ``console``: serve the web console at ``/ui/``."""
-    if (certfile is None) != (keyfile is None):
-        raise UsageError("TLS needs both a certificate and its key")
+    # TLS is done under the gate (see _GatedTLS), not by uvicorn's listener. Made
+    # first: a file that cannot be used fails before anything else is started.
+    context = check_tls(certfile, keyfile) if certfile is not None or keyfile is not None else None
     app = create_app(
         rt,
         oidc=oidc,
@@ -343,20 +403,6 @@ def serve_api(
         limits.head_timeout,
     )
     gate = ConnectionGate(rt.ledger, bounds, Actor("runtime", "proctor-api"))
-    # TLS is done under the gate (see _GatedTLS), not by uvicorn's listener.
-    context = (
-        uvicorn.config.create_ssl_context(
-            certfile=certfile,
-            keyfile=keyfile,
-            password=None,
-            ssl_version=uvicorn.config.SSL_PROTOCOL_VERSION,
-            cert_reqs=ssl.CERT_NONE,
-            ca_certs=None,
-            ciphers=None,
-        )
-        if certfile is not None
-        else None
-    )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections
     # only when the socket says so, and without it Nagle's algorithm meets delayed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,6 +29,8 @@ from proctor.cli._common import (
     stop_on_signals,
 )
 from proctor.cli._units import parse_duration
+from proctor.cli._when import EXAMPLES as WHEN_EXAMPLES
+from proctor.cli._when import parse_when
 from proctor.errors import UsageError
 from proctor.governance import ROLES, Environment, Principal
 from proctor.ledger import Action
@@ -49,6 +52,14 @@ def _authorize(
     """Cedar decides for principals; the local operator owns the runtime (recorded as such)."""
     if principal is not None:
         rt.control.authorize(principal, action, resource, tenant, event_resource=event_resource)
+
+
+def _read(rt: Runtime, token: str | None, tenant: str, action: str) -> None:
+    """A read of ``tenant``: decided (a principal's roles), then of a tenant that
+    exists, so that ``-t nope`` is "unknown tenant", not an empty answer. In this
+    order a principal learns nothing of other tenants (it is refused first)."""
+    authorize_read(rt, token, tenant, action)
+    rt.tenants.get(tenant)
 
 
 # -- principals ----------------------------------------------------------------
@@ -96,7 +107,7 @@ def principal_list(
 ) -> None:
     """List a tenant's principals and their roles (never their tokens)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.TENANT_READ)
+        _read(rt, token, tenant, Action.TENANT_READ)
         rows = rt.principals.list(tenant)
     if as_json:
         emit_json([_principal_json(p) for p in rows])
@@ -248,7 +259,7 @@ def approval_show(
         a = client.approval(tenant, approval_id)
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, Action.ARTIFACT_READ)
+            _read(rt, token, tenant, Action.ARTIFACT_READ)
             a = rt.approvals.get(tenant, approval_id).as_json()
     if as_json:
         emit_json(a)
@@ -279,8 +290,7 @@ def approval_list(
         full = rows[0]["digest"] if rows and digest else None
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, Action.ARTIFACT_READ)
-            rt.tenants.get(tenant)
+            _read(rt, token, tenant, Action.ARTIFACT_READ)
             full = rt.artifacts.get(tenant, digest).digest if digest else None
             digests = [full] if full else [a.digest for a in rt.artifacts.list(tenant)]
             found = [a for d in digests for a in rt.approvals.for_artifact(tenant, d)]
@@ -348,8 +358,7 @@ def quorum_show(
         doc = dict(client.quorum(tenant))
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, Action.TENANT_READ)
-            rt.tenants.get(tenant)
+            _read(rt, token, tenant, Action.TENANT_READ)
             rule = rt.approvals.quorum(tenant)
         doc = {"required": rule.required, "roles": list(rule.roles)}
     if as_json:
@@ -457,7 +466,7 @@ def deployment_list(
         emit_json(client.deployments(tenant))
         return
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.DEPLOYMENT_READ)
+        _read(rt, token, tenant, Action.DEPLOYMENT_READ)
         rows = rt.deployments.current(tenant)
     if as_json:
         emit_json([d.as_json() for d in rows])
@@ -481,7 +490,7 @@ def deployment_versions(
 ) -> None:
     """Every version of a deployment, oldest first (what --rollback goes back to)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.DEPLOYMENT_READ)
+        _read(rt, token, tenant, Action.DEPLOYMENT_READ)
         rows = rt.deployments.versions(tenant, name)
     if as_json:
         emit_json([d.as_json() for d in rows])
@@ -537,7 +546,7 @@ def run(
             on_stdout=lambda text: (job_out.write(text), job_out.flush()),
             on_stderr=lambda text: (sys.stderr.write(text), sys.stderr.flush()),
         )  # fmt: skip
-        print(f"run {doc['id']}: {doc['status']} ({doc['reason']}, exit {doc['exit_code']})",
+        print(run_line(doc["id"], doc["status"], doc.get("reason"), doc.get("exit_code")),
               file=sys.stderr)  # fmt: skip
         if as_json:
             emit_json(doc)
@@ -567,41 +576,125 @@ def run(
             record = sup.start(tenant, name, actor, on_stdout=to_out, on_stderr=to_err,
                                cancel=stop)  # fmt: skip
         code = 128 + stop.signum if stop.signum is not None else record.exit_code
-        print(f"run {record.id}: {record.status} ({record.reason}, exit {code})",
-              file=sys.stderr)  # fmt: skip
+        print(run_line(record.id, record.status, record.reason, code), file=sys.stderr)
     if as_json:
         emit_json({**record.as_json(), "exit_code": code})
     raise typer.Exit(code if code is not None else 1)
+
+
+def run_line(run_id: str, status: str, reason: str | None, code: int | None) -> str:
+    """The run's end in one line, each fact once: ``run r-…: succeeded (exit 0)``, or
+    with the cause when the program did not end by itself, ``run r-…: failed:
+    timeout (exit 137)``."""
+    # "exit" (the program ended by itself) is what the status and the code say already.
+    cause = f": {reason}" if reason and reason not in ("exit", status) else ""
+    return f"run {run_id}: {status}{cause}" + ("" if code is None else f" (exit {code})")
+
+
+#: What a run's status may be (``runs list --status``).
+RUN_STATUSES = ("running", "succeeded", "failed", "stopped", "interrupted")
 
 
 @runs_app.command("list")
 def runs_list(
     tenant: TenantOpt,
     deployment: Annotated[str | None, typer.Option(help="Only this deployment")] = None,
+    status: Annotated[
+        str | None, typer.Option(help=f"Only runs in this state: {', '.join(RUN_STATUSES)}")
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help=f"Only runs started at or after this time: {WHEN_EXAMPLES}"),
+    ] = None,
+    mine: Annotated[
+        bool, typer.Option("--mine", help="Only runs you started (your token's principal)")
+    ] = False,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """A tenant's runs, newest last, with status, reason and exit code."""
+    from proctor.ledger import EventFilter, iter_events
     from proctor.lifecycle import Runs
 
+    if status is not None and status not in RUN_STATUSES:
+        raise UsageError(f"--status: {status!r} is not a run status",
+                         hint=f"one of {', '.join(RUN_STATUSES)}")  # fmt: skip
+    after = parse_when(since, "--since")
+
+    def wanted(r: dict[str, Any]) -> bool:
+        return (status is None or r["status"] == status) and (
+            after is None or r["started_at"] >= after
+        )
+
+    # Who started a run is in its signed run.start event, not in the store's row.
     if (client := remote(token)) is not None:
-        emit_json(client.runs(tenant, deployment))
-        return
-    with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.RUN_READ)
-        rows = Runs(rt).all(tenant, deployment)
-    if as_json:
-        emit_json([r.as_json() for r in rows])
+        rows = [r for r in client.runs(tenant, deployment) if wanted(r)]
+        if mine:
+            rows = _remote_mine(client, tenant, rows)
+    else:
+        with open_runtime(home) as rt:
+            _read(rt, token, tenant, Action.RUN_READ)
+            rows = [r.as_json() for r in Runs(rt).all(tenant, deployment, status)]
+            rows = [r for r in rows if wanted(r)]
+            if mine:
+                # The acting principal's own run.start events: what it did itself.
+                flt = EventFilter(action=Action.RUN_START, actor=acting(rt, token)[0].id,
+                                  since=after)  # fmt: skip
+                started = _started(iter_events(rt.ledger, tenant, flt))
+                rows = [r for r in rows if r["id"] in started]
+    # Through the API the answer has always been the JSON list (scripts read it so).
+    if as_json or client is not None:
+        emit_json(rows)
         return
     table = make_table("run", "deployment", "v", "env", "status", "reason", "exit", "started",
                        "ended", ids=("run", "deployment"))  # fmt: skip
     for r in rows:
-        table.add_row(r.id, r.deployment, str(r.version), r.environment, r.status,
-                      r.reason or "", "" if r.exit_code is None else str(r.exit_code),
-                      r.started_at, r.ended_at or "")  # fmt: skip
+        table.add_row(r["id"], r["deployment"], str(r["version"]), r["environment"], r["status"],
+                      r["reason"] or "", "" if r["exit_code"] is None else str(r["exit_code"]),
+                      r["started_at"], r["ended_at"] or "")  # fmt: skip
     print_table(table, wide)
+
+
+def _remote_mine(client: Any, tenant: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs of ``rows`` the token's principal started, through the API: each run's
+    run.start event, read as ``runs show`` reads a run's calls (the tenant-wide log is
+    the auditors'). A run whose events the principal may not read is left out, and
+    said so on stderr."""
+    from proctor.errors import ProctorError
+
+    who = client.whoami()
+    me = f"{who['tenant']}/{who['name']}"  # a principal's id, as events carry it
+    mine, unread = [], 0
+    for r in rows:
+        try:
+            found = client.iter_events(tenant, run=r["id"], action=Action.RUN_START,
+                                       since=_shortly_before(r["started_at"]))  # fmt: skip
+            if any(_actor_of(ev) == me for ev in found):
+                mine.append(r)
+        except ProctorError as exc:
+            if exc.code != "forbidden":
+                raise
+            unread += 1
+    if unread:
+        print(f"note: {unread} run(s) left out: {me} may not read who started them",
+              file=sys.stderr)  # fmt: skip
+    return mine
+
+
+def _actor_of(event: bytes) -> str | None:
+    import json
+
+    actor = json.loads(event).get("actor")
+    return str(actor.get("id")) if isinstance(actor, dict) else None
+
+
+def _started(events: Iterable[bytes]) -> set[str]:
+    """The run ids of ``run.start`` events."""
+    import json
+
+    return {str(run) for ev in events if (run := json.loads(ev).get("run"))}
 
 
 @runs_app.command("show")
@@ -634,7 +727,7 @@ def runs_show(
                 out[stream] = b"".join(chunks).decode(errors="replace")
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, Action.RUN_READ)
+            _read(rt, token, tenant, Action.RUN_READ)
             record = Runs(rt).get(tenant, run_id)
             authorize_events(rt, token, tenant, record.id)
             since = _shortly_before(record.started_at)
@@ -703,8 +796,14 @@ def serve(
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
     the HTTP API (OpenAPI at /openapi.json) and the web console (/ui/)."""
-    from proctor.lifecycle import NodeLost, Server, log_json
+    import logging
 
+    from proctor.lifecycle import NodeLost, Server, log_event, log_json
+
+    _check_api_options(no_api, tls_cert, tls_key, {
+        "--oidc-config": oidc_config, "--console-url": console_url,
+        "--public-log": public_log, "--no-console": no_console,
+    })  # fmt: skip
     log_json()  # one JSON object per line on stderr: docs/operations.md
     with open_runtime(home) as rt, rt.make_broker() as broker:
         for tenant in public_log or ():
@@ -716,18 +815,22 @@ def serve(
             from proctor.api import load_oidc_config, serve_api
             from proctor.console import ConsoleConfig
 
-            api = serve_api(
-                rt, api_host, api_port,
-                certfile=tls_cert,
-                keyfile=tls_key,
-                oidc=load_oidc_config(oidc_config) if oidc_config else (),
-                supervisor=sup,
-                json_log=True,
-                public_logs=public_log or (),
-                console=None if no_console else ConsoleConfig(public_url=console_url),
-            )  # fmt: skip
-        signal.signal(signal.SIGTERM, lambda *_: server.stop())
-        signal.signal(signal.SIGINT, lambda *_: server.stop())
+            try:
+                api = serve_api(
+                    rt, api_host, api_port,
+                    certfile=tls_cert,
+                    keyfile=tls_key,
+                    oidc=load_oidc_config(oidc_config) if oidc_config else (),
+                    supervisor=sup,
+                    json_log=True,
+                    public_logs=public_log or (),
+                    console=None if no_console else ConsoleConfig(public_url=console_url),
+                )  # fmt: skip
+            except BaseException:
+                server.close()  # the node leaves now, not when its lease lapses
+                raise
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda n, _frame: server.stop(signal.Signals(n).name))
         console.print(f"serving {rt.home} (pid {sup.supervisor_id})")
         if api is not None:
             console.print(f"HTTP API at {api.url}")
@@ -741,9 +844,40 @@ def serve(
         finally:
             if api is not None:
                 api.stop()
+            log_event(logging.getLogger("proctor.lifecycle"), "serve.stopped",
+                      node=server.node.id, signal=_signal_of(server.stop_cause),
+                      unfinished=server.unfinished)  # fmt: skip
     if server.lost is not None:
         # Started again (systemd, Kubernetes), it joins as a new node.
         raise NodeLost(f"this node lost its lease and stopped its runs: {server.lost}")
+
+
+def _check_api_options(
+    no_api: bool, tls_cert: Path | None, tls_key: Path | None, others: dict[str, object]
+) -> None:
+    """Refuse what ``serve`` would otherwise ignore or fail on late: the API's options
+    with --no-api, and a TLS certificate or key that cannot be used."""
+    if no_api:
+        # Options for an API that will not run would be ignored, and a person would
+        # believe, say, that TLS is on: refused instead.
+        given = [flag for flag, value in (("--tls-cert", tls_cert), ("--tls-key", tls_key),
+                                          *others.items()) if value]  # fmt: skip
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for the HTTP API,"
+                " and --no-api starts none",
+                hint="drop --no-api to serve the API, or drop the API's options",
+            )
+    if tls_cert is not None or tls_key is not None:
+        from proctor.api import check_tls
+
+        # Before the log turns to JSON, the home is opened or a node joins: a
+        # certificate that cannot be used is one error line, naming the file.
+        check_tls(tls_cert, tls_key)
+
+
+def _signal_of(cause: str | None) -> str | None:
+    return cause if cause is not None and cause.startswith("SIG") else None
 
 
 def nodes_list(as_json: JsonOpt = False, home: HomeOpt = None) -> None:
@@ -826,7 +960,7 @@ def egress_sandbox_hosts(
 ) -> None:
     """The hosts sandbox runs may reach (none: sandbox runs have no egress)."""
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.TENANT_READ)
+        _read(rt, token, tenant, Action.TENANT_READ)
         hosts = list(rt.resources.sandbox_hosts(tenant))
     if as_json:
         emit_json([{"tenant": tenant, "host": entry} for entry in hosts])
@@ -911,7 +1045,7 @@ def egress_ca_list(
         entries = [dict(e) for e in client.egress_cas(tenant)]
     else:
         with open_runtime(home) as rt:
-            authorize_read(rt, token, tenant, Action.TENANT_READ)
+            _read(rt, token, tenant, Action.TENANT_READ)
             entries = [h.to_json() for h in rt.host_cas(tenant)]
     if as_json:
         emit_json(entries)
@@ -976,7 +1110,7 @@ def history(
             _print_history(report, wide)
         return
     with open_runtime(home) as rt:
-        authorize_read(rt, token, tenant, Action.AUDIT_READ)
+        _read(rt, token, tenant, Action.AUDIT_READ)
         report = what_ran(rt, tenant, when, parse_duration(window, "--window"))
     if as_json:
         emit_json(report)
@@ -1045,7 +1179,7 @@ def register(app: typer.Typer, tenant_app: typer.Typer) -> None:
         """Show or set the tenant's ledger quota (control-plane actions are never refused)."""
         with open_runtime(home) as rt:
             if events_per_day is None:
-                authorize_read(rt, token, name, Action.TENANT_READ)
+                _read(rt, token, name, Action.TENANT_READ)
                 q = rt.tenants.ledger_quota(name)
             else:
                 actor, principal = acting(rt, token)

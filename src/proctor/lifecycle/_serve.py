@@ -114,6 +114,10 @@ class Server:
         ).acquire()
         #: Why this node stopped holding its lease, if it did (then serve ends).
         self.lost: str | None = None
+        #: What asked it to stop (a signal's name), for the log.
+        self.stop_cause: str | None = None
+        #: The runs that did not end in time when it stopped.
+        self.unfinished: list[str] = []
         self.node = Node(self.rt.store, supervisor.supervisor_id, address=address,
                          backends=(supervisor.driver.name,), lease=lease)  # fmt: skip
         try:
@@ -141,7 +145,12 @@ class Server:
             self._lock.release()
             self._lock = None
 
-    def stop(self) -> None:
+    def stop(self, cause: str | None = None) -> None:
+        """Ask :meth:`serve` to stop; ``cause`` (a signal's name, ``SIGTERM``) is
+        what its ``serve.stopping`` log line says. Safe from a signal handler: it
+        only sets events; the line is written by the loop."""
+        if self.stop_cause is None:
+            self.stop_cause = cause or "stop requested"
         self._stop.set()
         self.queue.kick.set()
 
@@ -257,8 +266,14 @@ class Server:
             # Every run of this process, whoever started it (a slot, the API), is
             # stopped and its end recorded before we exit: a run left 'running'
             # with its sandbox alive would wait for the next serve to be closed.
+            # The operator sees the stop begin (and why) before the runs' own run.end
+            # lines; ``proctor serve`` writes serve.stopped once the API is down too.
+            signum = self.stop_cause if (self.stop_cause or "").startswith("SIG") else None
+            log_event(log, "serve.stopping", node=self.node.id, signal=signum,
+                      reason=_stop_reason(self.lost, self.stop_cause))  # fmt: skip
             submitter.stop()
             unfinished = self.supervisor.shutdown(NODE_LOST if self.lost else SUPERVISOR_STOPPING)
+            self.unfinished = list(unfinished)
             if unfinished:
                 log.error("proctor serve: runs %s did not end in time", ", ".join(unfinished))
             for slot in self._slots.values():
@@ -376,6 +391,14 @@ class Server:
             log_event(log, "schedule.fire", tenant=slot.tenant, deployment=slot.name,
                       every_seconds=every, version=dep.version, tick=tick)  # fmt: skip
             self._launch(slot, dep)
+
+
+def _stop_reason(lost: str | None, cause: str | None) -> str:
+    if lost is not None:
+        return f"{NODE_LOST}: {lost}"
+    if cause is not None and cause.startswith("SIG"):
+        return f"signal {cause}"
+    return cause or "stop requested"
 
 
 def _seconds_since(iso: str | None) -> float:
