@@ -215,12 +215,24 @@ def test_every_command_and_option_has_help_and_no_type_metavar() -> None:
     shown = re.compile(r"<(bool|str|int|float|path|text)>")
     # typer's usage line writes a required argument as `{digest}:TEXT`.
     in_usage = re.compile(r"\{\w+\}|\b\w+:[A-Z]+\b")
-    for path, _ in _walk():
+    placeholder = re.compile(r"\{\w+\}")
+    for path, cmd in _walk():
         code, out, err = invoke([*path.split(), "--help"])
         assert code == 0, (path, err)
         assert not shown.search(out), f"proctor {path} --help shows {shown.search(out)}"
         usage = " ".join(line for line in out.splitlines() if "Usage:" in line)
         assert "Usage:" in usage and not in_usage.search(usage), f"proctor {path}: {usage}"
+        # Nowhere in the help a `{old}`-style placeholder (issue 33, item 13), but for
+        # braces the command's own words hold (`--template`'s "{secret} is replaced").
+        own = " ".join([cmd.help or "", *(f"{getattr(p, 'help', '')} {p.default}"
+                                         for p in cmd.params)])  # fmt: skip
+        stray = set(placeholder.findall(out)) - set(placeholder.findall(own))
+        assert not stray, f"proctor {path} --help shows {sorted(stray)}:\n{out}"
+        assert not re.search(r"\{\w+\}:[A-Z]+", out), f"proctor {path} --help:\n{out}"
+    # The usage line in a usage error's hint names arguments the same way.
+    code, _, err = invoke(["artifact", "diff", "sha256:00"])
+    assert code == 2 and "proctor artifact diff [OPTIONS] OLD NEW" in err, err
+    assert not placeholder.search(err), err
     code, out, _ = invoke(["--version"])
     from proctor import __version__
 
