@@ -12,9 +12,13 @@ in a subprocess, each as a person meets it:
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
-from tests.conftest import CliResult, run_cli
+import pytest
+
+from tests.conftest import PROCTOR, CliResult, run_cli
 
 
 def _one_error(res: CliResult) -> list[str]:
@@ -64,3 +68,44 @@ def test_a_usage_error_is_one_error_line_and_a_hint_not_a_panel() -> None:
     # A bare group still shows its help, and nothing on stderr.
     res = run_cli("audit", check=False)
     assert res.code == 2 and "Commands" in res.out and res.err == "", res
+
+
+# -- item 4: no "the Proctor home may be damaged" when the home is not the matter ----
+
+
+def test_a_missing_export_directory_is_named_not_the_home(home: Path, tmp_path: Path) -> None:
+    nope = tmp_path / "nope"
+    res = run_cli("audit", "verify", "--from-export", str(nope), home=home, check=False)
+    assert res.code != 0
+    error = _one_error(res)[0]
+    assert error == f"error: {nope} does not exist (looking for {nope}/verifier.key)", error
+    assert "damaged" not in res.err and "internal error" not in res.err, res.err
+
+
+@pytest.mark.host
+def test_the_demo_stops_at_a_sandbox_that_could_not_start(tmp_path: Path) -> None:
+    from proctor.sandbox import get_driver
+
+    if not get_driver("gvisor").status().available:
+        pytest.skip("gVisor does not work here: the demo would use another backend")
+    demo = tmp_path / "home"
+    # An unknown gVisor platform: runsc refuses to start, as a broken runsc does.
+    env = {**os.environ, "PROCTOR_GVISOR_PLATFORM": "no-such-platform", "COLUMNS": "200"}
+    env.pop("PROCTOR_HOME", None)
+    res = subprocess.run([PROCTOR, "demo", "--home", str(demo)], capture_output=True,
+                         env=env, timeout=600, text=True)  # fmt: skip
+    assert res.returncode == 1, res
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2, res.stderr
+    error, hint = lines
+    assert error.startswith("error: the demo stops: run r-") and " failed: " in error, error
+    assert "gVisor could not start the sandbox: unknown platform: no-such-platform" in error
+    assert "damaged" not in res.stderr
+    assert hint.startswith("hint: ") and "proctor sandbox backends" in hint, hint
+    # It stopped at the sandbox step: no production step after it.
+    assert "3. the build loop" in res.stdout and "4. production" not in res.stdout, res.stdout
+    # The run the hint names holds the same reason.
+    run_id = error.split("run ", 1)[1].split(" ", 1)[0]
+    assert f"proctor runs show {run_id} -t acme --logs --home {demo}" in hint
+    shown = run_cli("runs", "show", run_id, "-t", "acme", "--json", home=demo)
+    assert "unknown platform: no-such-platform" in shown.out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -22,6 +23,20 @@ def _print_error(message: str, hint: str | None) -> None:
     err.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     if hint:
         err.print(f"[dim]hint:[/] {escape(hint)}", markup=True)
+
+
+def _outside_home(exc: Exception) -> Path | None:
+    """The file an OSError is about, when it lies outside every Proctor home this
+    process opened or would open: then the file is the matter, not the home."""
+    name = exc.filename if isinstance(exc, OSError) else None
+    if not isinstance(name, (str, bytes)):
+        return None
+    from proctor.cli._common import OPENED
+    from proctor.runtime import default_home
+
+    path = Path(os.path.abspath(os.fsdecode(name)))
+    homes = [Path(os.path.abspath(h)) for h in [*OPENED, default_home()]]
+    return None if any(path.is_relative_to(h) for h in homes) else path
 
 
 def main() -> None:
@@ -49,7 +64,17 @@ def guarded(entry: Callable[[], object]) -> None:
         name = type(exc).__name__ if type(exc).__module__ == "builtins" else kind
         message = " ".join(str(exc).split()) or "(no message)"
         hint = "re-run with PROCTOR_DEBUG=1 for the traceback"
-        if kind in _CORRUPTION or isinstance(exc, (OSError, ValueError)):
+        path = _outside_home(exc)
+        if isinstance(exc, FileNotFoundError) and path is not None:
+            # A path given on the command line, most often: name what is missing
+            # (`audit verify --from-export /nope` has no directory /nope).
+            missing = path
+            while missing.parent != missing and not missing.parent.exists():
+                missing = missing.parent
+            looked = f" (looking for {path})" if missing != path else ""
+            _print_error(f"{missing} does not exist{looked}", "check the path")
+            sys.exit(1)
+        if path is None and (kind in _CORRUPTION or isinstance(exc, (OSError, ValueError))):
             hint = (
                 "the Proctor home may be damaged or unreadable (its store, key or config): "
                 "restore it from a backup or point --home/PROCTOR_HOME at another; " + hint

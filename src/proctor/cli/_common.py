@@ -41,6 +41,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output")
 
 #: Set by ``proctor --server URL`` (or PROCTOR_SERVER): commands then go through the API.
 REMOTE: dict[str, str | None] = {"url": None, "ca": None}
+#: The homes this process opened: an unexpected error about a file inside one may be
+#: a damaged home; about any other file, it is that file (proctor.cli.guarded).
+OPENED: list[Path] = []
 
 
 def open_runtime(home: Path | None) -> Runtime:
@@ -49,7 +52,8 @@ def open_runtime(home: Path | None) -> Runtime:
             "this command works on a local Proctor home only; it has no --server form",
             hint="run it on the runtime's machine, or unset PROCTOR_SERVER",
         )
-    return Runtime.open(home or default_home())
+    OPENED.append(home or default_home())
+    return Runtime.open(OPENED[-1])
 
 
 #: What asks a command that runs something to end: Ctrl-C, kill, a closed terminal.

@@ -28,7 +28,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from proctor.cli._common import console
-from proctor.errors import ProctorError, UsageError, VerificationFailed
+from proctor.errors import ProctorError, SandboxError, UsageError, VerificationFailed
+from proctor.governance import RunRecord
 from proctor.ledger import Verifier, utc_now, verify_export
 from proctor.lifecycle import what_ran
 from proctor.runtime import Runtime, init_home
@@ -99,6 +100,20 @@ def _out(prefix: str) -> Any:
             console.print(f"   [dim]{prefix}[/] {escape(line.decode(errors='replace'))}")
 
     return sink
+
+
+def _succeeded(rec: RunRecord, home: Path) -> None:
+    """Each later step reads what a run did: a run that failed (a sandbox that could
+    not start, most often) ends the demo here, with the reason its record holds,
+    rather than a step later at a report it never wrote."""
+    if rec.status == "succeeded" and rec.exit_code == 0:
+        return
+    why = rec.reason or f"exit {rec.exit_code}"
+    raise SandboxError(
+        f"the demo stops: run {rec.id} {rec.status}: {why}",
+        hint="`proctor sandbox backends` says whether each sandbox backend works here; "
+        f"the run's record: proctor runs show {rec.id} -t acme --logs --home {home}",
+    )
 
 
 #: Marks a directory as a demo's home: only such a directory is ever replaced.
@@ -204,6 +219,7 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
                               instruction="try the churn report on synthetic data",
                               actor=dev.actor)  # fmt: skip
         rec = sup.start("acme", "churn-sandbox", dev.actor, on_stdout=_out("sandbox |"), env=env)
+        _succeeded(rec, home)
         console.print(f"   run {rec.id}: [green]{rec.status}[/] on {sup.driver.name}")
         console.print("   the sandbox reaches stand-ins only: the synthetic twin, its own bucket"
                       " tree (production's report is untouched), no host (none is marked for"
@@ -239,6 +255,7 @@ def _story(rt: Runtime, home: Path, work: Path) -> None:
 
         _step(6, "the production run, on the real customers")
         rec = sup.start("acme", "churn", dev.actor, on_stdout=_out("prod |"), env=env)
+        _succeeded(rec, home)
         console.print(f"   run {rec.id}: [green]{rec.status}[/] (exit {rec.exit_code}) as")
         console.print(f"   {rec.workload}")
         console.print(f"   the enrichment API received {len(_Enrichment.received)} request(s): "
