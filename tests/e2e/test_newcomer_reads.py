@@ -51,6 +51,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     gov = build_gov(tmp_path_factory.mktemp("reads"))
     rt = gov.rt
     rt.tenants.create("empty", gov.op)
+    gov.people["empty-root"] = rt.principals.create("empty", "root", "user", ["admin"], gov.op)
     lkey = rt.keys.lineage_key("acme")
     work = Actor("workload", WORKLOAD)
     for keys in (range(1, 6), range(3, 9)):
@@ -158,6 +159,9 @@ def test_erasure_shown_and_a_second_erasure_of_the_same_key_says_so(home: Home) 
     assert "None" not in shown, shown
     assert "request DSR-9 on crm: key erased from 2 object(s) of 2 event(s)" in shown, shown
     assert "request DSR-10 on crm: nothing left to erase (erased already)" in shown, shown
+    remote = run_cli("--server", home.server.url, "retention", "show", "-t", "acme", "--wide",
+                     "--token", home.gov.token("root")).out  # fmt: skip
+    assert "request DSR-11 on crm: nothing left to erase (erased already)" in remote, remote
     verified = json.loads(cli(home, "audit", "verify", "-t", "acme", "--json").out)
     assert verified["verified"], verified
 
@@ -201,6 +205,9 @@ def test_policy_show_of_a_tenant_without_policies_says_so(home: Home) -> None:
     assert "policy show -t empty --effective --deployment" in out
     doc = json.loads(cli(home, "policy", "show", "-t", "empty", "--json").out)
     assert doc["text"] == "" and doc["version"].startswith("sha256:")
+    remote = run_cli("--server", home.server.url, "policy", "show", "-t", "empty",
+                     "--token", home.gov.token("empty-root")).out  # fmt: skip
+    assert "empty has no policies of its own" in remote, remote
 
 
 # -- item 17: documents for people ----------------------------------------------------
