@@ -326,3 +326,52 @@ def test_relative_times_parse_against_one_now() -> None:
     for bad in ("30x", "", "-1h", "tomorrow", "1000000d", "0001-01-01T00:00+01:00"):
         with pytest.raises(UsageError, match="--since: "):
             parse_when(bad, "--since", now=now)
+
+
+# -- item 11: what was approved before ----------------------------------------------------
+
+
+def test_approve_and_approval_show_name_the_approved_predecessor_and_its_diff(
+    acme: Acme, tmp_path: Path
+) -> None:
+    (old,) = {a["digest"] for a in json.loads(acme.cli("approval", "list", "-t", "acme",
+                                                       "--json").out)}  # fmt: skip
+    source = tmp_path / "churn-report"
+    subprocess.run(["cp", "-r", str(ROOT / "examples" / "churn-report"), str(source)], check=True)
+    with (source / "main.py").open("a") as f:
+        f.write("# the second version\n")
+    new = json.loads(acme.cli("artifact", "submit", "-t", "acme", str(source), "--json",
+                              "--token", acme.tokens["dev"]).out)["digest"]  # fmt: skip
+    diff = f"proctor artifact diff -t acme {old} {new}"
+    # Through the API, as an approver: the new version is named as following the old.
+    res = acme.remote("approve", new, "-t", "acme", "--yes", who="alice")
+    assert f"follows the approved churn-report {old}" in res.out, res.out
+    assert diff in res.out
+    approval = json.loads(acme.remote("approval", "list", "-t", "acme", "--digest", new,
+                                      "--json", who="alice").out)[-1]  # fmt: skip
+    # approval show: the purpose and the capabilities approved, and the predecessor.
+    shown = acme.cli("approval", "show", approval["id"], "-t", "acme").out
+    assert "purpose:     Monthly churn-risk report" in shown, shown
+    assert "  - read of crm.customers (columns country, id, mrr, plan)" in shown
+    assert f"follows the approved churn-report {old}" in shown and diff in shown
+    for doc in (json.loads(acme.cli("approval", "show", approval["id"][:10], "-t", "acme",
+                                    "--json").out),
+                json.loads(acme.remote("approval", "show", approval["id"][:10], "-t", "acme",
+                                       "--json", who="alice").out)):  # fmt: skip
+        assert doc["id"] == approval["id"] and doc["artifact"] == "churn-report"
+        assert doc["purpose"].startswith("Monthly churn-risk report")
+        assert "write of bucket reports" in doc["capabilities_words"]
+        assert doc["capabilities"]["buckets"]
+        assert doc["approved_predecessor"]["digest"] == old
+    # The command offered works, and shows the change.
+    changed = acme.cli(*diff.split()[1:])
+    assert "main.py" in changed.out and "the second version" in changed.out
+    # The first version follows none.
+    (first,) = [a for a in json.loads(acme.cli("approval", "list", "-t", "acme", "--json").out)
+                if a["digest"] == old]  # fmt: skip
+    alone = json.loads(acme.cli("approval", "show", first["id"], "-t", "acme", "--json").out)
+    assert alone["approved_predecessor"] is None
+    assert (
+        "no other version of churn-report is approved"
+        in acme.cli("approval", "show", first["id"], "-t", "acme").out
+    )

@@ -193,11 +193,16 @@ def approve(
             principal = _principal(rt, token, "an approval")
             a = rt.approvals.grant(tenant, full, principal, expires=lifetime,
                                    comment=comment).as_json()  # fmt: skip
+    before = doc.get("approved_predecessor")
     if as_json:
-        emit_json(a)
+        emit_json({**a, "approved_predecessor": before})
         return
     console.print(f"approval [bold]{a['id']}[/] of {a['digest']} by {a['principal']},"
                   f" until {a['expires_at']}")  # fmt: skip
+    if before is not None:
+        # Said again after the approval: what it replaces, and how to see the change.
+        console.print(f"it follows the approved {before['digest']}; what changed: "
+                      f"proctor artifact diff -t {tenant} {before['digest']} {full}")  # fmt: skip
 
 
 def reject(
@@ -254,21 +259,42 @@ def approval_show(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """One approval or rejection: who, of which digest, when, until when, revoked or not."""
+    """One approval or rejection: who, of which digest, the purpose and capabilities it
+    approved, when, until when, revoked or not, and the approved version it follows."""
+    from proctor.cli._artifacts import _shown, review
+
     if (client := remote(token)) is not None:
         a = client.approval(tenant, approval_id)
     else:
         with open_runtime(home) as rt:
             _read(rt, token, tenant, Action.ARTIFACT_READ)
             a = rt.approvals.get(tenant, approval_id).as_json()
+    # What was approved is the artifact's manifest: the digest fixes it, so its
+    # capabilities are the ones the approval's capabilities_hash names.
+    art = review(tenant, a["digest"], token, home)
+    before = art.get("approved_predecessor")
+    doc = {**a, "artifact": art["name"], "capabilities": art["capabilities"],
+           "capabilities_words": art["capabilities_words"],
+           "approved_predecessor": before}  # fmt: skip
     if as_json:
-        emit_json(a)
+        emit_json(doc)
         return
-    for key in ("id", "decision", "digest", "principal", "roles", "created_at", "expires_at",
-                "revoked_at", "revoked_by", "comment"):  # fmt: skip
-        if key in a:
-            value = ", ".join(a[key]) if isinstance(a[key], list) else a[key]
-            console.print(f"{key + ':':12} {'' if value is None else value}")
+    for key in ("id", "decision", "digest", "artifact", "purpose", "principal", "roles",
+                "created_at", "expires_at", "revoked_at", "revoked_by", "comment"):  # fmt: skip
+        value = ", ".join(doc[key]) if isinstance(doc[key], list) else doc[key]
+        console.print(f"{key + ':':12} {'' if value is None else _shown(str(value))}")
+    console.print(f"{'capabilities:':12} (sha256 {a['capabilities_hash'].removeprefix('sha256:')})")
+    for line in art["capabilities_words"]:
+        console.print(f"  - {_shown(line)}")
+    if before is None:
+        console.print(f"no other version of {_shown(art['name'])} is approved now")
+        return
+    by = ", ".join(f"{_shown(p['principal'])} ({p['id']})" for p in before["approvals"])
+    console.print(
+        f"follows the approved {_shown(art['name'])} {before['digest']} (approved by {by})"
+    )
+    console.print(f"what changed since: proctor artifact diff -t {_shown(tenant)} "
+                  f"{before['digest']} {a['digest']}")  # fmt: skip
 
 
 @approval_app.command("list")
