@@ -273,3 +273,14 @@ def test_lineage_fits_80_columns_and_wide_keeps_its_columns(home: Home) -> None:
     wide = _at(80, "lineage", "-t", "acme", "--dataset", "crm", "--key", "5", "--wide",
                home=home.gov.home)  # fmt: skip
     assert "approved by" in wide and max(len(line) for line in wide.splitlines()) > 80
+
+
+def test_audit_events_take_relative_times(home: Home) -> None:
+    recent = json.loads(cli(home, "audit", "events", "-t", "acme", "--since", "1h",
+                            "--action", "sql.select", "--json").out)  # fmt: skip
+    assert len(recent) == 2
+    before = json.loads(cli(home, "audit", "events", "-t", "acme", "--until", "1h",
+                            "--json").out)  # fmt: skip
+    assert before == []
+    bad = cli(home, "audit", "events", "-t", "acme", "--since", "1x", check=False)
+    assert bad.code == 2 and "--since" in bad.err and "1h" in bad.err

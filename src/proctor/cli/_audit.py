@@ -24,10 +24,11 @@ from proctor.cli._common import (
     authorize_read,
     console,
     open_runtime,
-    parse_time,
     print_table,
     remote,
 )
+from proctor.cli._when import EXAMPLES as WHEN_EXAMPLES
+from proctor.cli._when import parse_when
 from proctor.cli._witness import (
     WitnessOfflineOpt,
     WitnessOpt,
@@ -197,8 +198,12 @@ def short_actor(actor: dict[str, Any]) -> str:
 @audit_app.command("events")
 def events(
     tenant: TenantOpt,
-    since: Annotated[str | None, typer.Option(help="ISO 8601 start (inclusive)")] = None,
-    until: Annotated[str | None, typer.Option(help="ISO 8601 end (exclusive)")] = None,
+    since: Annotated[
+        str | None, typer.Option(help=f"Start, inclusive (UTC: {WHEN_EXAMPLES})")
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="End, exclusive (the same forms as --since)")
+    ] = None,
     run: RunFilterOpt = None,
     action: ActionFilterOpt = None,
     decision: DecisionFilterOpt = None,
@@ -226,7 +231,7 @@ def events(
     same bytes as JSON Lines."""
     form = "jsonl" if as_lines else "json" if as_json else "table"
     check_action(action)
-    start, end = parse_time(since, "--since"), parse_time(until, "--until")
+    start, end = parse_when(since, "--since"), parse_when(until, "--until")
     flt = EventFilter(run=run, action=action, decision=decision, since=start, until=end,
                       actor=actor)  # fmt: skip
     if (client := remote(token)) is not None:
