@@ -633,7 +633,11 @@ def runs_list(
         typer.Option(help=f"Only runs started at or after this time: {WHEN_EXAMPLES}"),
     ] = None,
     mine: Annotated[
-        bool, typer.Option("--mine", help="Only runs you started (your token's principal)")
+        bool,
+        typer.Option(
+            "--mine",
+            help="Only runs you started (your token's principal; without one, the local operator)",
+        ),
     ] = False,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
