@@ -63,3 +63,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi
+
+# The README's commands run `proctor`: on PATH through /usr/local/bin when root.
+scripts/link-proctor.sh

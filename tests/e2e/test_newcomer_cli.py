@@ -109,3 +109,77 @@ def test_the_demo_stops_at_a_sandbox_that_could_not_start(tmp_path: Path) -> Non
     assert f"proctor runs show {run_id} -t acme --logs --home {demo}" in hint
     shown = run_cli("runs", "show", run_id, "-t", "acme", "--json", home=demo)
     assert "unknown platform: no-such-platform" in shown.out
+
+
+# -- item 2: `proctor` on PATH, as the README and the demo write it --------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(PROCTOR).resolve().parent
+SYSTEM_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _link(bin_dir: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PROCTOR_BIN_DIR": str(bin_dir)}
+    return subprocess.run([ROOT / "scripts" / "link-proctor.sh"], env=env, capture_output=True,
+                          text=True, timeout=60, check=True)  # fmt: skip
+
+
+def test_setup_puts_proctor_on_path_and_the_readme_says_so(tmp_path: Path) -> None:
+    # make demo and make test run make setup, which runs scripts/setup.sh, which links.
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\ndemo: setup\n" in makefile and "\ntest: setup " in makefile
+    assert "\nscripts/link-proctor.sh\n" in (ROOT / "scripts" / "setup.sh").read_text()
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    made = _link(bin_dir)
+    link = bin_dir / "proctor"
+    assert link.is_symlink() and link.resolve() == Path(PROCTOR).resolve(), made
+    found = subprocess.run(["proctor", "--version"], env={**os.environ, "PATH": f"{bin_dir}:{SYSTEM_PATH}"},
+                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    from proctor import __version__
+
+    assert found.stdout.strip() == __version__
+    again = _link(bin_dir)  # idempotent and quiet when it is there already
+    assert again.stdout == again.stderr == "" and link.resolve() == Path(PROCTOR).resolve()
+    # Another proctor (not a link a setup made) is left alone, and said so.
+    link.unlink()
+    link.write_text("#!/bin/sh\necho mine\n")
+    kept = _link(bin_dir)
+    assert link.read_text() == "#!/bin/sh\necho mine\n" and "left alone" in kept.stderr
+    # Where it cannot link (not root: the directory is not writable), it says how, and
+    # the README's quick start says the same line.
+    told = _link(tmp_path / "no-such-dir")
+    export = f'export PATH="{ROOT}/.venv/bin:$PATH"'
+    assert export in told.stderr, told.stderr
+    quick = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "/usr/local/bin/proctor" in quick and 'export PATH="$PWD/.venv/bin:$PATH"' in quick
+    assert "\nproctor init\n" in quick  # the first job runs bare `proctor`
+
+
+def _demo_hint(tmp_path: Path, name: str, path: str) -> list[str]:
+    env = {**os.environ, "PATH": path, "COLUMNS": "200"}
+    env.pop("PROCTOR_HOME", None)
+    res = subprocess.run([PROCTOR, "demo", "--home", str(tmp_path / name / "home")],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("The home is kept at"))
+    return [line.strip() for line in lines[at + 2 :]]
+
+
+@pytest.mark.host
+def test_the_demo_closing_hint_runs_proctor_as_the_readme_does(tmp_path: Path) -> None:
+    commands = (
+        "proctor audit events -t acme; proctor runs list -t acme; proctor history -t acme --at now"
+    )
+    # With the link setup makes on PATH: bare `proctor`, as the README's first job.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _link(bin_dir)
+    assert _demo_hint(tmp_path, "linked", f"{bin_dir}:{SYSTEM_PATH}") == [commands]
+    # Without one, first the line that puts it there.
+    assert _demo_hint(tmp_path, "unlinked", SYSTEM_PATH) == [
+        f"export PATH={VENV_BIN}:$PATH",
+        commands,
+    ]

@@ -162,10 +162,14 @@ def run_demo(home: Path | None, replace: bool = False) -> None:
     console.rule()
     console.print(f"The home is kept at [bold]{home}[/]; go on exploring it:")
     console.print(f"  export PROCTOR_HOME={home}")
-    # The command as this shell can run it (make demo runs it from the virtualenv).
-    exe = shutil.which("proctor") or sys.argv[0]
-    console.print(f"  {exe} audit events -t acme; {exe} runs list -t acme; "
-                  f"{exe} history -t acme --at now")  # fmt: skip
+    # `proctor` as the README writes it: make setup links it into /usr/local/bin when
+    # root; where PATH finds no such one (or another), the line that makes it so.
+    me = Path(sys.argv[0])
+    found = shutil.which("proctor")
+    if me.name == "proctor" and (found is None or Path(found).resolve() != me.resolve()):
+        console.print(f"  export PATH={escape(str(me.resolve().parent))}:$PATH", soft_wrap=True)
+    console.print("  proctor audit events -t acme; proctor runs list -t acme; "
+                  "proctor history -t acme --at now")  # fmt: skip
 
 
 def _story(rt: Runtime, home: Path, work: Path) -> None:
