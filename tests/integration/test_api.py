@@ -410,3 +410,15 @@ def test_events_filtered_by_actor_through_the_api_and_the_cli(api_env: ApiEnv) -
     assert {e["actor"]["id"] for e in json.loads(out)} == {"acme/aud"}
     with pytest.raises(UsageError):
         aud.events("acme", actor="x" * 201)
+
+
+def test_an_unknown_action_filter_is_refused_not_an_empty_answer(api_env: ApiEnv) -> None:
+    # Issue 33, item 8, through the API's own route: a typo is a 400 naming the near
+    # actions, as the CLI's check says, not an empty list that reads as "nothing".
+    aud = client(api_env, "aud")
+    with pytest.raises(UsageError, match=r"unknown action 'run\.strat'") as refused:
+        aud.events("acme", action="run.strat", newest=True, limit=10)
+    assert "run.start" in (refused.value.hint or "")
+    with pytest.raises(UsageError, match="unknown action"):
+        list(aud.iter_events("acme", action="no.such.action"))
+    assert aud.events("acme", action="tenant.create", newest=True, limit=10)

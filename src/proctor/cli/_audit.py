@@ -44,6 +44,7 @@ from proctor.ledger import (
     EventDraft,
     EventFilter,
     Verifier,
+    check_action,
     iter_events,
     query_events,
     verify_export,
@@ -75,26 +76,6 @@ DecisionFilterOpt = Annotated[
 ActorFilterOpt = Annotated[
     str | None, typer.Option("--actor", help="Only this actor's (its id, e.g. acme/alice)")
 ]
-
-
-def check_action(action: str | None) -> None:
-    """Refuse an ``--action`` no event can have: a typo is an error naming the near
-    ones, not an empty answer that reads as "nothing happened"."""
-    if action is None or action in Action.__members__.values():
-        return
-    import difflib
-
-    known = sorted(str(a) for a in Action)
-    near = difflib.get_close_matches(action, known, n=4, cutoff=0.5)
-    group = sorted({a for a in known if a.split(".")[0] == action.split(".")[0]})
-    shown = near or group[:8]
-    families = sorted({a.split(".")[0] + ".*" for a in known})
-    raise UsageError(
-        f"unknown action {action!r}",
-        hint=f"did you mean {', '.join(shown)}?"
-        if shown
-        else f"actions are named <family>.<verb>; the families: {', '.join(families)}",
-    )
 
 
 def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | None) -> str | None:

@@ -84,7 +84,7 @@ from proctor.ledger._prune import MAX_RANGES as MAX_PRUNE_RANGES
 from proctor.ledger._prune import PRUNE_ACTION, PRUNED_ACTION, PrunePlan, prune_draft
 from proctor.ledger._prune import is_marker as is_pruned_marker
 from proctor.ledger._prune import marker_leaf as pruned_leaf_hash
-from proctor.ledger._query import DECISIONS, EventFilter, iter_events, query_events
+from proctor.ledger._query import DECISIONS, EventFilter, check_action, iter_events, query_events
 from proctor.ledger._receipt import Receipt, make_receipt, verify_receipt
 from proctor.ledger._tiles import TileRef, parse_tile_path, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
@@ -129,6 +129,7 @@ __all__ = [
     "add_signatures",
     "bound_details",
     "canonical_json",
+    "check_action",
     "check_erased_object",
     "check_lineage_object",
     "clip",

@@ -16,11 +16,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from proctor.errors import UsageError
+from proctor.ledger._actions import Action
 from proctor.ledger._ledger import Ledger
 
 DECISIONS = ("allow", "deny")
 _PAGE = 512
 _MAX_TEXT = 200
+
+
+def check_action(action: str | None) -> None:
+    """Refuse an action no event can have: a typo is an error naming the near ones,
+    not an empty answer that reads as "nothing happened" (the CLI's and the API's
+    filters alike)."""
+    if action is None or action in Action.__members__.values():
+        return
+    import difflib
+
+    known = sorted(str(a) for a in Action)
+    near = difflib.get_close_matches(action, known, n=4, cutoff=0.5)
+    group = sorted({a for a in known if a.split(".")[0] == action.split(".")[0]})
+    shown = near or group[:8]
+    families = sorted({a.split(".")[0] + ".*" for a in known})
+    raise UsageError(
+        f"unknown action {action!r}",
+        hint=f"did you mean {', '.join(shown)}?"
+        if shown
+        else f"actions are named <family>.<verb>; the families: {', '.join(families)}",
+    )
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,7 @@ class EventFilter:
             value = getattr(self, name)
             if value is not None and (not value or len(value) > _MAX_TEXT):
                 raise UsageError(f"{name} must be 1 to {_MAX_TEXT} characters")
+        check_action(self.action)
         if self.since is not None and self.until is not None and self.since >= self.until:
             raise UsageError(
                 f"since ({self.since}) is not before until ({self.until}): nothing can match"
