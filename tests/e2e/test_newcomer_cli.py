@@ -80,6 +80,13 @@ def test_a_missing_export_directory_is_named_not_the_home(home: Path, tmp_path: 
     error = _one_error(res)[0]
     assert error == f"error: {nope} does not exist (looking for {nope}/verifier.key)", error
     assert "damaged" not in res.err and "internal error" not in res.err, res.err
+    # A directory that exists but holds no export says so, not "no such file".
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = run_cli("audit", "verify", "--from-export", str(elsewhere), home=home, check=False)
+    assert res.code == 2
+    error = _one_error(res)[0]
+    assert error == f"error: {elsewhere} is not an export of a Proctor log (it has no checkpoint)"
 
 
 @pytest.mark.host

@@ -431,6 +431,11 @@ def verify(
     if witness_url and witness_offline:
         raise UsageError("--witness-url asks the witnesses, --witness-offline does not: give one")
     if from_export is not None:
+        if from_export.is_dir() and not (from_export / "checkpoint").is_file():
+            raise UsageError(
+                f"{from_export} is not an export of a Proctor log (it has no checkpoint)",
+                hint="give the directory `proctor audit export -t T --out DIR` wrote",
+            )
         if witness and not witness_offline:
             raise UsageError(
                 "an export cannot be held to what the witnesses cosigned since it was made",
