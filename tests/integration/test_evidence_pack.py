@@ -227,12 +227,22 @@ def test_cli(home: Path, tmp_path: Path) -> None:
     for cmd in (
         ["evidence", "dpa-annex", "--json"],  # text for people without it (issue 33)
         ["evidence", "ropa", "--json"],
-        ["evidence", "sample", "--seed", "s"],
+        ["evidence", "sample", "--seed", "s", "--json"],
         ["lineage", "--dataset", "crm", "--key", "42", "--json"],
     ):
         r = runner.invoke(app, [*cmd, "-t", "acme"], env=env)
         assert r.exit_code == 0, (cmd, r.output)
         json.loads(r.output)
+    # Without --json the sample is for people: each run, who started it and approved it.
+    doc = json.loads(runner.invoke(app, ["evidence", "sample", "--seed", "s", "--json",
+                                         "-t", "acme"], env=env).output)  # fmt: skip
+    r = runner.invoke(app, ["evidence", "sample", "--seed", "s", "-t", "acme"], env=env)
+    assert r.exit_code == 0 and not r.output.lstrip().startswith("{"), r.output
+    assert f"of {doc['population']} production runs of acme" in r.output
+    for item in doc["runs"]:
+        assert item["run"]["id"] in r.output and item["artifact"]["digest"] in r.output
+        for a in item["approvals"]:
+            assert f"approved by: {a['principal']}" in r.output
     r = runner.invoke(app, ["subprocessor", "remove", "-t", "acme", "stripe"], env=env)
     assert r.exit_code == 0, r.output
 

@@ -322,13 +322,38 @@ def sample(
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """A reproducible random sample of production runs, each with its full chain."""
+    """A reproducible random sample of production runs, each with its full chain
+    (text; --json or --out FILE: JSON)."""
     from proctor.evidence import sample_runs
 
     with open_runtime(home) as rt:
         authorize_read(rt, token, tenant, Action.AUDIT_READ)
         doc = sample_runs(rt, tenant, n, seed)
-    _write(doc, out, as_json)
+    _write(doc, out, as_json, _sample_text)
+
+
+def _sample_text(doc: dict[str, Any]) -> str:
+    """The sample as an auditor reads it: one block a run, its chain in order."""
+    lines = [f"{doc['n']} of {doc['population']} production runs of {doc['tenant']} "
+             f"(seed {doc['seed']!r}: the same seed gives the same sample)", ""]  # fmt: skip
+    for item in doc.get("runs") or []:
+        run, art, dep = item["run"], item["artifact"], item.get("deployment") or {}
+        lines += [
+            f"{run['id']}  {run['deployment']}  {run['status']}  {run['started_at']}",
+            f"  started by:  {item.get('started_by')}",
+            f"  artifact:    {art['name']} {art['digest']} by {art['author']}",
+            f"  purpose:     {art.get('purpose')}",
+            f"  deployed:    version {dep.get('version')} by {dep.get('created_by')}",
+        ]
+        for a in item.get("approvals") or []:
+            lines.append(f"  approved by: {a.get('principal')} at {a.get('created_at')}")
+        if not item.get("approvals"):
+            lines.append("  approved by: nobody")
+        lines.append("")
+    if not doc.get("runs"):
+        lines.append("No production runs to sample.")
+    lines.append("The full chain of each: --json (or --out FILE).")
+    return "\n".join(lines) + "\n"
 
 
 def lineage_cmd(
