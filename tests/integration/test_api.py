@@ -422,3 +422,15 @@ def test_an_unknown_action_filter_is_refused_not_an_empty_answer(api_env: ApiEnv
     with pytest.raises(UsageError, match="unknown action"):
         list(aud.iter_events("acme", action="no.such.action"))
     assert aud.events("acme", action="tenant.create", newest=True, limit=10)
+
+
+def test_runs_are_filtered_on_the_server(api_env: ApiEnv) -> None:
+    # Issue 33, item 17, through the API's own route: bad filters are refused, and a
+    # filter that nothing matches answers an empty list, decided over every run.
+    aud = client(api_env, "aud")
+    with pytest.raises(UsageError):
+        aud.runs("acme", status="ok")
+    with pytest.raises(UsageError, match="since"):
+        aud.runs("acme", since="tomorrow")
+    assert aud.runs("acme", since="2100-01-01") == []
+    assert aud.runs("acme", mine=True) == []  # the auditor started none

@@ -53,7 +53,7 @@ from proctor.api._models import (
 )
 from proctor.api._tar import extract_artifact
 from proctor.errors import ProctorError, UsageError
-from proctor.governance import Principal, readiness
+from proctor.governance import RUN_STATUSES, Principal, readiness
 from proctor.ledger import Action
 from proctor.policy import EntityRef
 
@@ -712,15 +712,38 @@ def _run(r: Any) -> RunOut:
     return RunOut(**r.as_json())
 
 
+_STATUS_PATTERN = "^(" + "|".join(RUN_STATUSES) + ")$"
+
+
 @router.get("/tenants/{tenant}/runs", response_model=list[RunOut], tags=["runs"])
 def list_runs(
-    ctx: CtxDep, tenant: str, deployment: Annotated[str | None, Query(max_length=63)] = None
+    ctx: CtxDep,
+    tenant: str,
+    deployment: Annotated[str | None, Query(max_length=63)] = None,
+    status: Annotated[
+        str | None, Query(pattern=_STATUS_PATTERN, description="Only runs in this state")
+    ] = None,
+    since: Annotated[
+        str | None, Query(max_length=40, description="Only runs started at or after (ISO 8601)")
+    ] = None,
+    mine: Annotated[bool, Query(description="Only runs the caller started")] = False,
 ) -> list[RunOut]:
+    """A tenant's runs, oldest first. ``mine``: those whose run.start event names the
+    caller as the actor (who started a run is in the signed record, not the row)."""
+    from proctor.ledger import EventFilter, iter_events
     from proctor.lifecycle import Runs
 
     ctx.authorize(Action.RUN_READ, tenant, f"tenant/{tenant}", _runs_ref(ctx, tenant))
     ctx.rt.tenants.get(tenant)
-    return [_run(r) for r in Runs(ctx.rt).all(tenant, deployment)]
+    after = parse_time(since, "since") if since else None
+    rows = [r for r in Runs(ctx.rt).all(tenant, deployment, status)
+            if after is None or r.started_at >= after]  # fmt: skip
+    if mine:
+        flt = EventFilter(action=Action.RUN_START, actor=ctx.principal.actor.id, since=after)
+        started = {str(json.loads(e).get("run")) for e in iter_events(ctx.rt.ledger, tenant, flt)
+                   if json.loads(e).get("decision") == "allow"}  # fmt: skip
+        rows = [r for r in rows if r.id in started]
+    return [_run(r) for r in rows]
 
 
 @router.get("/tenants/{tenant}/runs/{run_id}", response_model=RunOut, tags=["runs"])

@@ -32,7 +32,7 @@ from proctor.cli._units import parse_duration
 from proctor.cli._when import EXAMPLES as WHEN_EXAMPLES
 from proctor.cli._when import parse_when
 from proctor.errors import UsageError
-from proctor.governance import ROLES, Environment, Principal
+from proctor.governance import ROLES, RUN_STATUSES, Environment, Principal
 from proctor.ledger import Action
 from proctor.policy import EntityRef
 from proctor.runtime import Runtime
@@ -618,7 +618,6 @@ def run_line(run_id: str, status: str, reason: str | None, code: int | None) -> 
 
 
 #: What a run's status may be (``runs list --status``).
-RUN_STATUSES = ("running", "succeeded", "failed", "stopped", "interrupted")
 
 
 @runs_app.command("list")
@@ -660,9 +659,8 @@ def runs_list(
 
     # Who started a run is in its signed run.start event, not in the store's row.
     if (client := remote(token)) is not None:
-        rows = [r for r in client.runs(tenant, deployment) if wanted(r)]
-        if mine:
-            rows = _remote_mine(client, tenant, rows)
+        # Filtered on the server, over every run, by the signed record for --mine.
+        rows = client.runs(tenant, deployment, status=status, since=after, mine=mine)
     else:
         with open_runtime(home) as rt:
             _read(rt, token, tenant, Action.RUN_READ)
@@ -685,32 +683,6 @@ def runs_list(
                       r["reason"] or "", "" if r["exit_code"] is None else str(r["exit_code"]),
                       r["started_at"], r["ended_at"] or "")  # fmt: skip
     print_table(table, wide)
-
-
-def _remote_mine(client: Any, tenant: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs of ``rows`` the token's principal started, through the API: each run's
-    run.start event, read as ``runs show`` reads a run's calls (the tenant-wide log is
-    the auditors'). A run whose events the principal may not read is left out, and
-    said so on stderr."""
-    from proctor.errors import ProctorError
-
-    who = client.whoami()
-    me = f"{who['tenant']}/{who['name']}"  # a principal's id, as events carry it
-    mine, unread = [], 0
-    for r in rows:
-        try:
-            found = client.iter_events(tenant, run=r["id"], action=Action.RUN_START,
-                                       since=_shortly_before(r["started_at"]))  # fmt: skip
-            if any(_actor_of(ev) == me for ev in found):
-                mine.append(r)
-        except ProctorError as exc:
-            if exc.code != "forbidden":
-                raise
-            unread += 1
-    if unread:
-        print(f"note: {unread} run(s) left out: {me} may not read who started them",
-              file=sys.stderr)  # fmt: skip
-    return mine
 
 
 def _actor_of(event: bytes) -> str | None:

@@ -413,8 +413,21 @@ class Client:
             raise ProctorError(f"the run's stream from {self.url} broke: {exc}") from exc
         raise ProctorError("the run's stream ended without its record")
 
-    def runs(self, tenant: str, deployment: str | None = None) -> Json:
-        params = {"deployment": deployment} if deployment else {}
+    def runs(
+        self, tenant: str, deployment: str | None = None, *, status: str | None = None,
+        since: str | None = None, mine: bool = False,
+    ) -> Json:  # fmt: skip
+        """A tenant's runs; ``status``, ``since`` (ISO 8601) and ``mine`` (those this
+        token's principal started) are decided on the server."""
+        params: dict[str, str] = {}
+        if deployment:
+            params["deployment"] = deployment
+        if status:
+            params["status"] = status
+        if since:
+            params["since"] = since
+        if mine:
+            params["mine"] = "true"
         return self._json("GET", f"{self._t(tenant)}/runs", params=params)
 
     def get_run(self, tenant: str, run_id: str) -> Json:

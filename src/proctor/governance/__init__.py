@@ -116,7 +116,7 @@ from proctor.governance._retention import (
     Retention,
     RetentionRule,
 )
-from proctor.governance._runs import RunRecord, Runs, RunStanding
+from proctor.governance._runs import RUN_STATUSES, RunRecord, Runs, RunStanding
 from proctor.governance._subprocessors import (
     Subprocessor,
     Subprocessors,
@@ -137,6 +137,7 @@ __all__ = [
     "MAX_OBJECT_BYTES",
     "MODES",
     "ROLES",
+    "RUN_STATUSES",
     "Approval",
     "ApprovalRequired",
     "Approvals",

@@ -18,6 +18,9 @@ from proctor.governance._prefixes import find_by_prefix
 from proctor.ledger import utc_now
 from proctor.store import Conflict, Conn, Store
 
+#: The states a run can be in ("running" until its run.end is recorded).
+RUN_STATUSES = ("running", "succeeded", "failed", "stopped", "interrupted")
+
 
 @dataclass(frozen=True)
 class RunRecord:
