@@ -192,6 +192,12 @@ def test_artifact_list_marks_approved_and_review_names_the_approved_predecessor(
     remote = run_cli("--server", home.server.url, "artifact", "review", "-t", "acme", home.new,
                      "--token", home.gov.token("bob")).out  # fmt: skip
     assert f"follows the approved report {home.old}" in remote
+    # The API's own review document carries it (the console and the SDK read it there).
+    sdk = Client(home.server.url, home.gov.token("bob")).review("acme", home.new)
+    assert sdk["approved_predecessor"]["digest"] == home.old
+    assert sdk["approved_predecessor"]["approvals"][0]["principal"].endswith("alice")
+    assert Client(home.server.url, home.gov.token("bob")).review("acme", home.old)[
+        "approved_predecessor"] is None  # fmt: skip
     first = cli(home, "artifact", "review", "-t", "acme", home.old).out
     assert "no earlier version of report is approved" in first
 

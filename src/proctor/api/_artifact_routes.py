@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import ApprovalOut
 from proctor.api._routes import CtxDep
+from proctor.governance import predecessor_of
 from proctor.ledger import Action
 from proctor.policy import EntityRef
 
@@ -101,6 +102,8 @@ def artifact_review(ctx: CtxDep, tenant: str, digest: str) -> dict[str, Any]:
     _authorize(ctx, tenant, digest)
     doc = ctx.rt.artifacts.review(tenant, digest)
     doc["approvals"] = [a.as_json() for a in ctx.rt.approvals.for_artifact(tenant, doc["digest"])]
+    # The approver's first question about a new version: what was approved before it.
+    doc["approved_predecessor"] = predecessor_of(ctx.rt.artifacts, ctx.rt.approvals, tenant, doc)
     return doc
 
 

@@ -32,8 +32,15 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import NotFound, UsageError
-from proctor.governance import Artifact, Artifacts, Manifest
-from proctor.ledger import Action, utc_now
+from proctor.governance import (
+    Artifact,
+    Artifacts,
+    Manifest,
+    approved_predecessor,
+    predecessor_of,
+    standing_approvals,
+)
+from proctor.ledger import Action
 from proctor.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -268,7 +275,7 @@ def artifact_list(
     """The tenant's artifacts, oldest first."""
     rows, approvals = _artifacts_and_approvals(tenant, token, home)
     for a in rows:
-        a["approved"] = bool(_standing(approvals, a))
+        a["approved"] = bool(standing_approvals(approvals, a))
     if as_json:
         emit_json(rows)
         return
@@ -295,36 +302,6 @@ def _artifacts_and_approvals(
             ap.as_json() for a in found for ap in rt.approvals.for_artifact(tenant, a.digest)
         ]
         return [a.to_json() for a in found], approvals
-
-
-def _standing(approvals: list[dict[str, Any]], artifact: dict[str, Any]) -> list[dict[str, Any]]:
-    """The approvals of ``artifact`` in force now: approve, not revoked, not expired, of
-    its capabilities and purpose (what a deployment's quorum check counts, less the
-    quorum itself: `approve` and `deploy` say whether enough of them do)."""
-    now = utc_now()
-    return [
-        ap for ap in approvals
-        if ap["digest"] == artifact["digest"] and ap["decision"] == "approve"
-        and ap.get("revoked_at") is None and (ap.get("expires_at") or "~") > now
-        and ap["capabilities_hash"] == artifact["capabilities_hash"]
-        and ap["purpose"] == artifact["purpose"]
-    ]  # fmt: skip
-
-
-def approved_predecessor(
-    doc: dict[str, Any], artifacts: list[dict[str, Any]], approvals: list[dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The newest other version of ``doc``'s artifact (same name, submitted before it)
-    that is approved now, with its approvals: what an approver compares a new one with."""
-    older = [a for a in artifacts if a["name"] == doc["name"] and a["digest"] != doc["digest"]
-             and a["submitted_at"] <= doc["submitted_at"]]  # fmt: skip
-    for a in sorted(older, key=lambda a: a["submitted_at"], reverse=True):
-        standing = _standing(approvals, a)
-        if standing:
-            return {"digest": a["digest"], "submitted_at": a["submitted_at"],
-                    "approvals": [{"id": ap["id"], "principal": ap["principal"],
-                                   "created_at": ap["created_at"]} for ap in standing]}  # fmt: skip
-    return None
 
 
 def print_diff(d: dict[str, Any]) -> None:
@@ -545,9 +522,12 @@ def review(tenant: str | None, digest: str, token: str | None, home: Path | None
             t = _local_tenant(rt, token, tenant, digest)
             doc = _artifacts(rt, token, t, Action.ARTIFACT_READ).review(t, digest)
             doc["approvals"] = [a.as_json() for a in rt.approvals.for_artifact(t, doc["digest"])]
-    # The approver's first question about a new version: what was approved before it.
-    artifacts, approvals = _artifacts_and_approvals(doc["tenant"], token, home)
-    doc["approved_predecessor"] = approved_predecessor(doc, artifacts, approvals)
+            doc["approved_predecessor"] = predecessor_of(rt.artifacts, rt.approvals, t, doc)
+    if "approved_predecessor" not in doc:
+        # The approver's first question about a new version: what was approved before
+        # it (a server of an earlier version does not say; ask it the same way).
+        artifacts, approvals = _artifacts_and_approvals(doc["tenant"], token, home)
+        doc["approved_predecessor"] = approved_predecessor(doc, artifacts, approvals)
     return doc
 
 

@@ -102,6 +102,11 @@ from proctor.governance._policies import (
     effective_policies,
     policy_object,
 )
+from proctor.governance._predecessor import (
+    approved_predecessor,
+    predecessor_of,
+    standing_approvals,
+)
 from proctor.governance._principals import (
     KINDS,
     ROLES,
@@ -202,6 +207,7 @@ __all__ = [
     "Tenant",
     "Tenants",
     "Unbacked",
+    "approved_predecessor",
     "artifact_digest",
     "bindings",
     "bucket_problem",
@@ -222,6 +228,7 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
     "policy_object",
+    "predecessor_of",
     "read_ca_pem",
     "read_object_file",
     "readiness",
@@ -233,6 +240,7 @@ __all__ = [
     "run_events_context",
     "split_entry",
     "stage_object",
+    "standing_approvals",
     "submission_problems",
     "subprocessor_forbid",
     "unbacked_erasures",
