@@ -140,3 +140,21 @@ def test_a_queued_request_is_taken_once_and_never_by_a_lapsed_node(store_url: st
     again = asked.get(rid2)
     assert again is not None and again.state == "queued" and again.node is None
     store.close()
+
+
+def test_a_node_numbers_ticks_by_the_databases_clock(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two machines whose clocks disagree must number a schedule's ticks alike: serve
+    # reads "now" as the database's clock. This machine is made an hour fast.
+    from types import SimpleNamespace
+
+    from proctor.lifecycle import _serve
+
+    store = open_store(store_url, create=True)
+    node = SimpleNamespace(rt=SimpleNamespace(store=store), _offset=0.0, _offset_at=-1e9)
+    real = time.time()
+    monkeypatch.setattr(_serve.time, "time", lambda: real + 3600.0)
+    now = _serve.Server._now(node)  # type: ignore[arg-type]
+    assert abs(now - real) < 30, now - real
+    store.close()

@@ -131,6 +131,7 @@ class Server:
         self.queue = RunQueue(self.rt.store, self.node)
         supervisor.queue = self.queue
         self._taken: set[str] = set()
+        self._offset, self._offset_at = 0.0, -1e9  # the database's clock less ours
         # Kept from now, not from serve(): what the caller starts first (the API)
         # may take longer than a lease.
         self.node.keep(self._lose)
@@ -335,10 +336,23 @@ class Server:
         epoch seconds) and that node is not taking it."""
         if slot.tried == name:
             return False
-        if time.time() - since < _UNCLAIMED and not self._least_loaded():
+        if self._now() - since < _UNCLAIMED and not self._least_loaded():
             return False
         slot.tried = name
         return claim(self.rt.store, slot.tenant, slot.name, name, self.node)
+
+    def _now(self) -> float:
+        """Epoch seconds by the database's clock, as every node reads it: ticks and
+        slots are numbered alike on machines whose clocks disagree. The offset
+        from this machine's clock is read again each minute."""
+        if time.monotonic() - self._offset_at > 60.0:
+            with contextlib.suppress(ProctorError):  # a busy store: this clock a while
+                with self.rt.store.read() as conn:
+                    row = conn.query_one(f"SELECT {self.rt.store.engine.clock}")
+                if row is not None:
+                    self._offset = float(row[0]) - time.time()
+                    self._offset_at = time.monotonic()
+        return time.time() + self._offset
 
     def _least_loaded(self) -> bool:
         load = running_per_node(self.rt.store)
@@ -355,16 +369,17 @@ class Server:
         failures = 0
         if last is not None and last.status == "failed":
             failures = self.supervisor.runs.failed_since(
-                slot.tenant, slot.name, time.time() - self.crash_window
+                slot.tenant, slot.name, self._now() - self.crash_window
             )
             delay = self.backoff[min(max(failures, 1) - 1, len(self.backoff) - 1)]
-            if _seconds_since(last.ended_at) < delay:
+            if _seconds_since(last.ended_at, self._now()) < delay:
                 return
-        free_since = time.time() - _seconds_since(last.ended_at if last else None)
+        now_db = self._now()
+        free_since = now_db - _seconds_since(last.ended_at if last else None, now_db)
         # A claim whose node never started the run (it died just after, or its start
         # was refused) would hold the slot for ever: each _RECLAIM seconds the slot
         # is a new one. Two runs never follow: the store allows one running at a time.
-        waited = time.time() - free_since if last is not None else time.time()
+        waited = now_db - free_since if last is not None else now_db
         generation = int(max(waited, 0) // _RECLAIM)
         name = f"after:{last.id if last else '-'}:{generation}"
         if not self._claim(slot, name, free_since):
@@ -386,7 +401,7 @@ class Server:
     def _schedule(self, slot: _Slot, dep: Deployment, now: float) -> None:
         every = max(dep.every_seconds or 1.0, 0.001)
         slot.thread = None
-        tick = int(time.time() // every)
+        tick = int(self._now() // every)
         if self._claim(slot, f"tick:{every:g}:{tick}", tick * every):
             log_event(log, "schedule.fire", tenant=slot.tenant, deployment=slot.name,
                       every_seconds=every, version=dep.version, tick=tick)  # fmt: skip
@@ -401,11 +416,11 @@ def _stop_reason(lost: str | None, cause: str | None) -> str:
     return cause or "stop requested"
 
 
-def _seconds_since(iso: str | None) -> float:
+def _seconds_since(iso: str | None, now: float) -> float:
     if not iso:
         return 1e9
     when = datetime.fromisoformat(iso.replace("Z", "+00:00"))
-    return time.time() - when.timestamp()
+    return now - when.timestamp()
 
 
 def _day_before() -> str:
