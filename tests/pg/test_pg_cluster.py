@@ -9,11 +9,7 @@ off, each in a network namespace of its own: test_pg_cluster_cut.py.)
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +17,9 @@ from typing import Any
 import pytest
 
 from proctor.lifecycle import nodes
-from tests.conftest import PROCTOR, wait_until
+from tests.conftest import wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
+from tests.pg.cluster_support import ServeNodes, runs_of
 from tests.sandbox_conftest_helpers import any_backend
 
 pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
@@ -38,60 +35,14 @@ TICK = 'print("tick", flush=True)\n'
 HELLO = 'import time\nprint("hello from a run", flush=True)\ntime.sleep(3)\nprint("bye")\n'
 
 
-class Cluster:
+class Cluster(ServeNodes):
     def __init__(self, gov: Gov, homes: list[Path], backend: str, logs: Path) -> None:
+        super().__init__(homes, backend, logs, LEASE)
         self.gov = gov
-        self.homes = homes
-        self.backend = backend
-        self.logs = logs
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def start(self, i: int, api_port: int | None = None) -> None:
-        env = dict(os.environ, PROCTOR_HOME=str(self.homes[i]))
-        err = (self.logs / f"node{i}.log").open("ab")
-        api = ["--no-api"] if api_port is None else ["--api-port", str(api_port), "--no-console"]
-        self.procs[i] = subprocess.Popen(
-            [PROCTOR, "serve", "--backend", self.backend, *api, "--node-lease", str(LEASE)],
-            env=env, stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-
-    def node_of(self, i: int) -> str:
-        pid = self.procs[i].pid
-        return next(n.id for n in nodes(self.gov.rt.store) if n.id.split(":")[1] == str(pid))
-
-    def lines(self, event: str) -> list[dict[str, Any]]:
-        out = []
-        for path in sorted(self.logs.glob("node*.log")):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{") and f'"{event}"' in line:
-                    doc = json.loads(line)
-                    if doc.get("event") == event:
-                        out.append(doc)
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-
-
-def _runs(gov: Gov, name: str) -> list[Any]:
-    with gov.rt.store.read() as conn:
-        return conn.query(
-            "SELECT id, status, supervisor, reason FROM runs WHERE tenant = 'acme'"
-            " AND deployment = ? ORDER BY started_at",
-            (name,),
-        )
-
-
-def _events(gov: Gov) -> list[dict[str, Any]]:
-    return [json.loads(e) for e in gov.rt.ledger.entries("acme")]
+        api = () if api_port is None else ("--api-port", str(api_port), "--no-console")
+        self.spawn(i, api=api)
 
 
 @pytest.fixture
@@ -148,7 +99,7 @@ def test_runs_asked_of_one_node_go_where_there_is_room_and_stream_back(
         cluster.start(i, api_port=ports[i])
     wait_until(lambda: len([n for n in nodes(gov.rt.store) if n.state == "live"]) == 3,
                "three live nodes")  # fmt: skip
-    wait_until(lambda: any(r[1] == "running" for r in _runs(gov, "svc")), "the service")
+    wait_until(lambda: any(r[1] == "running" for r in runs_of(gov, "svc")), "the service")
     out: dict[int, tuple[list[str], Any]] = {}
 
     def ask(k: int) -> None:
@@ -168,15 +119,15 @@ def test_runs_asked_of_one_node_go_where_there_is_room_and_stream_back(
         # Streamed back through node 0, whichever node ran it.
         assert "hello from a run" in "".join(seen) and "bye" in "".join(seen), seen
         assert record["status"] == "succeeded", record
-    ran_on = {r[2] for r in _runs(gov, "hello")}
-    assert len(_runs(gov, "hello")) == 4
+    ran_on = {r[2] for r in runs_of(gov, "hello")}
+    assert len(runs_of(gov, "hello")) == 4
     assert len(ran_on) >= 2, f"every run on one node: {ran_on}"
     taken = cluster.lines("request.take")
     assert len(taken) == 4 and len({d["request"] for d in taken}) == 4, taken
     with gov.rt.store.read() as conn:
         states = conn.query("SELECT state, run_id FROM run_requests")
     assert sorted(s for s, _ in states) == ["done"] * 4
-    assert {r for _, r in states} == {r[0] for r in _runs(gov, "hello")}
+    assert {r for _, r in states} == {r[0] for r in runs_of(gov, "hello")}
 
 
 def _answers(c: Any) -> bool:

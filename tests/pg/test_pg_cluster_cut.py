@@ -35,8 +35,9 @@ import pytest
 
 from proctor.lifecycle import nodes
 from proctor.testing import PostgresServer, PostgresUnavailable
-from tests.conftest import PROCTOR, wait_until
+from tests.conftest import wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
+from tests.pg.cluster_support import ServeNodes, events_of, runs_of
 from tests.sandbox_conftest_helpers import any_backend, unavailable
 
 pytestmark = [pytest.mark.postgres, pytest.mark.sandbox]
@@ -90,55 +91,15 @@ def _network(count: int) -> Iterator[tuple[str, list[str], str]]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-class Nodes:
+class Nodes(ServeNodes):
     def __init__(self, homes: list[Path], spaces: list[str], backend: str, logs: Path) -> None:
-        self.homes, self.spaces, self.backend, self.logs = homes, spaces, backend, logs
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        super().__init__(homes, backend, logs, LEASE)
+        self.spaces = spaces
 
     def start(self, i: int) -> None:
-        env = dict(os.environ, PROCTOR_HOME=str(self.homes[i]))
-        err = (self.logs / f"node{i}.log").open("ab")
-        self.procs[i] = subprocess.Popen(
-            # nsenter, not ip netns exec: that one mounts a new /sys for the namespace,
-            # without the cgroup hierarchies a sandbox's limits are written in.
-            ["nsenter", f"--net=/run/netns/{self.spaces[i]}", PROCTOR, "serve", "--backend",
-             self.backend, "--no-api", "--node-lease", str(LEASE)],
-            env=env, stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-
-    def lines(self, event: str) -> list[dict[str, Any]]:
-        out = []
-        for path in sorted(self.logs.glob("node*.log")):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{") and f'"{event}"' in line:
-                    doc = json.loads(line)
-                    if doc.get("event") == event:
-                        out.append(doc)
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-
-
-def _runs(gov: Gov, name: str) -> list[Any]:
-    with gov.rt.store.read() as conn:
-        return conn.query(
-            "SELECT id, status, supervisor, reason FROM runs WHERE tenant = 'acme'"
-            " AND deployment = ? ORDER BY started_at",
-            (name,),
-        )
-
-
-def _events(gov: Gov) -> list[dict[str, Any]]:
-    return [json.loads(e) for e in gov.rt.ledger.entries("acme")]
+        # nsenter, not ip netns exec: that one mounts a new /sys for the namespace,
+        # without the cgroup hierarchies a sandbox's limits are written in.
+        self.spawn(i, prefix=("nsenter", f"--net=/run/netns/{self.spaces[i]}"))
 
 
 def _traces(run_id: str) -> list[str]:
@@ -212,7 +173,7 @@ def _live(gov: Gov, count: int) -> bool:
 
 
 def _serving(gov: Gov, but: str | None = None) -> Any:
-    return next((r for r in _runs(gov, "svc") if r[1] == "running" and r[0] != but), None)
+    return next((r for r in runs_of(gov, "svc") if r[1] == "running" and r[0] != but), None)
 
 
 def _victim(cluster: Nodes, node: str) -> int:
@@ -226,7 +187,7 @@ def _exercise(gov: Gov, cluster: Nodes) -> None:
         cluster.start(i)
     wait_until(lambda: _live(gov, 3), "three live nodes")
     first = wait_until(lambda: _serving(gov), "the service")
-    wait_until(lambda: len(_runs(gov, "tick")) >= 3, "three ticks", timeout=90)
+    wait_until(lambda: len(runs_of(gov, "tick")) >= 3, "three ticks", timeout=90)
 
     # 1. SIGKILL the service's node.
     killed = _victim(cluster, first[2])
@@ -236,7 +197,7 @@ def _exercise(gov: Gov, cluster: Nodes) -> None:
     second = wait_until(lambda: _serving(gov, but=first[0]), "the service elsewhere", 60)
     assert second[2] != first[2]
     assert time.monotonic() - killed_at < LEASE + 30
-    old = next(r for r in _runs(gov, "svc") if r[0] == first[0])
+    old = next(r for r in runs_of(gov, "svc") if r[0] == first[0])
     assert old[1] == "interrupted" and old[3] in ("supervisor died", "node lease lapsed"), old
     cluster.start(killed)  # started again by its service manager: a new node
     wait_until(lambda: _live(gov, 3), "the killed node back, as a new one")
@@ -252,19 +213,19 @@ def _exercise(gov: Gov, cluster: Nodes) -> None:
     wait_until(lambda: not _traces(second[0]), "the cut node's sandbox to be gone", 30)
     third = wait_until(lambda: _serving(gov, but=second[0]), "the service taken over", 60)
     assert third[2] != second[2]
-    old = next(r for r in _runs(gov, "svc") if r[0] == second[0])
+    old = next(r for r in runs_of(gov, "svc") if r[0] == second[0])
     assert old[1] == "interrupted" and old[3] == "node lease lapsed", old
     _ip("-n", cluster.spaces[cut], "link", "set", "v0", "up")
     cluster.start(cut)
     wait_until(lambda: _live(gov, 3), "the cut node back, as a new one")
-    wait_until(lambda: _serving(gov) is not None and len(_runs(gov, "tick")) >= 8,
+    wait_until(lambda: _serving(gov) is not None and len(runs_of(gov, "tick")) >= 8,
                "more ticks", timeout=60)  # fmt: skip
     cluster.stop()
     _check(gov, cluster, dead={first[2]: first[0], second[2]: second[0]})
 
 
 def _check(gov: Gov, cluster: Nodes, dead: dict[str, str]) -> None:
-    events = _events(gov)
+    events = events_of(gov)
     for node, run_id in dead.items():
         ends = [e for e in events if e["action"] == "run.end" and e.get("run") == run_id]
         assert len(ends) == 1, ends
@@ -292,7 +253,7 @@ def _check(gov: Gov, cluster: Nodes, dead: dict[str, str]) -> None:
     ticks = Counter(d["tick"] for d in cluster.lines("schedule.fire"))
     assert max(ticks.values()) == 1, ticks
     # The ticks go to the nodes with room: more than one of them.
-    assert len({r[2] for r in _runs(gov, "tick")}) >= 2
+    assert len({r[2] for r in runs_of(gov, "tick")}) >= 2
     assert gov.rt.ledger.verify("acme").size == len(events)
     gov.rt.ledger.verify("system")
     states = Counter(n.state for n in nodes(gov.rt.store))
