@@ -20,6 +20,10 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/n
   || need_pkgs+=(postgresql)
 # The console's browser tests drive Debian's Chromium with Playwright (no browser download).
 command -v chromium >/dev/null 2>&1 || need_pkgs+=(chromium)
+# The metrics tests scrape a running serve with a real Prometheus; promtool checks
+# and unit-tests the alert rules under deploy/prometheus.
+installs_prometheus=0
+command -v promtool >/dev/null 2>&1 || { need_pkgs+=(prometheus); installs_prometheus=1; }
 
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -30,6 +34,12 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+  # Debian's package starts a Prometheus of its own on :9090 under systemd: the tests
+  # start theirs on loopback ports of their own, so the machine keeps none running.
+  if [ "$installs_prometheus" -eq 1 ] && command -v systemctl >/dev/null 2>&1 \
+      && [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 # Debian's package makes the `postgres` user that owns a test server's files; a

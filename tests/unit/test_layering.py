@@ -3,7 +3,7 @@ each other's public surface.
 
 The order, bottom to top (a component may import any component below it):
 
-    errors; store; ledger; witness; policy; sandbox; guest; governance; broker;
+    errors; telemetry; store; ledger; witness; policy; sandbox; guest; governance; broker;
     lifecycle; evidence; runtime; client; console; api; cli; testing
 
 - ``guest`` is standard library only: inside a sandbox it is the package
@@ -38,7 +38,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
 
 ORDER = [
-    "errors", "store", "ledger", "witness", "policy", "sandbox", "guest", "governance", "broker",
+    "errors", "telemetry", "store", "ledger", "witness", "policy", "sandbox", "guest", "governance", "broker",
     "lifecycle", "evidence", "runtime", "client", "console", "api", "cli", "testing",
 ]  # fmt: skip
 

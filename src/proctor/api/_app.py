@@ -19,6 +19,7 @@ from proctor import __version__
 from proctor.api import (
     _artifact_routes,
     _egress_routes,
+    _health,
     _log,
     _operator_routes,
     _retention_routes,
@@ -28,7 +29,7 @@ from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._console_shelf import StoreShelf
 from proctor.api._context import ApiState, Limits, request_id_for
 from proctor.api._errors import body, describe
-from proctor.api._models import HealthOut, KeyOut
+from proctor.api._models import KeyOut
 from proctor.console import Console, ConsoleConfig, SignInProvider
 from proctor.errors import ProctorError
 from proctor.lifecycle import REQUEST, log_event
@@ -223,16 +224,12 @@ def create_app(
         doc = body(code, message, None, _rid(request))
         return JSONResponse(doc, status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/healthz", response_model=HealthOut, tags=["meta"])
-    def healthz() -> HealthOut:
-        """Liveness; needs no credential and reveals nothing of any tenant."""
-        return HealthOut(status="ok", version=__version__)
-
     @app.get("/key", response_model=KeyOut, tags=["meta"])
     def key() -> KeyOut:
         """The verifier key of the runtime's checkpoints: public by design."""
         return KeyOut(verifier_key=rt.ledger.vkey(), trust_domain=rt.config.trust_domain)
 
+    app.include_router(_health.router)
     app.include_router(_routes.router)
     app.include_router(_artifact_routes.router)
     app.include_router(_log.router)

@@ -11,6 +11,7 @@ from proctor import __version__
 from proctor.cli import _print_error
 from proctor.cli._artifacts import artifact_app
 from proctor.cli._audit import audit_app
+from proctor.cli._backup import register as register_backup
 from proctor.cli._common import (
     REMOTE,
     HomeOpt,
@@ -22,6 +23,7 @@ from proctor.cli._common import (
     open_runtime,
     print_table,
 )
+from proctor.cli._doctor import register as register_doctor
 from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
@@ -116,6 +118,8 @@ register_governance(app, tenant_app)
 register_evidence(app)
 register_witness(app)
 register_retention(app)
+register_doctor(app)
+register_backup(app)
 
 
 def _print_version(value: bool) -> None:
