@@ -73,7 +73,7 @@ async def admit(call: Call, gate: Gate, first_byte: float) -> CallKind | None:
     scope = call.scope
     assert call.reader is not None
     try:
-        head = await read_head(call.reader, first_byte=first_byte)
+        head = await read_head(call.reader, first_byte=first_byte, arrived=call.start)
     except IdleConnection:
         call.idle = True
         return None
@@ -85,7 +85,7 @@ async def admit(call: Call, gate: Gate, first_byte: float) -> CallKind | None:
         return None  # nothing asked, nothing answered
     call.head = head
     scope.admit_call()
-    call.passed(ADMIT)
+    call.passed(ADMIT, call.began)
     token = head.header(TOKEN_HEADER)
     if token:
         problem = gate.problem(scope.run_id, token)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 from typing import TYPE_CHECKING
 
 from proctor.broker._admit import Unauthenticated
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
 
 async def answer(call: Call, acted: Acted) -> None:
     """Send the call's answer (its event is durable)."""
+    began = time.perf_counter_ns()
     if acted.inside is not None:
-        await _answer_inside(call, acted.inside, acted.answer)
+        await _answer_inside(call, acted.inside, acted.answer, began)
         return
     writer = call.writer
     assert writer is not None
@@ -45,17 +47,17 @@ async def answer(call: Call, acted: Acted) -> None:
         await respond(writer, 200, acted.answer, "application/octet-stream")
     elif acted.answer is not None:
         await respond_json(writer, 200, acted.answer)
-    call.passed(ANSWER)
+    call.passed(ANSWER, began)
 
 
-async def _answer_inside(call: Call, stream: TlsStream, owed: object) -> None:
+async def _answer_inside(call: Call, stream: TlsStream, owed: object, began: int) -> None:
     """The answer of a call its act moved inside TLS (a secret injected): an error
     still owed sent there, after the completion record; then TLS closed."""
     if isinstance(owed, BrokerError):
         with contextlib.suppress(ConnectionError, OSError, ssl.SSLError):
             await stream.write(error_bytes(owed))
     await stream.close()
-    call.passed(ANSWER)
+    call.passed(ANSWER, began)
 
 
 async def refuse(
@@ -73,9 +75,10 @@ async def refuse(
         # Recorded by the admit stage; the 401 names no event (the token is the guest's).
         writer = call.writer
         assert writer is not None
+        began = time.perf_counter_ns()
         await respond_json(writer, 401, {"error": exc.code, "message": exc.message,
                                          "policies": []})  # fmt: skip
-        call.passed(ANSWER)
+        call.passed(ANSWER, began)
         return
     if always or not recorded_any():
         refused = await refuse_request(call, exc, status)
@@ -107,7 +110,8 @@ async def send_error(
     writer = call.writer
     if writer is None or writer.is_closing() or not call.speaks_http:
         return
+    began = time.perf_counter_ns()
     with contextlib.suppress(ConnectionError, OSError, RuntimeError):
         writer.write(error_bytes(exc, status, extra or ()))
         await writer.drain()
-        call.passed(ANSWER)
+        call.passed(ANSWER, began)

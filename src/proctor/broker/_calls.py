@@ -12,12 +12,16 @@ event carries, held until the event is durable: the bytes read, a staged write).
 Kinds are registered once (:data:`KINDS`, in the order the socket matches
 them); nothing else in the path tests a kind. Each :class:`Call` keeps the
 stages it passed, in order (:attr:`Call.trace`): a tuple of names, cheap enough
-to keep for every call; the broker keeps the last ones of each run.
+to keep for every call; the broker keeps the last ones of each run. Beside it,
+when each stage began (:attr:`Call.marks`, a clock read per stage), and the
+call's decision and its event's seq, for the call's metrics and span
+(:mod:`._telemetry`, once the call ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -74,10 +78,37 @@ class Call:
     #: A redirected connection's original destination and first bytes
     #: (:class:`._transparent.Origin`); None on the socket and the proxy.
     origin: Any = None
+    #: When each stage in :attr:`trace` began (``time.perf_counter_ns``), one each;
+    #: a stage ends where the next begins, the last where the call ends.
+    marks: list[int] = field(default_factory=list)
+    #: When the call began: its first byte on the run's socket, else when it was made
+    #: (``time.perf_counter_ns``, and the same instant as ``time.time_ns`` for spans).
+    began: int = field(default_factory=time.perf_counter_ns)
+    began_wall: int = field(default_factory=time.time_ns)
+    #: The call's decision event, once recorded: "allow" or "deny", and its seq.
+    decision: str | None = None
+    seq: int | None = None
+    #: What the decide stage ruled (allowed or not), where it ruled.
+    ruled: bool | None = None
+    #: Served by a call of its own (a handler that handed it to the proxy's entry
+    #: point): that call is the one counted.
+    handed_on: bool = False
 
-    def passed(self, stage: str) -> None:
+    def passed(self, stage: str, at: int | None = None) -> None:
+        """Note ``stage`` (begun ``at``, a ``perf_counter_ns`` reading; now if None)."""
         if not self.trace or self.trace[-1] != stage:
             self.trace = (*self.trace, stage)
+            self.marks.append(at if at is not None else time.perf_counter_ns())
+
+    def start(self) -> None:
+        """The call begins now (its first byte came)."""
+        self.began = time.perf_counter_ns()
+        self.began_wall = time.time_ns()
+
+    def recorded(self, decision: str, seq: int) -> None:
+        """Its decision event is durable (the first a call records is its decision)."""
+        if self.seq is None:
+            self.decision, self.seq = decision, seq
 
 
 #: The call being served by this task (set by the pipeline): stage functions that

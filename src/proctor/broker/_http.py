@@ -155,11 +155,15 @@ class IdleConnection(Exception):
 
 
 async def read_head(
-    reader: asyncio.StreamReader, timeout: float = 30.0, *, first_byte: float | None = None
+    reader: asyncio.StreamReader,
+    timeout: float = 30.0,
+    *,
+    first_byte: float | None = None,
+    arrived: Callable[[], None] | None = None,
 ) -> RequestHead | None:
     """The next request head, or None at a clean end of stream. With ``first_byte``,
     :class:`IdleConnection` if no byte arrives within that many seconds (a connection
-    opened only to be held)."""
+    opened only to be held); ``arrived`` is called when that first byte comes."""
     first = b""
     if first_byte is not None:
         try:
@@ -168,6 +172,8 @@ async def read_head(
             return None
         except TimeoutError:
             raise IdleConnection from None
+        if arrived is not None:
+            arrived()
     try:
         raw = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
     except asyncio.IncompleteReadError as exc:

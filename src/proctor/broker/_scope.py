@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from proctor.broker._calls import COMPLETE, DECIDE, RECORD, passed
+from proctor.broker._calls import COMPLETE, CURRENT, DECIDE, RECORD, passed
 from proctor.errors import LedgerError, ProctorError, UsageError
 from proctor.governance import DatasetKind
 from proctor.ledger import (
@@ -66,6 +66,7 @@ from proctor.policy import (
     decide,
 )
 from proctor.store import Conn
+from proctor.telemetry import metrics, tenant
 
 log = logging.getLogger("proctor.broker")
 
@@ -580,6 +581,9 @@ class RunScope:
             ) from exc
         if self._quota is not None:
             self._quota.observe(appended.size)
+        call = CURRENT.get()
+        if call is not None and action not in _COMPLETIONS:
+            call.recorded(draft.decision, appended.seq)
         counter = REQUEST_EVENTS.get()
         if counter is not None:
             counter.count += 1
@@ -676,16 +680,19 @@ class RunScope:
         bound = self.call_bound if self.call_bound is not None else DEFAULT_CALL_BOUND
         if self.calls >= bound:
             self.refused_over_bound += 1
+            self._count_limited("calls")
             raise self._over_bound(bound)
         quota = self._quota
         if quota is not None and quota.exhausted():
             self.refused_over_quota += 1
             quota.refused += 1
+            self._count_limited("quota")
             raise self._over_quota(quota)
         limiter = self.limiter
         if limiter.take():
             self.calls += 1
             return
+        self._count_limited("rate")
         self._schedule_flush()
         limit = limiter.limit
         raise RateLimited(
@@ -693,6 +700,9 @@ class RunScope:
             f"(burst {limit.burst}); slow down",
             policies=(RATE_LIMIT_RULE,),
         )
+
+    def _count_limited(self, reason: str) -> None:
+        metrics().rate_limited.labels("broker", reason, tenant(self.tenant)).inc()
 
     # -- the bound and the quota: one event each, named by every refusal --------------
 

@@ -53,6 +53,7 @@ from proctor.broker._scope import (
 from proctor.broker._tokens import RunTokens
 from proctor.broker._transparent import TRANSPARENT, TransparentEgress
 from proctor.ledger import Action
+from proctor.telemetry import metrics
 
 if TYPE_CHECKING:
     from proctor.broker._proxy import EgressProxy
@@ -332,10 +333,13 @@ class Broker:
             assert task is not None
             connections.add(task)
             self._open_connections += 1
+            gauge = metrics().broker_connections
+            gauge.inc()
             try:
                 await self._connection(scope, reader, writer)
             finally:
                 self._open_connections -= 1
+                gauge.dec()
                 connections.discard(task)
                 writer.close()
 
@@ -380,6 +384,7 @@ class Broker:
             refused.first = time.monotonic()
         setattr(refused, why, getattr(refused, why) + 1)
         refused.total += 1
+        metrics().broker_refused.labels(why).inc()
         if refused.timer is None and refused.flushing is None:
             # In a context of its own: the event is no connection's answer.
             refused.timer = self._loop.call_later(

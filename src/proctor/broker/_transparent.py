@@ -74,6 +74,7 @@ from proctor.broker._scope import (
     SecretBinding,
 )
 from proctor.broker._splice import wait_ready
+from proctor.broker._telemetry import finished
 from proctor.ledger import Action
 from proctor.policy import normalize_host
 from proctor.sandbox import GuestNetwork
@@ -446,6 +447,7 @@ class TransparentEgress:
                 await (refuse(call, exc) if isinstance(exc, RateLimited | Exhausted)
                        else send_error(call, exc))  # fmt: skip
             writer.close()
+            finished(call, refused=True)
             return False
         return True
 

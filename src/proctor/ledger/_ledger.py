@@ -41,6 +41,7 @@ from proctor.ledger._objects import LedgerObject, store_objects
 from proctor.ledger._tiles import TILE_WIDTH, FullTileCache, TileNodes, tile_path
 from proctor.ledger._verify import VerifyReport, verify_log
 from proctor.store import Conn, Engine, Row, Store
+from proctor.telemetry import metrics, tenant
 
 SYSTEM_LOG = "system"
 _TILE_BYTES = TILE_WIDTH * 32
@@ -278,6 +279,25 @@ def _wake(batch: list[_Pending]) -> None:
     for loop, items in loops.items():
         with suppress(RuntimeError):  # a closed loop has nobody waiting any more
             loop.call_soon_threadsafe(_settle, items)
+
+
+def _observe(rows: Sequence[tuple[str, int, str, bytes, str | None]], seconds: float) -> None:
+    """A commit's metrics: its events per log, its size and how long it took (the
+    writer's thread, once per batch: an event costs no metric of its own)."""
+    if not rows:
+        return
+    m = metrics()
+    m.ledger_batch.observe(len(rows))
+    m.ledger_fsync_seconds.observe(seconds)
+    first = rows[0][0]
+    if all(row[0] == first for row in rows):
+        m.ledger_appends.labels(tenant(first)).inc(len(rows))
+        return
+    per_log: dict[str, int] = {}
+    for row in rows:
+        per_log[row[0]] = per_log.get(row[0], 0) + 1
+    for log, count in per_log.items():
+        m.ledger_appends.labels(tenant(log)).inc(count)
 
 
 def _event_bytes(item: _Pending, seq: int, time: str, tails: dict[tuple[str, str], bytes]) -> bytes:
@@ -585,11 +605,15 @@ class Ledger:
                 break
             batch, barriers, stop = self._gather(first)
             if batch:
+                began = time.perf_counter()
                 try:
-                    self._commit(batch, barriers)
+                    rows = self._commit(batch, barriers)
                 except BaseException as exc:
                     # Every waiter must be woken, whatever went wrong.
                     self._fail(batch, exc)
+                    metrics().ledger_write_failures.inc()
+                else:
+                    _observe(rows, time.perf_counter() - began)
                 _wake(batch)
                 stop = stop or self._stopping
             for barrier in barriers:
@@ -675,7 +699,10 @@ class Ledger:
             if item.error is None:
                 item.error = error
 
-    def _commit(self, batch: list[_Pending], barriers: list[_Done]) -> None:
+    def _commit(
+        self, batch: list[_Pending], barriers: list[_Done]
+    ) -> list[tuple[str, int, str, bytes, str | None]]:
+        """Commit ``batch`` (one transaction, one fsync); the rows it made durable."""
         logs = sorted({item.log for item in batch} | {i.then[0] for i in batch if i.then})
         rows: list[tuple[str, int, str, bytes, str | None]] = []
         # The batch's own events, for their results: item, its log's state, seq, leaf, bytes.
@@ -735,6 +762,7 @@ class Ledger:
         for item, state, seq, leaf, data in own:
             log = item.log
             item.result = _new_tuple(Appended, (log, seq, leaf, state.tree.size, notes[log], data))
+        return rows
 
     def _check_fence(self, conn: Conn) -> None:
         fence = self._fence

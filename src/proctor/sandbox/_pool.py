@@ -19,6 +19,7 @@ import select
 import subprocess
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -27,6 +28,7 @@ from proctor.sandbox._errors import SandboxSpecInvalid, SandboxStartFailed
 from proctor.sandbox._gvisor import GVisorDriver, _Prepared
 from proctor.sandbox._model import SandboxResult, SandboxSpec
 from proctor.sandbox._supervise import Sink, launch, watch
+from proctor.telemetry import collect_with, metrics
 
 _READY = b"\0proctor-ready\n"
 _BOOT_TIMEOUT = 15.0
@@ -61,6 +63,36 @@ elif _job["mode"] == "script":
 else:
     os.execvp(_argv[0], _argv)
 """
+
+
+# The live pools, read at each scrape: the gauge is what they hold then, whenever
+# the metrics were turned on.
+_pools: weakref.WeakSet[WarmPool] = weakref.WeakSet()
+_pools_lock = threading.Lock()
+_pool_backends: set[str] = set()
+_pools_measured: list[bool] = []
+
+
+def _measured(pool: WarmPool) -> None:
+    with _pools_lock:
+        if not _pools_measured:
+            collect_with(_pool_sizes)
+            _pools_measured.append(True)
+        _pools.add(pool)
+        _pool_backends.add(pool.driver.name)
+
+
+def _pool_sizes() -> None:
+    with _pools_lock:
+        pools = list(_pools)
+    # A backend whose pools are all gone reads 0, not the last size seen.
+    sizes = dict.fromkeys(_pool_backends, 0)
+    for pool in pools:
+        name = pool.driver.name
+        sizes[name] = sizes.get(name, 0) + len(pool._ready)
+    gauge = metrics().warm_pool_size
+    for name, size in sizes.items():
+        gauge.labels(name).set(size)
 
 
 @dataclasses.dataclass
@@ -98,6 +130,7 @@ class WarmPool:
         self._error: SandboxError | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        _measured(self)
 
     def __enter__(self) -> WarmPool:
         self.start()
@@ -199,6 +232,8 @@ class WarmPool:
     def _take(self, timeout: float) -> _Warm:
         deadline = time.monotonic() + timeout
         with self._cond:
+            if not self._ready and not self._closed:
+                metrics().warm_pool_misses.labels(self.driver.name).inc()
             while not self._ready:
                 if self._closed:
                     raise SandboxError("the warm pool is closed")

@@ -183,6 +183,8 @@ class _State:
         self.lock = threading.Lock()
         self.current = _null()
         self.registry: Any = None
+        #: The real set, kept while a bench turns the metrics off (:func:`_switch`).
+        self.real: Metrics | None = None
         self.tenant_labels = False
         self.callbacks: list[Callable[[], None]] = []
 
@@ -223,6 +225,17 @@ def enable_metrics(*, tenant_labels: bool = False) -> Metrics:
             _state.current = _real(registry)
             _state.registry = registry
         return _state.current
+
+
+def _switch(on: bool) -> None:
+    """Benches: turn the metrics off (the no-op set) and on again, to compare. The
+    registry and what it counted stay."""
+    with _state.lock:
+        if _state.registry is None:
+            return  # never turned on: off already
+        if _state.real is None:
+            _state.real = _state.current
+        _state.current = _state.real if on else _null()
 
 
 def tenant(name: str) -> str:

@@ -107,3 +107,18 @@ def run_context(run_id: str) -> Any:
 def unbind_run(run_id: str) -> None:
     with _state.lock:
         _state.runs.pop(run_id, None)
+
+
+def _use_exporter(exporter: Any) -> Any:
+    """Tests: trace into ``exporter`` (e.g. the SDK's ``InMemorySpanExporter``), each
+    span as it ends, instead of OTLP; :func:`shutdown_tracing` ends it. The provider."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with _state.lock:
+        if _state.provider is not None:
+            raise RuntimeError("tracing is already on")
+        _state.provider = provider
+    return provider
