@@ -15,12 +15,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proctor import __version__
+from proctor import __version__, telemetry
 from proctor.api import (
     _artifact_routes,
     _egress_routes,
     _health,
     _log,
+    _metrics_route,
     _operator_routes,
     _retention_routes,
     _routes,
@@ -50,14 +51,69 @@ _STATUS_CODES = {
 }  # fmt: skip
 
 
+#: Methods named in metrics and spans; any other (a client may send any token) is
+#: ``OTHER``, so that a caller cannot make a series per request.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: Not traced: probes and scrapes come every few seconds and do no one's work.
+_UNTRACED = frozenset({"/metrics", "/healthz", "/readyz"})
+
+
+def route_template(scope: Scope, root: str = "") -> str:
+    """The template of the route that answered (``/tenants/{tenant}/runs``), never the
+    path (it holds tenants' names and ids), or ``unmatched``. Under a mount (the
+    console's ``/ui``), the mount's prefix first: ``root`` is the app's own root path,
+    and every mount of this app has a fixed path."""
+    path = getattr(scope.get("route"), "path", None)
+    if not isinstance(path, str):
+        return "unmatched"
+    return f"{scope.get('root_path', '')[len(root) :]}{path}"
+
+
+class _RequestSpan:
+    """The request's span (OTel HTTP semantic conventions), current while the request
+    is served: a run the request starts copies the context into its thread (see
+    ``start_run``), so the run's span is its child. The parent is the caller's W3C
+    ``traceparent`` if it sent one. No query string, no header, no body."""
+
+    __slots__ = ("_method", "_span", "_token")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str]) -> None:
+        from opentelemetry import context, trace
+
+        parent = telemetry.extract_context(headers)
+        self._method = method
+        self._span = telemetry.tracer().start_span(
+            method, context=parent, kind=trace.SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path[:512]},
+        )  # fmt: skip
+        self._token = context.attach(trace.set_span_in_context(self._span, parent))
+
+    def end(self, route: str, status: int) -> None:
+        from opentelemetry import context, trace
+
+        if route != "unmatched":
+            self._span.update_name(f"{self._method} {route}")
+            self._span.set_attribute("http.route", route)
+        self._span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            self._span.set_status(trace.StatusCode.ERROR)
+        self._span.end()
+        context.detach(self._token)
+
+
 class _Guard:
     """Gives each request its id (``X-Request-Id``, echoed on every response) and
     refuses bodies over the limit: by Content-Length before reading, and by counting
-    when there is none (the artifact upload route counts its own, larger, stream)."""
+    when there is none (the artifact upload route counts its own, larger, stream).
+    Counts and times each request by its route's template, and traces it when
+    tracing is on."""
 
     def __init__(self, app: ASGIApp, limits: Limits) -> None:
         self._app = app
         self._limits = limits
+        self._metrics: telemetry.Metrics | None = None
+        self._requests: dict[tuple[str, str, int], Any] = {}
+        self._seconds: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,18 +126,44 @@ class _Guard:
         # The log line's context: what this request leads to (a run's start and end, in
         # the run's thread) carries the request id too.
         token = REQUEST.set({"request_id": rid})
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        root = scope.get("root_path", "")
+        span = None
+        if telemetry.tracing_enabled() and scope["path"] not in _UNTRACED:
+            span = _RequestSpan(method, scope["path"], headers)
         started = time.monotonic()
         try:
             await self._serve(scope, receive, send, headers, rid)
         finally:
             REQUEST.reset(token)
+            elapsed = time.monotonic() - started
+            status = state.get("status", 500)
+            route = route_template(scope, root)
+            self._observe(method, route, status, elapsed)
+            if span is not None:
+                span.end(route, status)
             # Only the path: no query string (a caller may put anything there), no header.
-            elapsed = round((time.monotonic() - started) * 1000, 1)
             log_event(
                 _access, "api.request", method=scope["method"], path=scope["path"][:512],
-                status=state.get("status", 500), duration_ms=elapsed, request_id=rid,
+                status=status, duration_ms=round(elapsed * 1000, 1), request_id=rid,
                 actor=state.get("actor"),
             )  # fmt: skip
+
+    def _observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count the request; the labelled children are kept, so a request costs two
+        dict lookups and two increments, not prometheus_client's label resolution."""
+        m = telemetry.metrics()
+        if m is not self._metrics:  # metrics turned on since: the no-op children go
+            self._metrics, self._requests, self._seconds = m, {}, {}
+        key = (method, route, status)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self._requests[key] = m.api_requests.labels(method, route, str(status))
+        counter.inc()
+        hist = self._seconds.get(key[:2])
+        if hist is None:
+            hist = self._seconds[key[:2]] = m.api_seconds.labels(method, route)
+        hist.observe(seconds)
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], rid: str
@@ -151,7 +233,7 @@ def _rid(request: Request) -> str | None:
     return rid
 
 
-def create_app(
+def create_app(  # noqa: PLR0913 -- the API's options, each named
     rt: Runtime,
     *,
     oidc: Sequence[OIDCIssuer] = (),
@@ -161,18 +243,23 @@ def create_app(
     worker_threads: int = 40,
     public_logs: Sequence[str] = (),
     console: ConsoleConfig | None = None,
+    metrics_token: str | None = None,
 ) -> FastAPI:
     """The API over ``rt``. ``supervisor`` (a ``proctor.lifecycle.Supervisor``) is used
     for runs when given (``proctor serve`` has one); otherwise the API makes its own
     broker and supervisor on the first run and stops them at shutdown. ``public_logs``:
     tenants whose tlog-tiles read paths need no token (a public mirror of their log).
     ``console``: serve the web console at ``/ui`` (its OIDC sign-in offers the
-    issuers marked ``console`` in ``oidc``)."""
+    issuers marked ``console`` in ``oidc``). ``metrics_token``: the operator's scrape
+    token, which ``/metrics`` asks for (None: no metrics on the API); given one, the
+    metrics are turned on if they are not yet."""
     limits = limits or Limits()
     state = ApiState(
         rt, Authenticator(rt, oidc), limits, backend=backend, supervisor=supervisor,
-        public_logs=frozenset(public_logs),
+        public_logs=frozenset(public_logs), metrics_token=metrics_token,
     )  # fmt: skip
+    if metrics_token is not None and not telemetry.metrics_enabled():
+        telemetry.enable_metrics(tenant_labels=telemetry.tenant_labels())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -230,6 +317,7 @@ def create_app(
         return KeyOut(verifier_key=rt.ledger.vkey(), trust_domain=rt.config.trust_domain)
 
     app.include_router(_health.router)
+    app.include_router(_metrics_route.router)
     app.include_router(_routes.router)
     app.include_router(_artifact_routes.router)
     app.include_router(_log.router)

@@ -69,6 +69,8 @@ class ApiState:
     own_broker: Any = None
     #: Tenants whose tlog-tiles read paths are served without a token (a mirror).
     public_logs: frozenset[str] = frozenset()
+    #: The operator's scrape token for ``/metrics`` (None: the API serves no metrics).
+    metrics_token: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     principals: PrincipalLimits = field(init=False)
     log_reads: LogReads = field(init=False)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from proctor import telemetry
 from proctor.api._errors import ApiError
 from proctor.errors import LedgerError
 from proctor.governance import Principal
@@ -105,6 +106,7 @@ class PrincipalLimits:
             # authenticated request passes, so the connection is marked here.
             held.gate.protect(held, (p.tenant, p.id))
         if not allowed:
+            telemetry.metrics().rate_limited.labels("api", "rate", telemetry.tenant(p.tenant)).inc()
             raise ApiError(
                 429,
                 "rate_limited",
@@ -132,6 +134,9 @@ class PrincipalLimits:
             else:
                 self._count(b, now)
         if not held:
+            telemetry.metrics().rate_limited.labels(
+                "api", "follows", telemetry.tenant(p.tenant)
+            ).inc()
             raise ApiError(
                 429,
                 "rate_limited",
@@ -347,6 +352,7 @@ class ConnectionGate:
     def _drop(self, h: Held) -> None:
         h.open = False
         self._open -= 1
+        telemetry.metrics().api_connections.set(self._open)
         left = self._per_source[h.key] - 1
         if left:
             self._per_source[h.key] = left
@@ -387,6 +393,7 @@ class ConnectionGate:
             self._per_source[key] = self._per_source.get(key, 0) + 1
             self._open += 1
             self._unauth_add(h)
+            telemetry.metrics().api_connections.set(self._open)
         for old in closed:
             old.abort()
         return h
@@ -415,6 +422,8 @@ class ConnectionGate:
             self._count(why)
 
     def _count(self, why: str) -> None:
+        # No tenant: a connection is refused or closed before any principal is known.
+        telemetry.metrics().rate_limited.labels("api", why, "").inc()
         c = self._c
         if c.pending() == 0:
             c.first = time.monotonic()

@@ -22,6 +22,7 @@ from proctor.api._app import create_app
 from proctor.api._auth import OIDCIssuer
 from proctor.api._context import Limits
 from proctor.api._limits import CONNECTION, WINDOW, ConnectionGate, Held, gate_bounds
+from proctor.api._metrics_route import read_metrics_token
 from proctor.console import ConsoleConfig
 from proctor.errors import ProctorError, UsageError
 from proctor.ledger import Actor
@@ -372,16 +373,19 @@ def serve_api(
     json_log: bool = False,
     public_logs: Sequence[str] = (),
     console: ConsoleConfig | None = None,
+    metrics_token_file: Path | None = None,
 ) -> ApiServer:
     """Start serving the API over ``rt`` in a background thread and return once it
     accepts connections. TLS when ``certfile`` and ``keyfile`` are given (both or
     neither). The socket is bound here, so a port in use fails now, in the caller.
     ``json_log``: uvicorn keeps the log handlers ``proctor serve`` set up (JSON lines)
     instead of installing its own. ``public_logs``: tenants whose tlog-tiles read paths
-    are served without a token. ``console``: serve the web console at ``/ui/``."""
+    are served without a token. ``console``: serve the web console at ``/ui/``.
+    ``metrics_token_file``: serve ``/metrics`` to the bearer of the token it holds."""
     # TLS is done under the gate (see _GatedTLS), not by uvicorn's listener. Made
     # first: a file that cannot be used fails before anything else is started.
     context = check_tls(certfile, keyfile) if certfile is not None or keyfile is not None else None
+    metrics_token = read_metrics_token(metrics_token_file) if metrics_token_file else None
     app = create_app(
         rt,
         oidc=oidc,
@@ -391,6 +395,7 @@ def serve_api(
         worker_threads=worker_threads,
         public_logs=public_logs,
         console=console,
+        metrics_token=metrics_token,
     )
     limits = limits or Limits()
     # A connection is a descriptor: raise the soft limit, bound connections below it.

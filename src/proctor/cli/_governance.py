@@ -31,7 +31,7 @@ from proctor.cli._common import (
 from proctor.cli._units import parse_duration
 from proctor.cli._when import EXAMPLES as WHEN_EXAMPLES
 from proctor.cli._when import parse_when
-from proctor.errors import UsageError
+from proctor.errors import ProctorError, UsageError
 from proctor.governance import ROLES, RUN_STATUSES, Environment, Principal
 from proctor.ledger import Action
 from proctor.policy import EntityRef
@@ -794,19 +794,88 @@ def serve(
             "store take over its runs' services (docs/deploy.md)",
         ),
     ] = 10.0,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Serve the Prometheus metrics alone at /metrics on this port, without a "
+            "token (for a serve with --no-api, or a scraper kept off the API)",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address of --metrics-port (anyone who reaches it reads them)")
+    ] = "127.0.0.1",
+    metrics_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve the metrics at the API's /metrics to the bearer of the token in this "
+            "file (Prometheus: authorization.credentials_file); without it the API serves none"
+        ),
+    ] = None,
+    metrics_tenant_labels: Annotated[
+        bool,
+        typer.Option(
+            "--metrics-tenant-labels",
+            help="Label calls, ledger appends, refusals, prunes and witness lag with the "
+            "tenant's name (a series per tenant; names are then in the metrics)",
+        ),
+    ] = False,
     home: HomeOpt = None,
 ) -> None:
     """The long-running runtime: services kept up, schedules fired, runs supervised,
     the HTTP API (OpenAPI at /openapi.json) and the web console (/ui/)."""
-    import logging
-
-    from proctor.lifecycle import NodeLost, Server, log_event, log_json
+    from proctor import telemetry
+    from proctor.lifecycle import log_json
 
     _check_api_options(no_api, tls_cert, tls_key, {
         "--oidc-config": oidc_config, "--console-url": console_url,
         "--public-log": public_log, "--no-console": no_console,
+        "--metrics-token-file": metrics_token_file,
     })  # fmt: skip
+    if metrics_host != "127.0.0.1" and metrics_port is None:
+        raise UsageError("--metrics-host is the address of --metrics-port, which is not given",
+                         hint="add --metrics-port PORT, or drop --metrics-host")  # fmt: skip
     log_json()  # one JSON object per line on stderr: docs/operations.md
+    # On for the whole serve (cheap: see telemetry); traces only if OTEL_* asks.
+    telemetry.enable_metrics(tenant_labels=metrics_tenant_labels)
+    telemetry.configure_tracing()
+    stop_metrics = None
+    try:
+        if metrics_port is not None:
+            stop_metrics = _serve_metrics(metrics_host, metrics_port)
+            shown = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
+            console.print(f"metrics at http://{shown}:{metrics_port}/metrics")
+        _serve(backend, api_host, api_port, tls_cert, tls_key, oidc_config, no_api,
+               no_console, console_url, public_log, node_lease, metrics_token_file,
+               home)  # fmt: skip
+    finally:
+        if stop_metrics is not None:
+            stop_metrics()
+        telemetry.shutdown_tracing()  # what is queued is exported before serve ends
+
+
+def _serve_metrics(host: str, port: int) -> Any:
+    from proctor import telemetry
+
+    try:
+        return telemetry.serve_metrics(host, port)
+    except OSError as exc:
+        raise ProctorError(
+            f"cannot serve the metrics on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+
+
+def _serve(
+    backend: str | None, api_host: str, api_port: int, tls_cert: Path | None,
+    tls_key: Path | None, oidc_config: Path | None, no_api: bool, no_console: bool,
+    console_url: str | None, public_log: list[str] | None, node_lease: float,
+    metrics_token_file: Path | None, home: Path | None,
+) -> None:  # fmt: skip
+    import logging
+
+    from proctor.lifecycle import NodeLost, Server, log_event
+
     with open_runtime(home) as rt, rt.make_broker() as broker:
         for tenant in public_log or ():
             rt.tenants.get(tenant)  # an unknown tenant fails now, not at the first read
@@ -827,6 +896,7 @@ def serve(
                     json_log=True,
                     public_logs=public_log or (),
                     console=None if no_console else ConsoleConfig(public_url=console_url),
+                    metrics_token_file=metrics_token_file,
                 )  # fmt: skip
             except BaseException:
                 server.close()  # the node leaves now, not when its lease lapses
