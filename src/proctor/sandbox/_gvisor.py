@@ -162,6 +162,10 @@ class GVisorDriver:
         return None
 
     def status(self) -> BackendStatus:
+        # Asked again each time: the platform is probed once, and runsc removed since
+        # must not go on being reported as working (a readiness probe asks this).
+        if not os.access(self._runsc, os.X_OK):
+            return BackendStatus(self.name, False, "runsc is not installed (apt-get install runsc)")
         try:
             layout()
             self.plan  # noqa: B018 - raises when the interpreter cannot be mounted
