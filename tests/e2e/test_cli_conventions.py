@@ -128,6 +128,8 @@ NOT_WALKED = {
     "sandbox run": "runs a sandbox: test_every_printing_command_speaks_json runs it too",
     "witness serve": "serves until stopped (its --json is one line): tests/integration/test_witness",
     "hold remove": "needs the id hold add made: tests/e2e/test_retention_cli.py runs it with --json",
+    "backup verify": "needs a backup: tests/integration/test_backup.py runs it with --json",
+    "restore": "needs a backup and a new home: tests/integration/test_backup.py runs it with --json",
 }
 
 #: Commands that print but take no --json, and why.

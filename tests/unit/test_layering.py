@@ -39,7 +39,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
 
 ORDER = [
     "errors", "telemetry", "store", "ledger", "witness", "policy", "sandbox", "guest", "governance", "broker",
-    "lifecycle", "evidence", "runtime", "client", "console", "api", "cli", "testing",
+    "lifecycle", "evidence", "runtime", "backup", "client", "console", "api", "cli", "testing",
 ]  # fmt: skip
 
 #: Components allowed to import only some of those below them.

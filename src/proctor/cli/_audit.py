@@ -466,10 +466,16 @@ def verify(
             if witness:
                 from proctor.witness import verify_witnessed_log
 
-                report, witnessing = verify_witnessed_log(
-                    rt.store, rt.ledger, log, witness, quorum, trusted=trusted,
-                    pinned=witness_url or (), offline=witness_offline,
-                )  # fmt: skip
+                try:
+                    report, witnessing = verify_witnessed_log(
+                        rt.store, rt.ledger, log, witness, quorum, trusted=trusted,
+                        pinned=witness_url or (), offline=witness_offline,
+                    )  # fmt: skip
+                except VerificationFailed as exc:
+                    from proctor.backup import behind_witnesses
+
+                    behind_witnesses(rt.home, log, exc)  # a restored home: how far behind
+                    raise
                 witnessed_size = witnessing.witnessed_size
             else:
                 report = rt.ledger.verify(log, trusted)
