@@ -28,6 +28,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from proctor import telemetry
 from proctor.errors import NotFound, UsageError
 from proctor.ledger import (
     Action,
@@ -194,6 +195,7 @@ def erase_key(
         ),
         hook=write,
     )
+    telemetry.metrics().erasures.labels(telemetry.tenant(tenant)).inc()
     if secure:
         # The write-ahead log may still hold page images from before the erasure; a
         # scrub that a reader's snapshot defeats is done again by the next one

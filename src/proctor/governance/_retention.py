@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from proctor import telemetry
 from proctor.errors import NotFound, UsageError
 from proctor.governance._prefixes import find_by_prefix, resolve_prefix
 from proctor.ledger import (
@@ -502,6 +503,7 @@ class Retention:
                 )
 
             written.append(self._ledger.append(tenant, draft, hook=write).seq)
+            telemetry.metrics().pruned.labels(telemetry.tenant(tenant)).inc(len(part))
         return PruneResult(
             tenant, rule.name, cutoff, len(chosen), held, tuple(written),
             misdated=tuple(misdated), unverified=tuple(unverified),

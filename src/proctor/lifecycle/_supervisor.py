@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from proctor import telemetry
 from proctor.broker import (
     Broker,
     DatasetBinding,
@@ -105,6 +106,55 @@ class _RunStop(Interrupt):
         if isinstance(outer, Interrupt) and outer.is_set() and outer.reason is not None:
             return outer.reason
         return self.reason
+
+
+class _RunMetrics:
+    """A run in ``proctor_runs{state, backend}`` (starting until its sandbox is asked
+    for, then running) and, at its end, ``proctor_runs_finished_total``; and its span
+    (``proctor.run``), whose context the broker's call spans join (by run id). The
+    span's parent is the context current where the run starts: an API request's,
+    carried into the run's thread, or none (a tick of serve: a trace of its own)."""
+
+    __slots__ = ("_backend", "_run_id", "_span", "_state")
+
+    def __init__(self, run_id: str, backend: str, attributes: dict[str, str]) -> None:
+        self._run_id = run_id
+        self._backend = backend
+        self._state: str | None = "starting"
+        telemetry.metrics().runs.labels("starting", backend).inc()
+        self._span: Any = None
+        if telemetry.tracing_enabled():
+            from opentelemetry import trace
+
+            self._span = telemetry.tracer().start_span(
+                "proctor.run", kind=trace.SpanKind.INTERNAL, attributes=attributes
+            )
+            telemetry.bind_run(run_id, trace.set_span_in_context(self._span))
+
+    def running(self) -> None:
+        runs = telemetry.metrics().runs
+        if self._state == "starting":
+            runs.labels("starting", self._backend).dec()
+            runs.labels("running", self._backend).inc()
+            self._state = "running"
+
+    def end(self, outcome: str | None) -> None:
+        """The run ended as ``outcome`` (None: refused before it started)."""
+        m = telemetry.metrics()
+        if self._state is not None:
+            m.runs.labels(self._state, self._backend).dec()
+            self._state = None
+        if outcome is not None:
+            m.runs_finished.labels(outcome, self._backend).inc()
+        if self._span is not None:
+            from opentelemetry import trace
+
+            telemetry.unbind_run(self._run_id)
+            self._span.set_attribute("proctor.outcome", outcome or "refused")
+            if outcome in (None, "failed"):
+                self._span.set_status(trace.StatusCode.ERROR)
+            self._span.end()
+            self._span = None
 
 
 class AlreadyRunning(RunRefused):
@@ -255,7 +305,14 @@ class Supervisor:
             if self._closing is not None:
                 raise RunRefused(f"run of {name} refused: this supervisor is shutting down")
             self._active[run_id] = stop
+        watched: _RunMetrics | None = None
+        outcome: str | None = None
         try:
+            watched = _RunMetrics(run_id, self.driver.name, {
+                "proctor.tenant": tenant, "proctor.deployment": name, "proctor.run": run_id,
+                "proctor.artifact.digest": dep.digest, "proctor.environment": dep.environment,
+                "proctor.backend": self.driver.name,
+            })  # fmt: skip
             try:
                 self._record_start(actor, scope, dep, artifact, limits_doc, attempt)
             except RunRefused as exc:  # running already: the refusal is recorded
@@ -270,14 +327,17 @@ class Supervisor:
             if on_start is not None:
                 on_start(run_id)  # run.start is durable: whoever waits may follow it
             result, failure, output = self._run_sandbox(
-                scope, dep, artifact, limits, env, on_stdout, on_stderr, stop
+                scope, dep, artifact, limits, env, on_stdout, on_stderr, stop, watched.running
             )
             record = self._finish(tenant, run_id, actor, dep, result, failure, output, stop,
                                   scope)  # fmt: skip
+            outcome = record.status
             log_event(_log, Action.RUN_END, **run_log, outcome=record.status,
                       reason=record.reason, exit_code=record.exit_code)  # fmt: skip
             return record
         finally:
+            if watched is not None:
+                watched.end(outcome)
             with self._lock:
                 self._active.pop(run_id, None)
                 self._idle.notify_all()
@@ -395,6 +455,7 @@ class Supervisor:
         self, scope: RunScope, dep: Deployment, artifact: Any, limits: Limits,
         env: dict[str, str] | None, on_stdout: Callable[[bytes], object] | None,
         on_stderr: Callable[[bytes], object] | None, cancel: threading.Event | None,
+        on_running: Callable[[], None] = lambda: None,
     ) -> tuple[SandboxResult | None, str | None, str]:  # fmt: skip
         """The sandbox, from the code's copy to its removal: (result, failure, the
         output's digest). Whatever happens, nothing of the run is left but its logs."""
@@ -438,6 +499,7 @@ class Supervisor:
                     hosts = sorted({h for s in scope.secrets.values() for h in s.hosts}
                                    | set(rule_hosts(scope.egress_rules)))  # fmt: skip
                     ca_dir = self._ca_dir(tenant, run_id, rt.egress_ca_pem(tenant, hosts))
+                on_running()
                 result = run_brokered(
                     self.broker, scope, self.driver, tuple(artifact.manifest.entrypoint),
                     code_dir=code, limits=limits, ca_dir=ca_dir, env=env,

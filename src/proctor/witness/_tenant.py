@@ -16,18 +16,21 @@ cosigned; a witness that was down is caught up at its next pass from there.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import httpx
 
+from proctor import telemetry
 from proctor.errors import AlreadyExists, NotFound, ProctorError, UsageError
 from proctor.ledger import (
     Action,
@@ -353,6 +356,31 @@ class TenantWitnesses:
             "per_witness": {w.name: self._last_size(tenant, w.name) for w in witnesses},
         }
 
+    def uncosigned_since(self, tenant: str) -> float | None:
+        """Since when (epoch seconds) the tenant's log has had a checkpoint newer than
+        the newest one a quorum of its witnesses cosigned; None while its head has
+        them (or nothing newer was signed yet). What ``status`` holds to the max age
+        as ``uncosigned_for_seconds``, read in three small queries for the metric."""
+        quorum = self.policy(tenant).quorum
+        head = self._ledger.head(tenant)
+        with self._store.read() as conn:
+            row = conn.query_one(
+                "SELECT MAX(size) FROM (SELECT size FROM witness_cosignatures WHERE log = ?"
+                " GROUP BY size HAVING COUNT(*) >= ?) AS cosigned",
+                (tenant, quorum),
+            )
+            size = int(row[0]) if row is not None and row[0] is not None else 0
+            if size >= head.size:
+                return None
+            first = conn.query_one(
+                "SELECT MIN(time) FROM ledger_checkpoints WHERE log = ? AND size > ?",
+                (tenant, size),
+            )
+        if first is None or first[0] is None:
+            return None
+        when = datetime.strptime(str(first[0]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        return when.timestamp()
+
     def _uncosigned_age(self, log: str, after: int) -> float | None:
         with self._store.read() as conn:
             row = conn.query_one(
@@ -453,9 +481,41 @@ def add_checkpoint_body(old: int, proof: list[bytes], note: str) -> bytes:
     return ("\n".join(lines) + "\n\n" + note).encode()
 
 
+class _Lag:
+    """The running submitters, whose tenants' witness lag each scrape reads."""
+
+    lock = threading.Lock()
+    live: ClassVar[weakref.WeakSet[Submitter]] = weakref.WeakSet()
+    registered = False  # the scrape callback, once per process
+    shown = False  # the untenanted series was given once: it stays, at 0 when none lags
+
+
+def _witness_lag() -> None:
+    """Before a scrape: ``proctor_witness_checkpoint_age_seconds``, how long each
+    tenant's log has gone without a checkpoint its witnesses' quorum cosigned (0 while
+    its head has one), as of the last pass; with tenant labels off, one series, the
+    tenant furthest behind. Computed from when it fell behind, so it grows between
+    passes as it does in fact."""
+    now = time.time()
+    lag: dict[str, float] = {}
+    for submitter in builtins.list(_Lag.live):
+        for tenant, since in dict(submitter.behind).items():
+            age = 0.0 if since is None else max(0.0, now - since)
+            lag[tenant] = max(lag.get(tenant, 0.0), age)
+    gauge = telemetry.metrics().witness_age
+    if telemetry.tenant_labels():
+        for tenant, age in lag.items():
+            gauge.labels(tenant).set(age)
+    elif lag or _Lag.shown:
+        gauge.labels("").set(max(lag.values(), default=0.0))
+        _Lag.shown = True
+
+
 class Submitter:
     """A thread that submits every tenant's new checkpoints to its witnesses, at most
-    every ``interval`` seconds. Failures are logged and retried at the next pass."""
+    every ``interval`` seconds. Failures are logged and retried at the next pass.
+    After each pass it notes how far behind each tenant's witnessing is (the
+    metrics' witness lag, read at each scrape)."""
 
     def __init__(self, witnesses: TenantWitnesses, interval: float = DEFAULT_INTERVAL) -> None:
         self._witnesses = witnesses
@@ -464,6 +524,8 @@ class Submitter:
         self._thread: threading.Thread | None = None
         self._http: httpx.Client | None = None
         self.passes = 0
+        #: Per witnessed tenant, since when its log lacks a cosigned head (None: it has one).
+        self.behind: dict[str, float | None] = {}
 
     def run_once(self) -> builtins.list[Submission]:
         done: builtins.list[Submission] = []
@@ -481,6 +543,10 @@ class Submitter:
                 done += self._witnesses.submit(tenant, self._http)
             except ProctorError as exc:
                 log.warning("witness submission for %s failed: %s", tenant, exc.message)
+            with contextlib.suppress(ProctorError):  # the store is busy: last pass's
+                self.behind[tenant] = self._witnesses.uncosigned_since(tenant)
+        for gone in set(self.behind) - set(tenants):
+            del self.behind[gone]  # its witnesses were removed
         for s in done:
             if not s.ok:
                 log.warning("witness %s refused or missed size %d: %s", s.witness, s.size, s.detail)
@@ -496,10 +562,16 @@ class Submitter:
             self._stop.wait(self._interval)
 
     def start(self) -> None:
+        with _Lag.lock:
+            if not _Lag.registered:
+                _Lag.registered = True
+                telemetry.collect_with(_witness_lag)
+            _Lag.live.add(self)
         self._thread = threading.Thread(target=self._loop, name="witness-submitter", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        _Lag.live.discard(self)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=_TIMEOUT * 2)
