@@ -32,6 +32,7 @@ bench: setup
 	$(PY) bench/policy.py
 	$(PY) bench/broker_sql.py
 	$(PY) bench/broker_proxy.py
+	$(PY) bench/telemetry.py
 	$(PY) bench/transparent.py
 	$(PY) bench/peers.py
 	$(PY) bench/evidence.py

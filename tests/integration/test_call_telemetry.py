@@ -309,6 +309,7 @@ def test_a_batch_the_ledger_cannot_commit_is_counted_and_counts_no_append(
         ledger.append("acme", draft(1))
     ledger.set_fence(None)
     ledger.append("acme", draft(2))
+    ledger.flush()  # a batch is counted once its waiters are woken
     after = _scrape()
     assert _delta(before, after, "proctor_ledger_write_failures_total") == 1
     assert _delta(before, after, "proctor_ledger_appends_total", tenant="acme") == 1

@@ -38,22 +38,23 @@ log = logging.getLogger("proctor.broker")
 #: The kind of a call refused before its kind was found.
 UNKNOWN = "unknown"
 
-# The labelled children, per (kind, decision, tenant): ``labels()`` takes a lock and
-# checks its values; a call's end should cost a dict lookup. Dropped when the set of
-# metrics changes (turned on).
-_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
-_children_of: list[telemetry.Metrics] = []
+# The labelled children, per set of metrics (the no-op set, then the real one) and
+# (kind, decision, tenant): ``labels()`` takes a lock and checks its values; a call's
+# end should cost a dict lookup. The sets are kept, so their ids stay theirs.
+_children: dict[int, dict[tuple[str, str, str], tuple[Any, Any, Any]]] = {}
+_sets: list[telemetry.Metrics] = []
 
 
 def _labelled(kind: str, decision: str, tenant: str) -> tuple[Any, Any, Any]:
     m = telemetry.metrics()
-    if not _children_of or _children_of[0] is not m:
-        _children.clear()
-        _children_of[:] = [m]
+    of_set = _children.get(id(m))
+    if of_set is None:
+        _sets.append(m)
+        of_set = _children[id(m)] = {}
     key = (kind, decision, tenant)
-    found = _children.get(key)
+    found = of_set.get(key)
     if found is None:
-        found = _children[key] = (
+        found = of_set[key] = (
             m.calls.labels(kind, decision, tenant),
             m.call_seconds.labels(kind),
             m.decision_seconds.labels(kind),

@@ -605,16 +605,20 @@ class Ledger:
                 break
             batch, barriers, stop = self._gather(first)
             if batch:
+                rows = None
                 began = time.perf_counter()
                 try:
                     rows = self._commit(batch, barriers)
                 except BaseException as exc:
                     # Every waiter must be woken, whatever went wrong.
                     self._fail(batch, exc)
+                took = time.perf_counter() - began
+                _wake(batch)
+                # Counted once the waiters are woken: no append waits on its metrics.
+                if rows is None:
                     metrics().ledger_write_failures.inc()
                 else:
-                    _observe(rows, time.perf_counter() - began)
-                _wake(batch)
+                    _observe(rows, took)
                 stop = stop or self._stopping
             for barrier in barriers:
                 barrier.set()

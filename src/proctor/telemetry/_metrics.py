@@ -183,8 +183,9 @@ class _State:
         self.lock = threading.Lock()
         self.current = _null()
         self.registry: Any = None
-        #: The real set, kept while a bench turns the metrics off (:func:`_switch`).
+        #: The real set and the no-op one, while a bench switches (:func:`_switch`).
         self.real: Metrics | None = None
+        self.off = self.current
         self.tenant_labels = False
         self.callbacks: list[Callable[[], None]] = []
 
@@ -235,7 +236,7 @@ def _switch(on: bool) -> None:
             return  # never turned on: off already
         if _state.real is None:
             _state.real = _state.current
-        _state.current = _state.real if on else _null()
+        _state.current = _state.real if on else _state.off
 
 
 def tenant(name: str) -> str:
