@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -63,6 +64,11 @@ def _one(kind: str) -> dict[str, Any]:
     found = [r for r in _resources() if r["kind"] == kind]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
+
+
+def _service(name: str) -> dict[str, Any]:
+    (found,) = [r for r in _resources() if r["kind"] == "Service" and r["metadata"]["name"] == name]
+    return found
 
 
 def _workloads() -> list[dict[str, Any]]:
@@ -222,15 +228,18 @@ def test_the_probes_ask_a_path_the_api_serves_on_the_api_port_with_its_scheme() 
     # The one path that needs no credential: a probe carries none.
     security = paths[probes[0]["httpGet"]["path"]]["get"].get("security")
     assert security in (None, [])
-    service = _one("Service")
-    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["api"]
+    for service in [r for r in _resources() if r["kind"] == "Service"]:
+        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["api"]
 
 
 def test_the_service_and_the_budget_select_the_nodes_pods() -> None:
     deployment = _one("Deployment")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert _one("Service")["spec"]["selector"].items() <= labels.items()
+    for service in [r for r in _resources() if r["kind"] == "Service"]:
+        assert service["spec"]["selector"].items() <= labels.items()
+    # Clients reach ready nodes only; Prometheus every node (tests/unit/test_kubernetes_scrape.py).
+    assert not _service("proctor-api")["spec"].get("publishNotReadyAddresses")
     pdb = _one("PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pdb["spec"]["maxUnavailable"] == 1
@@ -388,6 +397,9 @@ def test_the_manifests_command_line_starts_serve_and_its_probe_answers(
     oidc = tmp_path / "oidc.json"
     oidc.write_text('{"issuers": []}\n')  # no OIDC: docs/deploy.md says to create it so
     secret_files["proctor-oidc"] = {"oidc.json": oidc}
+    scrape_token = tmp_path / "metrics-token"
+    scrape_token.write_text(secrets.token_hex(32) + "\n")
+    secret_files["proctor-metrics"] = {"token": scrape_token}
     for mount, volume in _mounts(pod, container).values():
         where = root / mount["mountPath"].lstrip("/")
         if "secret" in volume:
@@ -418,7 +430,8 @@ def test_the_manifests_command_line_starts_serve_and_its_probe_answers(
     env["PROCTOR_BROKER_SOCKETS"] = str(root / "run" / "proctor-brokers")
     command = [PROCTOR if c == "proctor" else c for c in container["command"][:1]]
     command += container["command"][1:] + args
-    probe = container["readinessProbe"]["httpGet"]
+    # The startup and liveness probe; readiness (/readyz) would start a sandbox.
+    probe = container["startupProbe"]["httpGet"]
     url = f"{probe['scheme'].lower()}://127.0.0.1:{port}{probe['path']}"
     trust = ssl.create_default_context(cafile=str(certfile))
     log = tmp_path / "serve.stderr"
@@ -434,6 +447,12 @@ def test_the_manifests_command_line_starts_serve_and_its_probe_answers(
                 time.sleep(0.2)
         assert answer is not None, f"serve never answered its probe:\n{log.read_text()}"
         assert answer.status_code == 200 and answer.json()["status"] == "ok"
+        # Prometheus's scrape (deploy/prometheus/prometheus.yml): the Secret's token.
+        metrics = url.replace(probe["path"], "/metrics")
+        bearer = {"Authorization": f"Bearer {scrape_token.read_text().strip()}"}
+        scraped = httpx.get(metrics, headers=bearer, verify=trust, timeout=10)
+        assert scraped.status_code == 200 and "proctor_build_info" in scraped.text
+        assert httpx.get(metrics, verify=trust, timeout=10).status_code == 401
         # Plain HTTP is refused: the probe's scheme is the one the API speaks.
         with pytest.raises(httpx.TransportError):
             httpx.get(url.replace("https://", "http://"), timeout=5).raise_for_status()
