@@ -359,3 +359,38 @@ def test_an_injected_secret_reaches_no_label_and_no_span(
     for secret in (SECRET_VALUE, PLACEHOLDER, QUERY_SECRET, "/one", "/two"):
         assert secret not in text
         assert secret not in said
+
+
+def test_the_run_bound_and_a_connection_over_the_run_s_bound_are_counted(
+    ledger_env: LedgerEnv, metrics_on: None
+) -> None:
+    ledger_env.ledger.create_log("acme", draft(0))
+    scope = _scope(ledger_env.ledger, "t3", call_bound=1)
+    before = _scrape()
+    broker = Broker(Handlers(connect=_never, forward=_never), os.urandom(32),
+                    max_connections_per_run=1)  # fmt: skip
+    with broker:
+        channel = broker.open_run(scope, ttl=60)
+        try:
+            ask = f"GET /v1/whoami HTTP/1.1\r\n{TOKEN_HEADER}: {channel.token}\r\n\r\n".encode()
+            first = _ask(str(channel.socket), ask)
+            second = _ask(str(channel.socket), ask)
+            # One connection held: the run's bound is one, so the next is closed unread.
+            with socket.socket(socket.AF_UNIX) as held:
+                held.connect(str(channel.socket))
+                _wait_for(lambda: _delta(before, _scrape(), "proctor_broker_connections") == 1)
+                with socket.socket(socket.AF_UNIX) as over:
+                    over.settimeout(10)
+                    over.connect(str(channel.socket))
+                    assert over.recv(1) == b""
+        finally:
+            broker.close_run("t3")
+    after = _scrape()
+    assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 403")
+    limited = "proctor_rate_limit_refusals_total"
+    assert _delta(before, after, limited, surface="broker", reason="calls", tenant="acme") == 1
+    assert _delta(before, after, limited, surface="broker", reason="rate", tenant="acme") == 0
+    refused = "proctor_broker_connections_refused_total"
+    assert _delta(before, after, refused, reason="over_run") == 1
+    assert _delta(before, after, "proctor_calls_total", kind="unknown", decision="deny",
+                  tenant="acme") == 1  # fmt: skip
