@@ -11,10 +11,14 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 #: Series Prometheus makes itself for each target, and the labels it puts on
 #: every scraped series (the scrape configs under deploy/ relabel nothing).
@@ -47,6 +51,17 @@ for family in text_string_to_metric_families(body.decode()):
 print(json.dumps({"series": {name: sorted(labels) for name, labels in series.items()},
                   "families": families}))
 """
+
+
+def promtool() -> str:
+    """Debian's promtool (the ``prometheus`` package, which scripts/setup.sh installs):
+    missing, a test fails rather than skips."""
+    found = shutil.which("promtool") or (
+        "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
+    )
+    if found is None:
+        pytest.fail("promtool is missing: scripts/setup.sh installs it (Debian's prometheus)")
+    return found
 
 
 @functools.cache

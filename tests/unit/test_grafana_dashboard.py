@@ -11,13 +11,17 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tests.unit.metric_names import (
     known_series,
     promql_names,
+    promtool,
     registry_families,
     registry_series,
     unknown_names,
@@ -211,3 +215,29 @@ def test_a_broken_dashboard_is_caught() -> None:
     assert any("overlaps" in p for p in broken(overlapping))
     assert any("proctor_runs has no label tenant" in p for p in broken(wrong_label))
     assert any("no uid" in p for p in broken(lambda d: d.pop("uid")))
+
+
+def _as_rules(dashboard: dict[str, Any]) -> str:
+    """Every panel query as a recording rule, Grafana's variables given values."""
+    rules = []
+    for i, (_, expr) in enumerate(_queries(dashboard)):
+        expr = expr.replace("$__rate_interval", "5m")
+        expr = re.sub(r"\$\{?(job|instance|tenant)\}?", ".*", expr)
+        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+    return yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]})
+
+
+def test_promql_parses_every_panel_query(tmp_path: Path) -> None:
+    """Prometheus's own parser (promtool check rules) reads each query."""
+    path = tmp_path / "dashboard.rules.yml"
+    path.write_text(_as_rules(_load()))
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    # It can fail: a query with an unclosed call is refused.
+    bad = _load()
+    next(p for p in _panels(bad) if p.get("targets"))["targets"][0]["expr"] = "sum(rate(up[5m])"
+    path.write_text(_as_rules(bad))
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode != 0 and "dashboard:query_0" in done.stdout + done.stderr

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.metric_names import promql_names, registry_series, unknown_names
+from tests.unit.metric_names import promql_names, promtool, registry_series, unknown_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "prometheus"
@@ -33,15 +33,6 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 SEVERITIES = {"critical", "warning"}
 #: Where the example configuration expects its secrets (moved for the check).
 SECRETS_DIR = "/etc/prometheus/proctor/"
-
-
-def promtool() -> str:
-    found = shutil.which("promtool") or (
-        "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
-    )
-    if found is None:
-        pytest.fail("promtool is missing: scripts/setup.sh installs it (Debian's prometheus)")
-    return found
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
