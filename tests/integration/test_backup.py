@@ -80,6 +80,7 @@ def _populate(home: Path) -> None:
     obj = home / "buckets" / "acme" / "reports" / "r.md"
     obj.parent.mkdir(parents=True)
     obj.write_text("# report\n")
+    (obj.parent / ".tmp-0123456789abcdef").write_text("# an upload being stag")
     out = home / "runs" / "r-000000000001" / "stdout.log"
     out.parent.mkdir(parents=True)
     out.write_text("hello\n")
@@ -143,6 +144,7 @@ def test_backup_under_load_restores_a_working_home(
         mode = stat.S_IMODE(path.lstat().st_mode)
         assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
     assert not (backup / "home" / "runs" / "r-000000000001" / "code").exists()
+    assert not list((backup / "home" / "buckets").rglob(".tmp-*"))  # an upload, half staged
     assert (backup / "home" / "keys" / "ledger.pem").is_file()
     # No secret printed: the private keys' bytes are nowhere in the output.
     pem = (home / "keys" / "ledger.pem").read_text()

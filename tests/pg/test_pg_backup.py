@@ -131,7 +131,9 @@ def test_a_postgresql_home_backed_up_under_load_and_restored(
 
 def test_a_row_of_the_ledger_copy_is_caught(pg_dsn: str, tmp_path: Path) -> None:
     home = tmp_path / "home"
-    run_cli("init", "--home", str(home), "--store", pg_dsn)
+    # A password in the URL (the test server trusts loopback and ignores it): pg_dump
+    # gets it from its environment, and no output shows it.
+    run_cli("init", "--home", str(home), "--store", pg_dsn.replace("@", ":s3cret-pw@", 1))
     rt = Runtime.open(home)
     try:
         rt.tenants.create("acme", OPERATOR)
@@ -140,7 +142,8 @@ def test_a_row_of_the_ledger_copy_is_caught(pg_dsn: str, tmp_path: Path) -> None
     finally:
         rt.close()
     backup = tmp_path / "backup"
-    run_cli("backup", "-o", str(backup), home=home)
+    made = run_cli("backup", "-o", str(backup), "--json", home=home)
+    assert "s3cret-pw" not in made.out + made.err
     b = tmp_path / "b"
     shutil.copytree(backup, b)
     con = sqlite3.connect(b / "store" / "ledger.db")
@@ -158,3 +161,11 @@ def test_a_row_of_the_ledger_copy_is_caught(pg_dsn: str, tmp_path: Path) -> None
     dump.write_bytes(bytes(data))
     got = run_cli("backup", "verify", str(b2), check=False)
     assert got.code == 3 and "store/proctor.pgdump" in got.err.splitlines()[0], got.err
+
+
+def test_the_password_goes_to_the_tools_environment_not_their_command_line() -> None:
+    from proctor.store._copy import _without_password
+
+    bare, env = _without_password("postgresql://proctor:s3cret@127.0.0.1:5432/db?sslmode=disable")
+    assert "s3cret" not in bare and env["PGPASSWORD"] == "s3cret"
+    assert "host=127.0.0.1" in bare and "dbname=db" in bare and "sslmode=disable" in bare

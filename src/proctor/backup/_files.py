@@ -110,6 +110,10 @@ def home_files(home: Path, keys: bool) -> tuple[list[str], list[str]]:
 
 def _walk(home: Path, rel: str) -> Iterator[tuple[str, str]]:
     st = os.lstat(home / rel)
+    if rel.startswith("buckets/") and rel.rpartition("/")[2].startswith(".tmp-"):
+        # An upload being staged (governance.stage_object): no key names it.
+        yield rel, "transient"
+        return
     if stat.S_ISREG(st.st_mode):
         yield rel, "file"
         return

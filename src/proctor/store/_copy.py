@@ -87,9 +87,27 @@ def pg_tool(name: str) -> str:
     )
 
 
-def _run_tool(args: list[str], what: str, dsn: str) -> None:
+def _without_password(dsn: str) -> tuple[str, dict[str, str]]:
+    """``dsn`` without its password, and the environment that carries it instead: a
+    tool's command line is readable by every user of the machine (``ps``)."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
     try:
-        proc = subprocess.run(args, capture_output=True, timeout=PG_TOOL_TIMEOUT, check=False)
+        params = conninfo_to_dict(dsn)
+    except Exception as exc:  # psycopg's ProgrammingError: a malformed DSN
+        raise UsageError(f"the store's URL {redact(dsn)} is malformed: {exc}") from exc
+    password = params.pop("password", None)
+    env = dict(os.environ)
+    if password is not None:
+        env["PGPASSWORD"] = str(password)
+    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None}), env
+
+
+def _run_tool(args: list[str], what: str, dsn: str, env: dict[str, str] | None = None) -> None:
+    try:
+        proc = subprocess.run(
+            args, capture_output=True, timeout=PG_TOOL_TIMEOUT, check=False, env=env
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise StoreError(f"{what} {redact(dsn)} failed: {exc}") from exc
     if proc.returncode != 0:
@@ -121,9 +139,10 @@ def dump_postgres(dsn: str, dest: Path, read: Callable[[Conn], T]) -> T:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         # pg_dump joins the exported snapshot while this transaction holds it open.
+        bare, env = _without_password(dsn)
         _run_tool([pg_tool("pg_dump"), "--format=custom", "--no-owner", "--no-privileges",
-                   f"--snapshot={snapshot}", f"--file={dest}", f"--dbname={dsn}"],
-                  "pg_dump of", dsn)  # fmt: skip
+                   f"--snapshot={snapshot}", f"--file={dest}", f"--dbname={bare}"],
+                  "pg_dump of", dsn, env)  # fmt: skip
         db.execute("COMMIT")
     except psycopg.Error as exc:
         raise StoreError(f"cannot read the store {redact(dsn)}: {exc}") from exc
@@ -158,6 +177,7 @@ def restore_postgres(dump: Path, dsn: str) -> None:
             "into a new, empty database only",
             hint="create one (createdb) and give it with --store",
         )
+    bare, env = _without_password(dsn)
     _run_tool([pg_tool("pg_restore"), "--no-owner", "--no-privileges", "--exit-on-error",
-               "--single-transaction", f"--dbname={dsn}", str(dump)],
-              "pg_restore into", dsn)  # fmt: skip
+               "--single-transaction", f"--dbname={bare}", str(dump)],
+              "pg_restore into", dsn, env)  # fmt: skip
