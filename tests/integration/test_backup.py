@@ -325,6 +325,7 @@ def test_bad_input_is_one_line_and_changes_nothing(
         (["backup", "-o", str(home / "inside"), "--home", str(home)], "inside the home"),
         (["backup", "--home", str(home)], "give the directory"),
         (["restore", str(backup), "--home", str(home)], "not empty"),
+        (["restore", str(backup), "--home", str(backup / "home" / "new")], "inside the backup"),
         (["restore", str(backup), "--home", str(tmp_path / "n"), "--store", "sqlite:///x"],
          "postgresql://"),
         (["restore", str(backup), "--home", str(tmp_path / "n2"), "--store",

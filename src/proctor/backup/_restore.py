@@ -61,6 +61,13 @@ def restore_backup(
     if home.exists() and (not home.is_dir() or any(home.iterdir())):
         raise UsageError(f"{home} exists and is not empty: a restore makes a new home",
                          hint="give a new directory to --home")  # fmt: skip
+    try:
+        home.absolute().resolve().relative_to(directory.absolute().resolve())
+    except ValueError:
+        pass
+    else:
+        raise UsageError(f"{home} lies inside the backup {directory}",
+                         hint="give a new directory outside it to --home")  # fmt: skip
     if store is not None and not store.startswith(("postgresql://", "postgres://")):
         raise UsageError(f"--store must be a postgresql:// URL, not {redact(store)!r}")
     report = verify_backup(directory, key)
