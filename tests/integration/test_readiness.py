@@ -349,6 +349,13 @@ def test_a_witnessed_log_left_uncosigned_past_its_max_age_is_not_ready_until_cos
         assert "max age" in failing["witnesses"]["reason"]
         assert "proctor witness submit" in failing["witnesses"]["fix"]
         assert "acme" not in json.dumps(doc)  # no tenant named to an unauthenticated probe
+        # What every node shares can be left out of a probe (and alerted on instead).
+        resp = httpx.get(url + "/readyz", params={"exclude": "witnesses"}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["excluded"] == ["witnesses"]
+        assert "witnesses" not in {c["name"] for c in resp.json()["checks"]}
+        typo = httpx.get(url + "/readyz", params={"exclude": "witness"}, timeout=60)
+        assert typo.status_code == 400 and "witnesses" in typo.json()["error"]["hint"]
 
         # The operator's doctor names the tenant and how long.
         res = run_cli("doctor", home=home, check=False)

@@ -13,15 +13,16 @@ machine: ``proctor doctor`` prints them."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from proctor import __version__
+from proctor.api._errors import ERROR_RESPONSES, ApiError
 from proctor.api._models import HealthOut
-from proctor.lifecycle import DOCTOR_HINT, Health
+from proctor.lifecycle import CHECKS, DOCTOR_HINT, Health
 
 router = APIRouter()
 
@@ -40,6 +41,7 @@ class ReadyOut(BaseModel):
     status: str = Field(description="ready or not_ready")
     version: str
     checks: list[CheckOut]
+    excluded: list[str] = Field(default_factory=list, description="Checks left out (?exclude=)")
     hint: str | None = Field(None, description="Where the operator learns more (not ready only)")
 
 
@@ -76,14 +78,36 @@ def _health(request: Request) -> Health:
     "/readyz",
     response_model=ReadyOut,
     tags=["meta"],
-    responses={503: {"model": ReadyOut, "description": "Not ready: the failing checks say why"}},
+    responses={
+        400: ERROR_RESPONSES[400],
+        422: ERROR_RESPONSES[422],
+        503: {"model": ReadyOut, "description": "Not ready: the failing checks say why"},
+    },
 )
-def readyz(request: Request) -> JSONResponse:
+def readyz(
+    request: Request,
+    exclude: Annotated[
+        list[str] | None,
+        Query(
+            description="Leave this check out (repeatable): e.g. `witnesses`, which "
+            "every node shares, so that a stale witness is alerted on rather than taking "
+            "every node out of service"
+        ),
+    ] = None,
+) -> JSONResponse:
     """Readiness: 200 when every check passes, 503 naming each failing check's reason
     and fix. Needs no credential and names no tenant, file or host."""
+    left_out = sorted(set(exclude or ()))
+    unknown = [name for name in left_out if name not in CHECKS]
+    if unknown:
+        # A probe's typo is refused, not taken as nothing to leave out: its 400 shows.
+        raise ApiError(400, "invalid_request", f"no readiness check {unknown[0]!r}",
+                       hint=f"the checks are {', '.join(CHECKS)}")  # fmt: skip
     result = _health(request).check()
-    doc = ReadyOut(status="ready" if result.ready else "not_ready", version=__version__,
-                   checks=[CheckOut(**c.as_json()) for c in result.checks],
-                   hint=None if result.ready else DOCTOR_HINT)  # fmt: skip
-    return JSONResponse(doc.model_dump(), status_code=200 if result.ready else 503,
+    checks = [c for c in result.checks if c.name not in left_out]
+    ready = all(c.ok for c in checks)
+    doc = ReadyOut(status="ready" if ready else "not_ready", version=__version__,
+                   checks=[CheckOut(**c.as_json()) for c in checks], excluded=left_out,
+                   hint=None if ready else DOCTOR_HINT)  # fmt: skip
+    return JSONResponse(doc.model_dump(), status_code=200 if ready else 503,
                         headers={"Cache-Control": "no-store"})  # fmt: skip

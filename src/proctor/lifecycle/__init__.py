@@ -4,7 +4,7 @@ them and keeps services up, and the answer to "what ran here at time T?"."""
 from proctor.errors import RunRefused
 from proctor.governance import RunRecord, Runs
 from proctor.lifecycle._brokered import GUEST_SOCKET, brokered_spec, run_brokered
-from proctor.lifecycle._health import DOCTOR_HINT, Check, Health, Readiness
+from proctor.lifecycle._health import CHECKS, DOCTOR_HINT, Check, Health, Readiness
 from proctor.lifecycle._history import effective_policy, what_ran
 from proctor.lifecycle._jsonlog import REQUEST, JsonFormatter, log_event, log_json, scrub
 from proctor.lifecycle._nodes import Node, NodeInfo, NodeLost, nodes
@@ -14,6 +14,7 @@ from proctor.lifecycle._supervisor import Interrupt, Supervisor
 from proctor.lifecycle._throwaway import Throwaway
 
 __all__ = [
+    "CHECKS",
     "DOCTOR_HINT",
     "GUEST_SOCKET",
     "REQUEST",

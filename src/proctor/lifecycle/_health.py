@@ -53,6 +53,8 @@ SANDBOX_EVERY = 300.0
 WITNESS_EVERY = 10.0
 SHARED_FOR = 1.0
 
+#: Every check's name, in the order they are made (``node`` only under serve).
+CHECKS = ("store", "ledger", "sandbox", "witnesses", "keys", "node")
 #: What /readyz adds to a failing answer: the rest is for the machine's operator.
 DOCTOR_HINT = "run `proctor doctor` on the node: it names the file, tenant or error"
 
