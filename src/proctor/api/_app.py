@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.telemetry import TelemetryConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proctor import __version__, telemetry
@@ -43,6 +44,14 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _access = logging.getLogger("proctor.api.access")
+
+#: FastAPI's own OpenTelemetry is on by default, on the global providers that tracing
+#: sets, and records the query string (a caller may put anything there), the server's
+#: address and more: off. The request's span is _Guard's, whose attributes are chosen.
+_NO_FASTAPI_TELEMETRY: TelemetryConfig = {
+    "tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+    "auto_configure": False,
+}  # fmt: skip
 
 _STATUS_CODES = {
     400: "invalid_request", 401: "unauthenticated", 403: "forbidden", 404: "not_found",
@@ -283,6 +292,7 @@ def create_app(  # noqa: PLR0913 -- the API's options, each named
         ),
         docs_url=None,
         redoc_url=None,
+        telemetry=_NO_FASTAPI_TELEMETRY,
     )
     app.state.proctor = state
 
