@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 import yaml
 
 from proctor.api import openapi_document
+from proctor.lifecycle import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -95,11 +97,26 @@ def test_readiness_asks_readyz_and_the_other_probes_healthz() -> None:
     paths = openapi_document()["paths"]
     wanted = {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
     for probe, path in wanted.items():
-        assert container[probe]["httpGet"]["path"] == path, probe
+        asked, _, query = container[probe]["httpGet"]["path"].partition("?")
+        assert asked == path, probe
         operation = paths[path]["get"]
         assert operation.get("security") in (None, []), f"{path} needs a credential"
+        given = {name for name, _ in parse_qsl(query)}
+        assert given <= {p["name"] for p in operation.get("parameters", [])}, probe
     # Not ready is an answer of its own (503 with the reasons), not an error page.
     assert "503" in paths["/readyz"]["get"]["responses"]
+
+
+def test_readiness_leaves_out_only_what_every_node_shares() -> None:
+    """The witnesses (one stale witness would take every node out of the Service; the
+    alert ProctorWitnessStale watches them); every other check stays."""
+    _, container = _container()
+    query = container["readinessProbe"]["httpGet"]["path"].partition("?")[2]
+    excluded = [value for name, value in parse_qsl(query) if name == "exclude"]
+    assert excluded == ["witnesses"]
+    assert set(excluded) < set(CHECKS)  # a check's name, not a typo (answered 400)
+    rules = (ROOT / "deploy" / "prometheus" / "proctor.rules.yml").read_text()
+    assert "proctor_witness_checkpoint_age_seconds" in rules
 
 
 def test_every_secret_the_manifests_mount_is_created_in_the_docs() -> None:
