@@ -268,6 +268,11 @@ def test_the_manifest(made: tuple[Path, str], tmp_path: Path) -> None:
                                 else (b2 / SIGNATURE).read_text()[:-6] + "AAAA=\n")  # fmt: skip
     got = run_cli("backup", "verify", str(b2), "--key", vkey, check=False)
     assert got.code == 3 and "manifest" in got.err.splitlines()[0]
+    # Signed again by the key the backup holds, naming a store outside the backup:
+    # a restore would read it into the new home. Refused before anything is read.
+    b3 = _copy(backup, tmp_path / "b3")
+    _resign(b3, b3 / "home" / "keys" / "ledger.pem", store="../../../../etc/passwd")
+    _refused(b3, vkey, "names '../../../../etc/passwd' but does not list its digest")
 
 
 def test_a_checkpoint_signed_by_another_key(made: tuple[Path, str], tmp_path: Path) -> None:

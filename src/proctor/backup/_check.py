@@ -115,7 +115,7 @@ def verify_backup(directory: Path, key: str | None = None) -> BackupReport:
     if manifest.keys:
         _check_key(directory, manifest, own)
     _check_checkpoints(directory, manifest, own)
-    sizes = _check_ledger(directory / manifest.ledger, manifest, own)
+    sizes = _check_ledger(directory, manifest, own)
     if manifest.engine == "postgresql":
         try:
             check_dump(directory / manifest.store)
@@ -144,12 +144,23 @@ def _check_checkpoints(directory: Path, manifest: Manifest, own: Verifier) -> No
             )
 
 
-def _check_files(directory: Path, manifest: Manifest) -> int:
+def _check_paths(manifest: Manifest) -> set[str]:
+    """The manifest's files, each a path inside the backup; the store, ledger and
+    checkpoints it names among them."""
     listed = set(manifest.files)
     for rel in listed:
         parts = rel.split("/")
         if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise VerificationFailed(f"the manifest names a path outside the backup: {rel!r}")
+    named = [manifest.store, manifest.ledger, *(p.checkpoint for p in manifest.logs.values())]
+    for rel in named:
+        if rel not in listed:
+            raise VerificationFailed(f"the manifest names {rel!r} but does not list its digest")
+    return listed
+
+
+def _check_files(directory: Path, manifest: Manifest) -> int:
+    listed = _check_paths(manifest)
     found: set[str] = set()
     for root, dirs, names in os.walk(directory):
         here = Path(root)
@@ -198,9 +209,10 @@ def _check_key(directory: Path, manifest: Manifest, own: Verifier) -> None:
         )
 
 
-def _check_ledger(path: Path, manifest: Manifest, verifier: Verifier) -> dict[str, int]:
+def _check_ledger(directory: Path, manifest: Manifest, verifier: Verifier) -> dict[str, int]:
     """Each log of the store copy verified up to the manifest's checkpoint, and no
     log the manifest does not name."""
+    path = directory / manifest.ledger
     try:
         db, query = sqlite_query(path)
     except sqlite3.Error as exc:
@@ -214,7 +226,7 @@ def _check_ledger(path: Path, manifest: Manifest, verifier: Verifier) -> dict[st
                 f"the store copy's logs are not the manifest's (log {extra[0]!r})"
             )
         for log, point in sorted(manifest.logs.items()):
-            note = (path.parent.parent / point.checkpoint).read_text(encoding="utf-8")
+            note = (directory / point.checkpoint).read_text(encoding="utf-8")
             try:
                 report = _verify_log(db, log, verifier, note)
             except VerificationFailed as exc:
