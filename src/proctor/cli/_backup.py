@@ -14,7 +14,12 @@ from proctor.errors import UsageError
 
 backup_app = typer.Typer(
     no_args_is_help=False,
-    help="Back a home up while it runs (-o DIR), or check a backup offline (verify).",
+    help="Back a home up while it runs: `proctor backup -o DIR` copies the store "
+    "consistently (SQLite's online backup, or pg_dump of a snapshot), each log's newest "
+    "signed checkpoint, the configuration, keys, blobs, buckets and run outputs, with a "
+    "manifest of their SHA-256 signed by the home's checkpoint key. The backup holds the "
+    "home's private keys: keep it as you keep the home. `proctor backup verify DIR` "
+    "checks one offline.",
 )
 
 KeyOpt = Annotated[
@@ -22,7 +27,7 @@ KeyOpt = Annotated[
     typer.Option(
         "--key",
         help="The verifier key you trust (`proctor key show`, kept apart from the backup): "
-        "the backup must be signed by it [default: the backup's own key]",
+        "the backup must be signed by it (without it, the backup's own key is trusted)",
     ),
 ]
 
@@ -126,8 +131,8 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(
                 "--store",
-                help="A PostgreSQL home's new, empty database (postgresql://…) [default: a "
-                "SQLite home's own file in the new home]",
+                help="A PostgreSQL home's new, empty database (postgresql://…); a SQLite "
+                "home's store is a file of the new home",
             ),
         ] = None,
         key: KeyOpt = None,
