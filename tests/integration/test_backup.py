@@ -183,6 +183,12 @@ def test_backup_under_load_restores_a_working_home(
     assert _size(home) == original_size
     assert not any(b"test.restored" in e for e in _events(home))
     run_cli("audit", "verify", "-t", "acme", home=home)
+    # The restored home backs up and restores in turn, its restore record its own.
+    again = tmp_path / "again"
+    run_cli("backup", "-o", str(again), home=restored)
+    run_cli("restore", str(again), "--home", str(tmp_path / "twice"), "--key", vkey)
+    record = json.loads((tmp_path / "twice" / "restored.json").read_text())
+    assert record["logs"]["acme"]["size"] == size + 5
 
 
 @pytest.fixture

@@ -24,8 +24,9 @@ KEY_DIRS = ("keys", "ca")
 DATA = ("config.json", "blobs", "buckets", "runs")
 #: What is the home's but not worth a copy: the store (copied by its engine),
 #: serve's lock, a run's CA bundle and code copy and an upload's staging (made
-#: again, or gone, when the run or upload ends).
-_TRANSIENT = ("serve.lock", "ca-bundles", "blobs/tmp")
+#: again, or gone, when the run or upload ends), and an earlier restore's record
+#: (a restore of this backup writes its own).
+_TRANSIENT = ("serve.lock", "ca-bundles", "blobs/tmp", "restored.json")
 _STORE_FILES = ("proctor.db", "proctor.db-wal", "proctor.db-shm", "proctor.db-journal")
 
 
