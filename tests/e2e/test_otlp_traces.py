@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -121,6 +122,7 @@ class Traced:
     parent_id: str
     run: dict[str, Any]
     stdout: dict[str, Any]
+    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +174,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
         serve.wait(timeout=60)
         assert serve.returncode == 0, log.read_text()
         yield Traced(gov, Handler.spans, Handler.bodies, trace_id, parent_id, run,
-                     json.loads(out.splitlines()[0]))  # fmt: skip
+                     json.loads(out.splitlines()[0]), log)  # fmt: skip
     finally:
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
@@ -254,3 +256,16 @@ def test_no_query_string_token_or_header_value_reaches_the_collector(traced: Tra
     for span in t.spans:
         for value in span.attributes.values():
             assert "?" not in str(value), (span.name, value)
+
+
+def test_serves_log_lines_of_the_request_and_its_run_name_the_trace(traced: Traced) -> None:
+    t = traced
+    lines = [json.loads(line) for line in t.log.read_text().splitlines() if line.startswith("{")]
+    request = [d for d in lines if d["event"] == "api.request" and d.get("method") == "POST"]
+    assert [d.get("trace_id") for d in request] == [t.trace_id]
+    # The run's lines, written in the run's thread, carry the request's trace too.
+    run = [d for d in lines if d.get("run") == t.run["id"]]
+    assert {d["event"] for d in run} >= {"run.start", "run.end"}
+    assert {d.get("trace_id") for d in run} == {t.trace_id}
+    # A probe is not traced: its line names no trace.
+    assert all("trace_id" not in d for d in lines if d.get("path") == "/healthz")

@@ -41,6 +41,12 @@ def _scrape(api: ApiEnv, token: str, accept: str | None = None) -> httpx.Respons
     return httpx.get(f"{api.url}/metrics", headers=headers, timeout=30)
 
 
+def _sample(text: str, name: str) -> float:
+    """The value of an unlabelled sample."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split(" ")[1])
+
+
 def _count(text: str, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels``."""
     total = 0.0
@@ -67,6 +73,8 @@ def test_the_scrape_needs_the_operators_token_not_a_principals(env: tuple[ApiEnv
     assert ok.headers["content-type"].startswith("text/plain")
     assert "proctor_api_requests_total" in ok.text
     assert "proctor_build_info" in ok.text
+    # The scrape's own connection is one the API holds.
+    assert _sample(ok.text, "proctor_api_connections") >= 1
     om = _scrape(api, token, "application/openmetrics-text; version=1.0.0")
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF")

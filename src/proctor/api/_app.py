@@ -97,6 +97,10 @@ class _RequestSpan:
         )  # fmt: skip
         self._token = context.attach(trace.set_span_in_context(self._span, parent))
 
+    @property
+    def trace_id(self) -> str:
+        return f"{self._span.get_span_context().trace_id:032x}"
+
     def end(self, route: str, status: int) -> None:
         from opentelemetry import context, trace
 
@@ -134,12 +138,14 @@ class _Guard:
         state["request_id"] = rid
         # The log line's context: what this request leads to (a run's start and end, in
         # the run's thread) carries the request id too.
-        token = REQUEST.set({"request_id": rid})
         method = scope["method"] if scope["method"] in _METHODS else "OTHER"
         root = scope.get("root_path", "")
         span = None
+        context: dict[str, Any] = {"request_id": rid}
         if telemetry.tracing_enabled() and scope["path"] not in _UNTRACED:
             span = _RequestSpan(method, scope["path"], headers)
+            context["trace_id"] = span.trace_id  # a log line leads to its trace
+        token = REQUEST.set(context)
         started = time.monotonic()
         try:
             await self._serve(scope, receive, send, headers, rid)
@@ -154,8 +160,8 @@ class _Guard:
             # Only the path: no query string (a caller may put anything there), no header.
             log_event(
                 _access, "api.request", method=scope["method"], path=scope["path"][:512],
-                status=status, duration_ms=round(elapsed * 1000, 1), request_id=rid,
-                actor=state.get("actor"),
+                status=status, duration_ms=round(elapsed * 1000, 1), actor=state.get("actor"),
+                **context,
             )  # fmt: skip
 
     def _observe(self, method: str, route: str, status: int, seconds: float) -> None:
