@@ -137,3 +137,28 @@ def test_a_short_or_unreadable_token_file_is_refused(env: tuple[ApiEnv, str], tm
         serve_api(api.rt, "127.0.0.1", 0, metrics_token_file=tmp_path / "short")
     with pytest.raises(UsageError, match="cannot read the metrics token file"):
         serve_api(api.rt, "127.0.0.1", 0, metrics_token_file=tmp_path / "missing")
+
+
+def test_a_principal_over_its_budget_is_counted_as_an_api_refusal(tmp_path: Path) -> None:
+    from proctor.api import Limits
+
+    api = build_env(tmp_path)
+    token = secrets.token_hex(32)
+    (tmp_path / "t").write_text(token)
+    api.server.stop()
+    api.server = serve_api(api.rt, "127.0.0.1", 0, metrics_token_file=tmp_path / "t",
+                           limits=Limits(requests_per_second=0.01, request_burst=2))  # fmt: skip
+    try:
+        name = "proctor_rate_limit_refusals_total"
+        before = _count(_scrape(api, token).text, name, surface="api", reason="rate")
+        with api.http("globex", "dev") as http:
+            codes = [http.get("/tenants/globex/runs").status_code for _ in range(5)]
+        assert codes == [200, 200, 429, 429, 429]
+        text = _scrape(api, token).text
+        assert _count(text, name, surface="api", reason="rate", tenant="") == before + 3
+        assert _count(text, "proctor_api_requests_total", route="/tenants/{tenant}/runs",
+                      status="429") >= 3  # fmt: skip
+        assert "globex" not in text
+    finally:
+        api.server.stop()
+        api.rt.close()
