@@ -23,7 +23,7 @@ from proctor.backup._manifest import HOME, MANIFEST, SIGNATURE, Manifest, check_
 from proctor.backup._take import sqlite_query
 from proctor.errors import ProctorError, UsageError, VerificationFailed
 from proctor.ledger import Signer, Verifier, VerifyReport, open_checkpoint, verify_log
-from proctor.store import check_dump
+from proctor.store import Engine, check_dump
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def verify_backup(directory: Path, key: str | None = None) -> BackupReport:
         _check_key(directory, manifest, own)
     _check_checkpoints(directory, manifest, own)
     sizes = _check_ledger(directory, manifest, own)
-    if manifest.engine == "postgresql":
+    if manifest.engine is Engine.POSTGRESQL:
         try:
             check_dump(directory / manifest.store)
         except ProctorError as exc:

@@ -21,6 +21,7 @@ from typing import Any
 
 from proctor.errors import UsageError, VerificationFailed
 from proctor.ledger import Signer, Verifier, canonical_json, split_note
+from proctor.store import Engine
 
 FORMAT = "proctor-backup/1"
 MANIFEST = "manifest.json"
@@ -75,7 +76,7 @@ class Manifest:
     version: str
     trust_domain: str
     verifier_key: str
-    engine: str
+    engine: Engine
     schema_version: int
     #: True: the home's private keys are in the backup (a backup that restores).
     keys: bool
@@ -97,7 +98,7 @@ class Manifest:
             "version": self.version,
             "trust_domain": self.trust_domain,
             "verifier_key": self.verifier_key,
-            "engine": self.engine,
+            "engine": self.engine.value,
             "schema_version": self.schema_version,
             "keys": self.keys,
             "store": self.store,
@@ -139,7 +140,7 @@ class Manifest:
                 version=str(raw["version"]),
                 trust_domain=str(raw["trust_domain"]),
                 verifier_key=str(raw["verifier_key"]),
-                engine=str(raw["engine"]),
+                engine=Engine(str(raw["engine"])),
                 schema_version=int(raw["schema_version"]),
                 keys=bool(raw["keys"]),
                 store=str(raw["store"]),

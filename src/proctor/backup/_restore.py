@@ -30,7 +30,7 @@ from proctor.backup._files import copy_hashed, make_dir
 from proctor.backup._manifest import HOME, Manifest
 from proctor.errors import UsageError, VerificationFailed
 from proctor.ledger import SYSTEM_LOG, Signer, canonical_json, utc_now
-from proctor.store import open_store, redact, restore_postgres
+from proctor.store import Engine, open_store, redact, restore_postgres
 
 RESTORED = "restored.json"
 _COSIGNED = re.compile(r"last cosigned(?: has size | \(size )(\d+)")
@@ -78,12 +78,12 @@ def restore_backup(
             "not restored",
             hint="restore from a backup made with its keys",
         )
-    if m.engine == "postgresql" and store is None:
+    if m.engine is Engine.POSTGRESQL and store is None:
         raise UsageError(
             "the backup is of a PostgreSQL store: it restores into a new, empty database",
             hint="create one and give it with --store postgresql://…",
         )
-    if m.engine == "sqlite" and store is not None:
+    if m.engine is Engine.SQLITE and store is not None:
         raise UsageError("the backup is of a SQLite store: it restores into the new home's "
                          "own file; leave out --store")  # fmt: skip
     made = not home.exists()

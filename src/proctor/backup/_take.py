@@ -34,7 +34,7 @@ from proctor.backup._manifest import (
 from proctor.errors import ProctorError, UsageError, VerificationFailed
 from proctor.ledger import Signer, open_checkpoint, utc_now
 from proctor.runtime import load_config, store_url
-from proctor.store import Conn, Row, copy_sqlite, dump_postgres, open_store
+from proctor.store import Conn, Engine, Row, copy_sqlite, dump_postgres, open_store
 
 Query = Callable[[str, Sequence[Any]], list[Row]]
 
@@ -102,14 +102,14 @@ def _take(
     make_dir(out / STORE)
     files: dict[str, FileEntry] = {}
     if url.startswith(("postgresql://", "postgres://")):
-        engine = "postgresql"
+        engine = Engine.POSTGRESQL
         store_rel, ledger_rel = f"{STORE}/proctor.pgdump", f"{STORE}/ledger.db"
         heads, schema = dump_postgres(
             url, out / store_rel, lambda conn: _copy_ledger(conn, out / ledger_rel)
         )
         files[ledger_rel] = hash_file(out / ledger_rel)
     else:
-        engine = "sqlite"
+        engine = Engine.SQLITE
         store_rel = ledger_rel = f"{STORE}/proctor.db"
         copy_sqlite(Path(url.removeprefix("sqlite:///")), out / store_rel)
         db, query = sqlite_query(out / store_rel)
