@@ -109,9 +109,11 @@ def test_a_store_the_kernel_refuses_writes_to_is_not_ready_until_fixed(
         assert set(health) == {"status", "version"}  # liveness says nothing more
     finally:
         _chattr("-i", files)
+    # The failed commit keeps the ledger check failing until one succeeds (or for
+    # FAILURE_WINDOW): the next append is the recovery.
+    _append(rt, 2)
     doc = _until(url, 200, "ready again")
     assert all(c["ok"] for c in doc["checks"])
-    _append(rt, 2)
 
 
 @pytest.fixture

@@ -76,6 +76,33 @@ def test_a_write_lock_held_by_another_process_fails_the_store_check(rt: Runtime)
     assert check_ledger(rt, check_store(rt)).ok
 
 
+def test_a_failed_commit_fails_the_ledger_check_until_one_succeeds(rt: Runtime) -> None:
+    """The store takes writes again, but the ledger's last batch failed and none has
+    committed since: not ready (calls were refused); the next commit clears it."""
+    from typing import Any
+
+    from proctor.errors import LedgerError
+    from tests.conftest import draft
+
+    def refuse(conn: Any) -> None:
+        raise LedgerError("this node lost its lease")
+
+    rt.ledger.set_fence(refuse)
+    with pytest.raises(LedgerError):
+        rt.ledger.append("system", draft(1))
+    rt.ledger.set_fence(None)
+    store = check_store(rt)
+    assert store.ok
+    ledger = check_ledger(rt, store)
+    assert not ledger.ok and "last commit failed" in (ledger.reason or "")
+    assert ledger.notes == ("this node lost its lease",)
+    rt.ledger.append("system", draft(2))
+    assert check_ledger(rt, check_store(rt)).ok
+    rt.ledger.close()
+    closed = check_ledger(rt, check_store(rt))
+    assert not closed.ok and "closed" in (closed.reason or "")
+
+
 def test_the_keys_check_finds_a_key_others_read_a_foreign_key_and_a_missing_one(
     rt: Runtime, tmp_path: Path
 ) -> None:

@@ -419,6 +419,9 @@ class Ledger:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
+        # The last batch that could not be made durable (wall time, why), cleared by
+        # the next that could: readiness reads it (lifecycle's ledger check).
+        self._failure: tuple[float, str] | None = None
         self._fence: Fence | None = None
         # PostgreSQL: the right edge comes with the head, and a batch's rows go in
         # one statement (see _EDGES and _WRITE_BATCH); SQLite keeps the plain path.
@@ -578,6 +581,17 @@ class Ledger:
                 t.start()
                 self._thread = t
 
+    @property
+    def closed(self) -> bool:
+        """Closed: this ledger records nothing more."""
+        return self._closed
+
+    @property
+    def last_failure(self) -> tuple[float, str] | None:
+        """When (UTC seconds since the epoch) and why the last batch could not be made
+        durable, if no batch has been since; None otherwise."""
+        return self._failure
+
     def close(self) -> None:
         """Finish pending appends and stop the writer."""
         if self._closed:
@@ -610,6 +624,7 @@ class Ledger:
                 try:
                     rows = self._commit(batch, barriers)
                 except BaseException as exc:
+                    self._failure = (time.time(), _why(exc))
                     # Every waiter must be woken, whatever went wrong.
                     self._fail(batch, exc)
                 took = time.perf_counter() - began
@@ -618,6 +633,7 @@ class Ledger:
                 if rows is None:
                     metrics().ledger_write_failures.inc()
                 else:
+                    self._failure = None
                     _observe(rows, took)
                 stop = stop or self._stopping
             for barrier in barriers:
@@ -1365,3 +1381,12 @@ def verify_export(
                         f"the export's partial tile {rel} does not match the tree"
                     )
     return report
+
+
+def _why(exc: BaseException) -> str:
+    """A failed batch's cause in one line, for the operator (no event data in it)."""
+    if isinstance(exc, _Fenced):
+        return exc.error.message
+    if isinstance(exc, ProctorError):
+        return exc.message
+    return f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -36,7 +36,7 @@ from typing import Any
 
 from proctor.errors import ProctorError
 from proctor.governance import Home
-from proctor.ledger import SYSTEM_LOG, Signer
+from proctor.ledger import Signer
 from proctor.sandbox import Limits, SandboxDriver, SandboxSpec, get_driver, run_captured
 from proctor.store import Engine
 from proctor.witness import TenantWitnesses
@@ -276,19 +276,22 @@ class _Barrier:
         return time.monotonic() - self._asked if self._thread.is_alive() else None
 
 
+#: How long a failed ledger commit keeps the node unready when nothing has committed
+#: since (an idle node would otherwise stay unready after one failure, forever).
+FAILURE_WINDOW = 10.0
+
+
 def check_ledger(home: Home, store: Check, barrier: _Barrier | None = None) -> Check:
     """The ledger can append: it is open, its writer passes a barrier (what is
-    queued before it is committed or failed, nothing of its own is), and its store
-    writes. Nothing is appended."""
+    queued before it is committed or failed, nothing of its own is), its store
+    writes, and its last batch did not fail (within FAILURE_WINDOW, none committed
+    since: a failure the store check cannot see, a fence, an fsync's error).
+    Nothing is appended."""
     name = "ledger"
     ledger = home.ledger
-    try:
-        # No event: only what an append checks first (the ledger is open) and the
-        # writer thread started, as the first append would start it.
-        ledger.append_many(SYSTEM_LOG, [])
-    except ProctorError as exc:
+    if ledger.closed:
         return _fail(name, "the ledger is closed: this process records nothing more",
-                     "restart serve", notes=(_why(exc),))  # fmt: skip
+                     "restart serve")  # fmt: skip
     stuck = (barrier or _Barrier()).passes(ledger.flush, LOCK_WAIT)
     if stuck is not None:
         return _fail(
@@ -301,6 +304,15 @@ def check_ledger(home: Home, store: Check, barrier: _Barrier | None = None) -> C
     if not store.ok:
         return _fail(name, "the ledger cannot append: its store takes no write",
                      "fix the store (see the store check)")  # fmt: skip
+    failed = ledger.last_failure
+    if failed is not None and time.time() - failed[0] < FAILURE_WINDOW:
+        return _fail(
+            name,
+            f"the ledger's last commit failed {time.time() - failed[0]:.0f} s ago and none "
+            "has succeeded since: calls are refused",
+            "look at the store check and the store's server or disk (and serve's log)",
+            notes=(failed[1],),
+        )
     return Check(name, True, "open; its writer passed a barrier; its store takes writes")
 
 
