@@ -230,3 +230,45 @@ def test_the_apis_metrics_refuse_a_scrape_without_the_token(scraped: Scraped) ->
     # No scrape was recorded: Prometheus has scraped the API every second meanwhile.
     events = [json.loads(e) for e in s.gov.rt.ledger.entries("system")]
     assert not [e for e in events if "/metrics" in json.dumps(e)]
+
+
+def test_a_serve_without_the_api_serves_its_metrics_alone(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    gov = build_gov(tmp_path)
+    gov.rt.close()
+    # Options that would be ignored are refused, one line each, nothing started.
+    for args, words in ((["--no-api", "--metrics-token-file", str(tmp_path / "t")],
+                         "--metrics-token-file is for the HTTP API"),
+                        (["--metrics-host", "0.0.0.0"], "--metrics-host is the address of"),
+                        (["--metrics-port", "0"], "--metrics-port")):  # fmt: skip
+        res = run_cli("serve", *args, home=gov.home, check=False)
+        assert res.code == 2 and words in res.err, res.err
+    port = _free_port()
+    env = dict(os.environ, PROCTOR_HOME=str(gov.home))
+    log = tmp_path / "serve.stderr"
+    with log.open("wb") as err:
+        serve = subprocess.Popen([PROCTOR, "serve", "--backend", BACKEND, "--no-api",
+                                  "--metrics-port", str(port)], env=env,
+                                 stdout=subprocess.PIPE, stderr=err)  # fmt: skip
+    try:
+
+        def scraped() -> str:
+            if serve.poll() is not None:
+                return "ended"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            except httpx.HTTPError:
+                return ""
+
+        text = wait_until(scraped, "the metrics port")
+        assert "proctor_build_info" in text and "proctor_runs_finished_total" in text
+        # No API: no request of it is counted.
+        assert "proctor_api_requests_total{" not in text
+        # Stopped once it serves (its signal handlers are set then).
+        wait_until(lambda: b'"node.join"' in log.read_bytes(), "serve's node")
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        out, _ = serve.communicate(timeout=60)
+    assert serve.returncode == 0
+    assert f"metrics at http://127.0.0.1:{port}/metrics" in out.decode()
