@@ -109,8 +109,9 @@ class Metrics:
     #: proctor_rate_limit_refusals_total{surface, reason, tenant}: surface api or
     #: broker; reason the limit (rate, calls, quota, connections, ...).
     rate_limited: Counter
-    #: proctor_witness_checkpoint_age_seconds{tenant}: age of the newest checkpoint a
-    #: quorum of the tenant's witnesses cosigned (tenant labels off: the oldest).
+    #: proctor_witness_checkpoint_age_seconds{tenant}: how long the tenant's log has
+    #: gone without a checkpoint its witnesses' quorum cosigned, 0 while its head has
+    #: one (a quiet log is not stale); tenant labels off: the tenant furthest behind.
     witness_age: Gauge
     #: proctor_retention_pruned_events_total{tenant}: events pruned past retention.
     pruned: Counter
@@ -169,7 +170,8 @@ def _real(registry: Any) -> Metrics:
         rate_limited=c("proctor_rate_limit_refusals", "Requests and calls refused by a limit",
                        ("surface", "reason", "tenant")),
         witness_age=g("proctor_witness_checkpoint_age_seconds",
-                      "Age of the newest cosigned checkpoint", ("tenant",)),
+                      "How long the log has gone without a cosigned checkpoint",
+                      ("tenant",)),
         pruned=c("proctor_retention_pruned_events", "Events pruned past retention",
                  ("tenant",)),
         erasures=c("proctor_erasures", "Erasure requests carried out", ("tenant",)),
