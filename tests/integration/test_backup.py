@@ -389,3 +389,17 @@ def test_a_damaged_home_is_not_backed_up(home: Path, tmp_path: Path, how: str) -
     lines = [line for line in got.err.splitlines() if line.strip()]
     assert got.code != 0 and lines[0].startswith("error:") and len(lines) <= 2, got.err
     assert not (tmp_path / "b").exists()
+
+
+def test_an_empty_directory_given_is_made_private(made: tuple[Path, str], tmp_path: Path) -> None:
+    backup, vkey = made
+    new = tmp_path / "new"
+    new.mkdir(mode=0o755)
+    os.chmod(new, 0o755)
+    run_cli("restore", str(backup), "--home", str(new), "--key", vkey)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o700
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chmod(out, 0o777)
+    run_cli("backup", "-o", str(out), home=new)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700

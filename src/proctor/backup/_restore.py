@@ -88,6 +88,7 @@ def restore_backup(
                          "own file; leave out --store")  # fmt: skip
     made = not home.exists()
     make_dir(home)
+    os.chmod(home, 0o700)
     try:
         url = _restore(directory, home, m, store)
     except BaseException:

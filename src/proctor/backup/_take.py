@@ -75,6 +75,7 @@ def take_backup(home: Path, out: Path, *, keys: bool = True) -> Manifest:
     _check_out(home, out)
     created = utc_now()
     make_dir(out)
+    os.chmod(out, 0o700)  # an empty directory given may have been anyone's to read
     try:
         return _take(home, out, signer, config.trust_domain, store_url(home, config), created,
                      keys)  # fmt: skip
