@@ -162,3 +162,24 @@ def test_a_principal_over_its_budget_is_counted_as_an_api_refusal(tmp_path: Path
     finally:
         api.server.stop()
         api.rt.close()
+
+
+def test_the_consoles_routes_are_templates_under_its_mount(tmp_path: Path) -> None:
+    from proctor.console import ConsoleConfig
+
+    api = build_env(tmp_path)
+    token = secrets.token_hex(32)
+    (tmp_path / "t").write_text(token)
+    api.server.stop()
+    api.server = serve_api(api.rt, "127.0.0.1", 0, metrics_token_file=tmp_path / "t",
+                           console=ConsoleConfig())  # fmt: skip
+    try:
+        for path in ("/ui/t/globex/runs", "/ui/static/x-9c1e.css", "/ui/signin"):
+            httpx.get(f"{api.url}{path}", timeout=30)
+        text = _scrape(api, token).text
+        for route in ("/ui/t/{tenant}/runs", "/ui/static/{name}", "/ui/signin"):
+            assert _count(text, "proctor_api_requests_total", route=route) == 1, route
+        assert "globex" not in text and "9c1e" not in text
+    finally:
+        api.server.stop()
+        api.rt.close()
