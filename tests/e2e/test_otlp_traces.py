@@ -145,9 +145,9 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{receiver.server_address[1]}",
                OTEL_BSP_SCHEDULE_DELAY="100", OTEL_SERVICE_NAME="proctor-under-test")  # fmt: skip
     log = tmp / "serve.stderr"
-    with log.open("wb") as err:
+    with log.open("wb") as err, (tmp / "serve.stdout").open("wb") as out_file:
         serve = subprocess.Popen([PROCTOR, "serve", "--backend", BACKEND, "--api-port", str(port)],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+                                 env=env, stdout=out_file, stderr=err)  # fmt: skip
     try:
         api = f"http://127.0.0.1:{port}"
 
@@ -269,3 +269,8 @@ def test_serves_log_lines_of_the_request_and_its_run_name_the_trace(traced: Trac
     assert {d.get("trace_id") for d in run} == {t.trace_id}
     # A probe is not traced: its line names no trace.
     assert all("trace_id" not in d for d in lines if d.get("path") == "/healthz")
+    # serve says that it traces, and not where to (a URL may carry credentials).
+    said = (t.log.parent / "serve.stdout").read_text()
+    assert (
+        "traces exported over OTLP/HTTP" in said and "127.0.0.1:" not in said.split("HTTP API")[0]
+    )

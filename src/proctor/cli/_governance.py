@@ -839,7 +839,9 @@ def serve(
     log_json()  # one JSON object per line on stderr: docs/operations.md
     # On for the whole serve (cheap: see telemetry); traces only if OTEL_* asks.
     telemetry.enable_metrics(tenant_labels=metrics_tenant_labels)
-    telemetry.configure_tracing()
+    if telemetry.configure_tracing():
+        # Where to is the OTEL_* variables' (not printed: a URL may carry credentials).
+        console.print("traces exported over OTLP/HTTP (OTEL_EXPORTER_OTLP_*)")
     stop_metrics = None
     try:
         if metrics_port is not None:
