@@ -92,6 +92,8 @@ def run_owner_alive(owner: str) -> bool:
 OWNER_DIED = "supervisor died"
 #: ... and a run of a node whose lease lapsed (lifecycle/_nodes.py).
 NODE_LAPSED = "node lease lapsed"
+#: Why a run a backup caught running is interrupted in the home restored from it.
+RESTORED = "restored from a backup taken while it ran"
 
 
 class _AlreadyClosed(ProctorError):
@@ -371,6 +373,29 @@ class Runtime:
 
             pid = os.getpid()
             actor = Actor("runtime", f"sweeper:{host}:{pid}:{process_start_time(pid)}")
+        return self._close_runs(dead, started, reason, actor, revoke=True)
+
+    def close_restored_runs(self, actor: Actor) -> list[tuple[str, str]]:
+        """Record as interrupted every run a restored home's store holds as running:
+        the backup was taken while they ran, and whatever runs them is the original
+        home's, not this one's. Nothing of the owner is touched (its sandboxes, its
+        sockets, the database grants its runs hold: the original may still be
+        running them); returns their (tenant, run id)."""
+        with self.store.read() as conn:
+            rows = conn.query(
+                "SELECT id, tenant, deployment, digest, started_at FROM runs"
+                " WHERE status = 'running'"
+            )
+        dead = [(str(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in rows]
+        started = {str(r[0]): str(r[4]) if r[4] else "" for r in rows}
+        return self._close_runs(dead, started, RESTORED, actor, revoke=False)
+
+    def _close_runs(
+        self, dead: list[tuple[str, str, str, str]], started: dict[str, str], reason: str,
+        actor: Actor, *, revoke: bool,
+    ) -> list[tuple[str, str]]:  # fmt: skip
+        """Each run of ``dead`` (id, tenant, deployment, digest) recorded interrupted,
+        its calls' missing completions first; ``revoke``: its database grants too."""
         closed = []
         for run_id, tenant, name, digest in dead:
 
@@ -397,7 +422,8 @@ class Runtime:
             # What the dead owner made for the run: its copy of the approved code, its CA bundle.
             shutil.rmtree(self.home / "runs" / run_id / "code", ignore_errors=True)
             shutil.rmtree(self.home / "ca-bundles" / tenant / run_id, ignore_errors=True)
-            self._revoke_run_grants(tenant, run_id)
+            if revoke:
+                self._revoke_run_grants(tenant, run_id)
             closed.append((tenant, run_id))
         return closed
 

@@ -29,7 +29,7 @@ from proctor.backup._check import BackupReport, verify_backup
 from proctor.backup._files import copy_hashed, make_dir
 from proctor.backup._manifest import HOME, Manifest
 from proctor.errors import UsageError, VerificationFailed
-from proctor.ledger import SYSTEM_LOG, Signer, canonical_json, utc_now
+from proctor.ledger import SYSTEM_LOG, Actor, Signer, canonical_json, utc_now
 from proctor.store import Engine, open_store, redact, restore_postgres
 
 RESTORED = "restored.json"
@@ -169,6 +169,9 @@ def _check_restored(home: Path, m: Manifest, url: str, key_rel: str) -> None:
                         f"{len(problems)} store row(s) of {log!r} in the restored store are "
                         f"not backed by its log: {problems[0].kind} {problems[0].key}"
                     )
+        # Verified as the backup left it; now the runs it caught running are over
+        # here (their sandboxes are the original home's, left alone).
+        rt.close_restored_runs(Actor("runtime", "restore"))
     finally:
         rt.close()
 
