@@ -59,12 +59,14 @@ def _component(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
-    """Every proctor module ``path`` imports, anywhere in it, absolute names."""
+def _imports(path: Path, source: str | None = None) -> list[tuple[str, int]]:
+    """Every proctor module ``path`` imports (``source``: its text, if not read from
+    it), anywhere in it, absolute names."""
     module = _module(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -74,6 +76,10 @@ def _imports(path: Path) -> list[tuple[str, int]]:
             else:
                 target = node.module or ""
             found.append((target, node.lineno))
+            # `from proctor import telemetry` imports the component telemetry
+            if target == "proctor":
+                found += [(f"proctor.{a.name}", node.lineno) for a in node.names
+                          if a.name in ORDER]  # fmt: skip
             # `from proctor.x import _y` names a private module too
             found += [(f"{target}.{a.name}", node.lineno) for a in node.names
                       if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
@@ -134,6 +140,9 @@ def test_the_checker_sees_what_it_must() -> None:
     assert _problem("proctor.client._client", "proctor.governance", "client")
     assert _problem("proctor.cli._x", "proctor.broker", "cli") is None
     assert _problem("proctor.broker._x", "proctor.guest.protocol", "broker") is None
+    # `from proctor import X` names the component X
+    found = _imports(SRC / "cli" / "_x.py", "from proctor import api, __version__\n")
+    assert ("proctor.api", 1) in found and ("proctor.__version__", 1) not in found
 
 
 def test_a_client_process_loads_no_server_code() -> None:
