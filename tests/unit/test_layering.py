@@ -4,7 +4,7 @@ each other's public surface.
 The order, bottom to top (a component may import any component below it):
 
     errors; telemetry; store; ledger; witness; policy; sandbox; guest; governance; broker;
-    lifecycle; evidence; runtime; client; console; api; cli; testing
+    lifecycle; evidence; runtime; backup; client; console; mcp; api; cli; testing
 
 - ``guest`` is standard library only: inside a sandbox it is the package
   ``proctor_guest``, so it imports nothing of proctor (its modules import each
@@ -16,6 +16,7 @@ The order, bottom to top (a component may import any component below it):
   client process loads no server code.
 - ``console`` (the web console) may import only ``errors`` and ``client``: it
   acts through the SDK as the signed-in person and cannot decide anything itself.
+- ``mcp`` (the MCP server) likewise: each tool is an SDK call made as the agent.
 - The package root (``proctor/__init__``) imports only ``errors`` eagerly, and
   the client lazily.
 
@@ -39,11 +40,13 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "proctor"
 
 ORDER = [
     "errors", "telemetry", "store", "ledger", "witness", "policy", "sandbox", "guest", "governance", "broker",
-    "lifecycle", "evidence", "runtime", "backup", "client", "console", "api", "cli", "testing",
+    "lifecycle", "evidence", "runtime", "backup", "client", "console", "mcp", "api", "cli",
+    "testing",
 ]  # fmt: skip
 
 #: Components allowed to import only some of those below them.
-ONLY = {"guest": set[str](), "client": {"errors"}, "console": {"errors", "client"}}
+ONLY = {"guest": set[str](), "client": {"errors"}, "console": {"errors", "client"},
+        "mcp": {"errors", "client"}}  # fmt: skip
 
 #: Edges that break the rules today, each with why it is allowed (aim: none).
 ALLOWED: dict[tuple[str, str], str] = {}

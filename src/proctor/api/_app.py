@@ -18,7 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proctor import __version__, telemetry
 from proctor.api import (
+    _agent_routes,
     _artifact_routes,
+    _ask_routes,
     _egress_routes,
     _health,
     _log,
@@ -26,6 +28,7 @@ from proctor.api import (
     _operator_routes,
     _retention_routes,
     _routes,
+    _suggest_routes,
 )
 from proctor.api._auth import Authenticator, OIDCIssuer
 from proctor.api._console_shelf import StoreShelf
@@ -340,6 +343,9 @@ def create_app(  # noqa: PLR0913 -- the API's options, each named
     app.include_router(_operator_routes.router)
     app.include_router(_retention_routes.router)
     app.include_router(_egress_routes.router)
+    app.include_router(_agent_routes.router)
+    app.include_router(_ask_routes.router)
+    app.include_router(_suggest_routes.router)
     if console is not None:
         providers = [SignInProvider(i.issuer, i.audience, i.console_client_secret,
                                     i.console_label) for i in oidc if i.console]  # fmt: skip

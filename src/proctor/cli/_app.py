@@ -10,6 +10,7 @@ from typer._click import types as _click_types
 from proctor import __version__
 from proctor.cli import _print_error
 from proctor.cli._artifacts import artifact_app
+from proctor.cli._ask import register as register_ask
 from proctor.cli._audit import audit_app
 from proctor.cli._backup import register as register_backup
 from proctor.cli._common import (
@@ -26,6 +27,8 @@ from proctor.cli._common import (
 from proctor.cli._doctor import register as register_doctor
 from proctor.cli._evidence import register as register_evidence
 from proctor.cli._governance import register as register_governance
+from proctor.cli._manifest import register as register_manifest
+from proctor.cli._mcp import register as register_mcp
 from proctor.cli._resources import bucket_app, dataset_app, policy_app, secret_app
 from proctor.cli._retention import register as register_retention
 from proctor.cli._sandbox import sandbox_app
@@ -120,6 +123,9 @@ register_witness(app)
 register_retention(app)
 register_doctor(app)
 register_backup(app)
+register_ask(app)
+register_manifest(app)
+register_mcp(app)
 
 
 def _print_version(value: bool) -> None:
