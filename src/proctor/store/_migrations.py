@@ -422,4 +422,19 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             created REAL NOT NULL
         )""",
     ],
+    # 17: requests for approval (issue 35): an agent or a developer asks the approvers
+    # for a digest, with a comment. The request's ledger event is the record (seq);
+    # the row is what the approval state reads (the approvals are read from events).
+    [
+        """CREATE TABLE approval_requests (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            principal TEXT NOT NULL,
+            comment TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            seq INTEGER NOT NULL
+        )""",
+        "CREATE INDEX approval_requests_digest ON approval_requests (tenant, digest, created_at)",
+    ],
 ]
