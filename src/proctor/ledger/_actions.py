@@ -60,6 +60,7 @@ class Action(StrEnum):
     APPROVAL_GRANT = "approval.grant"
     APPROVAL_REJECT = "approval.reject"
     APPROVAL_REVOKE = "approval.revoke"
+    APPROVAL_REQUEST = "approval.request"
     QUORUM_SET = "quorum.set"
     DEPLOYMENT_CREATE = "deployment.create"
     DEPLOYMENT_READ = "deployment.read"
@@ -68,6 +69,7 @@ class Action(StrEnum):
     POLICY_SET = "policy.set"
     POLICY_READ = "policy.read"
     DATASET_REGISTER = "dataset.register"
+    DATASET_DESCRIBE = "dataset.describe"
     SECRET_REGISTER = "secret.register"  # noqa: S105 - an action, not a secret
     BUCKET_CREATE = "bucket.create"
     BUCKET_LIST = "bucket.list"
