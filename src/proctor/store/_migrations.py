@@ -425,6 +425,7 @@ SQLITE_MIGRATIONS: list[list[str]] = [
     # 17: requests for approval (issue 35): an agent or a developer asks the approvers
     # for a digest, with a comment. The request's ledger event is the record (seq);
     # the row is what the approval state reads (the approvals are read from events).
+    # And the person or team responsible for an agent principal.
     [
         """CREATE TABLE approval_requests (
             id TEXT PRIMARY KEY,
@@ -436,5 +437,7 @@ SQLITE_MIGRATIONS: list[list[str]] = [
             seq INTEGER NOT NULL
         )""",
         "CREATE INDEX approval_requests_digest ON approval_requests (tenant, digest, created_at)",
+        # An agent's principal names the person or team answerable for it.
+        "ALTER TABLE principals ADD COLUMN responsible TEXT",
     ],
 ]
