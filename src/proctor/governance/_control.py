@@ -50,6 +50,7 @@ _ROLE_ACTIONS = {
         Action.APPROVAL_GRANT,
         Action.APPROVAL_REJECT,
         Action.APPROVAL_REVOKE,
+        Action.CALL_ANSWER,
         Action.ARTIFACT_READ,
         Action.DEPLOYMENT_READ,
         Action.RUN_READ,
@@ -96,6 +97,12 @@ def role_policy(tenant: str) -> str:
     parts.append(
         '@id("control:separation-of-duties")\n'
         'forbid(principal, action == Proctor::Action::"approval.grant", resource)'
+        " when { context.principal_is_author };"
+    )
+    # The author of the code a run runs does not answer its asked calls either.
+    parts.append(
+        '@id("control:separation-of-duties-calls")\n'
+        'forbid(principal, action == Proctor::Action::"call.answer", resource)'
         " when { context.principal_is_author };"
     )
     return "\n".join(parts) + "\n"

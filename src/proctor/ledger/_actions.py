@@ -43,6 +43,10 @@ class Action(StrEnum):
     RUN_READ = "run.read"
     RUN_EVENTS_READ = "run.events.read"
     SANDBOX_RUN = "sandbox.run"
+    #: A call of a capability marked ``ask``, waiting for a person's answer (its
+    #: exact arguments), and the answer (approved, denied, timed out, abandoned).
+    CALL_ASK = "call.ask"
+    CALL_ANSWER = "call.answer"
 
     # -- the control plane ---------------------------------------------------------
     RUNTIME_INIT = "runtime.init"

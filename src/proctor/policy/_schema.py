@@ -19,6 +19,7 @@ ENTITY_TYPES: frozenset[str] = frozenset(
         "Role",
         "User",
         "ServiceAccount",
+        "Agent",
         "Artifact",
         "Deployment",
         "Workload",
@@ -63,9 +64,12 @@ CONTROL_PLANE_ACTIONS: frozenset[str] = frozenset(
         "retention.manage",
         "erasure.request",
         "dataset.register",
+        "dataset.describe",
+        "approval.request",
         "secret.register",
         "bucket.read",
         "bucket.write",
+        "call.answer",
     }
 )
 
