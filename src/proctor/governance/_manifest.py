@@ -80,7 +80,13 @@ _INTERPRETERS = frozenset(
 # Options after which the interpreter runs no script file of the artifact.
 _NO_SCRIPT_OPTIONS = frozenset({"-c", "-m", "-e", "--eval"})
 
-_TOP_KEYS = ("artifact", "datasets", "egress", "secrets", "buckets", "limits", "lifecycle")
+_TOP_KEYS = (
+    "artifact", "datasets", "egress", "secrets", "buckets", "ask", "limits", "lifecycle",
+)  # fmt: skip
+#: How long a call marked ``ask`` waits for a person's answer unless ``ask.timeout``
+#: says: past it the call is refused as timed out.
+DEFAULT_ASK_SECONDS = 300
+MAX_ASK_SECONDS = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,10 @@ def parse_manifest(source: bytes | str) -> Manifest:
     if rules:
         # Only when there are any, so a manifest without rules keeps the digest it had.
         capabilities["egress_rules"] = rules
+    ask = _parse_ask(data.get("ask"), capabilities)
+    if ask:
+        # Part of what an approver approves (the hash): these calls will be asked.
+        capabilities["ask"] = ask
     _check_with_policy(capabilities)
     _check_recorded_size(name, entrypoint, purpose, capabilities)
     return Manifest(
@@ -528,6 +538,59 @@ def _parse_buckets(value: Any) -> dict[str, str]:
     return out
 
 
+def _parse_ask(value: Any, caps: Mapping[str, Any]) -> dict[str, Any]:
+    """``[ask]``: the capabilities whose every use waits for a person's answer at run
+    time (hosts, bucket writes, table writes), each one the manifest asks for."""
+    ask = _table("ask", value)
+    _known("ask", ask, ("egress", "buckets", "tables", "timeout"))
+    out: dict[str, Any] = {}
+    if "egress" in ask:
+        entries = sorted({_egress_entry(e, "ask.egress") for e in
+                          _string_list("ask.egress", ask["egress"])})  # fmt: skip
+        for entry in entries:
+            if entry not in caps["egress"]:
+                raise UsageError(
+                    f"ask.egress: {entry} is not one of egress.hosts",
+                    hint="a call is asked only of a host the code may call",
+                )
+        if entries:
+            out["egress"] = entries
+    if "buckets" in ask:
+        names = sorted(set(_string_list("ask.buckets", ask["buckets"])))
+        for name in names:
+            _resource_name("ask.buckets", "bucket", name)
+            if caps["buckets"].get(name) not in ("write", "read-write"):
+                raise UsageError(
+                    f"ask.buckets: {name} is not a bucket the manifest writes",
+                    hint="writes are asked: give the bucket write or read-write access",
+                )
+        if names:
+            out["buckets"] = names
+    if "tables" in ask:
+        tables = sorted(set(_string_list("ask.tables", ask["tables"])))
+        for dotted in tables:
+            ds_name, _, table = dotted.partition(".")
+            grant = caps["datasets"].get(ds_name, {}).get("tables", {}).get(table)
+            if grant is None or grant["access"] not in ("write", "read-write"):
+                raise UsageError(
+                    f"ask.tables: {dotted!r} is not a table the manifest writes",
+                    hint="name it dataset.table, one with write or read-write access",
+                )
+        if tables:
+            out["tables"] = tables
+    if not out:
+        if ask:
+            raise UsageError("ask names no egress host, bucket or table to ask about")
+        return {}
+    seconds: int | float = DEFAULT_ASK_SECONDS
+    if "timeout" in ask:
+        seconds = _number(_parse_duration("ask.timeout", ask["timeout"]))
+        if seconds > MAX_ASK_SECONDS:
+            raise UsageError("ask.timeout is longer than 24 hours")
+    out["timeout_seconds"] = seconds
+    return out
+
+
 def _check_with_policy(capabilities: dict[str, Any]) -> None:
     # The manifest is approved to become exactly these permits; building them
     # now means a capability that could not be deployed is refused at submit.
@@ -666,6 +729,8 @@ def _normalize_capabilities(capabilities: dict[str, Any]) -> dict[str, Any]:
     }
     if capabilities.get("egress_rules"):
         out["egress_rules"] = capabilities["egress_rules"]
+    if capabilities.get("ask"):
+        out["ask"] = capabilities["ask"]
     return out
 
 

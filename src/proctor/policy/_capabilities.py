@@ -20,7 +20,8 @@ from proctor.policy._schema import action_literal, cedar_string
 #: ``egress_rules`` (request rules per egress entry) makes no permit of its own: the
 #: broker enforces the rules and names them in refusals, and Cedar sees them as the
 #: ``rules`` record of ``http.request``'s context (``_egress_rules.py``).
-CAPABILITY_KEYS = frozenset({"datasets", "egress", "egress_rules", "secrets", "buckets"})
+# ``ask`` makes no permit: it names calls of the others that wait for a person.
+CAPABILITY_KEYS = frozenset({"datasets", "egress", "egress_rules", "secrets", "buckets", "ask"})
 _ACCESS = {
     "read": ("read",),
     "write": ("write",),
