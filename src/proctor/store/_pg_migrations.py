@@ -423,4 +423,30 @@ POSTGRES_MIGRATIONS: list[list[str]] = [
         # An agent's principal names the person or team answerable for it.
         "ALTER TABLE principals ADD COLUMN responsible TEXT",
     ],
+    # 18: calls waiting for a person (issue 35, capabilities marked ``ask``): one row per
+    # asked call, its exact arguments, its state (pending until exactly one answer
+    # moves it, compare-and-swap on state in the answer event's transaction), and the
+    # seqs of the ``call.ask`` and ``call.answer`` events that record it.
+    [
+        """CREATE TABLE asks (
+            id TEXT PRIMARY KEY,
+            tenant TEXT NOT NULL,
+            run_id TEXT NOT NULL,
+            deployment TEXT NOT NULL,
+            artifact TEXT,
+            action TEXT NOT NULL,
+            resource TEXT NOT NULL,
+            arguments TEXT NOT NULL,
+            state TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            deadline TEXT NOT NULL,
+            ask_seq BIGINT,
+            answered_by TEXT,
+            answered_at TEXT,
+            answer_seq BIGINT,
+            comment TEXT
+        )""",
+        "CREATE INDEX asks_tenant_state ON asks (tenant, state, created_at)",
+        "CREATE INDEX asks_run ON asks (run_id)",
+    ],
 ]
