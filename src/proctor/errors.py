@@ -174,6 +174,15 @@ class RunRefused(ProctorError):
     status = 409
 
 
+class AlreadyAnswered(ProctorError):
+    """An asked call (a capability marked ``ask``) has its one answer already (or timed
+    out, or its run ended): this answer does not count and is not recorded as one."""
+
+    exit_code = 5
+    code = "already_answered"
+    status = 409
+
+
 #: The table: the classes the API answers with their own code and status, most
 #: specific first (the first one an error is an instance of answers for it).
 ANSWERED: tuple[type[ProctorError], ...] = (
@@ -185,6 +194,7 @@ ANSWERED: tuple[type[ProctorError], ...] = (
     NotApproved,
     ProductionName,
     RunRefused,
+    AlreadyAnswered,
     NotFound,
     AlreadyExists,
     PolicyError,
