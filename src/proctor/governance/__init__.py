@@ -129,6 +129,7 @@ from proctor.governance._subprocessors import (
     split_entry,
     subprocessor_forbid,
 )
+from proctor.governance._suggest import Suggestion, suggest, suggest_for, suggest_manifest
 from proctor.governance._tenants import Tenant, Tenants, validate_tenant_name
 
 __all__ = [
@@ -203,6 +204,7 @@ __all__ = [
     "StagedObject",
     "Subprocessor",
     "Subprocessors",
+    "Suggestion",
     "SyntheticOnly",
     "Tenant",
     "Tenants",
@@ -243,6 +245,9 @@ __all__ = [
     "standing_approvals",
     "submission_problems",
     "subprocessor_forbid",
+    "suggest",
+    "suggest_for",
+    "suggest_manifest",
     "unbacked_erasures",
     "unbacked_rows",
     "validate_tenant_name",
