@@ -604,6 +604,15 @@ class Client:
         body = {"dataset": dataset, "key": key, "request_ref": request_ref}
         return self._json("POST", f"{self._t(tenant)}/erasures", json=body)
 
+    # -- manifests learned from runs (issue 35) ---------------------------------------
+
+    def suggest_manifest(self, tenant: str, run: str) -> Json:
+        """The least-privilege manifest run ``run``'s calls called for (its id or any
+        unique prefix): ``manifest`` (TOML), ``diff`` against its artifact's manifest,
+        ``lines`` (each added or removed line with its reason and the event's ``seq``),
+        ``not_suggestable`` (refusals no manifest line lifts, with why)."""
+        return self._json("GET", f"{self._t(tenant)}/runs/{_seg(run)}/suggested-manifest")
+
 
 def _event_params(
     since: str | None, until: str | None, run: str | None, action: str | None,
