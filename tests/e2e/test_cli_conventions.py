@@ -90,6 +90,7 @@ ARGS: dict[str, list[str]] = {
     "hold add": ["-t", "acme", "--run", "{R}", "--reason", "the walk"],
     "init": ["--home", "{TMP}/another-home"],
     "lineage": ["-t", "acme", "--dataset", "crm", "--key", "1"],
+    "manifest suggest": ["-t", "acme", "--run", "{R}"],
     "policy set": ["-t", "globex", "{TMP}/p.cedar"],
     "policy test": ["-t", "acme", "{TMP}/request.json"],
     "principal create": ["-t", "acme", "erin", "--role", "developer"],
@@ -135,6 +136,7 @@ NOT_WALKED = {
 #: Commands that print but take no --json, and why.
 NO_JSON = {
     "artifact cat": "prints a file's exact bytes, which are the answer",
+    "mcp": "speaks MCP (JSON-RPC) on stdout and nothing else: tests/e2e/test_mcp_loop.py",
 }
 
 
