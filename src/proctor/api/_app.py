@@ -38,6 +38,7 @@ from proctor.api._models import KeyOut
 from proctor.console import Console, ConsoleConfig, SignInProvider
 from proctor.errors import ProctorError
 from proctor.lifecycle import REQUEST, log_event
+from proctor.mcp import HttpEndpoint
 from proctor.runtime import Runtime
 
 Scope = MutableMapping[str, Any]
@@ -285,7 +286,8 @@ def create_app(  # noqa: PLR0913 -- the API's options, each named
 
         anyio.to_thread.current_default_thread_limiter().total_tokens = worker_threads
         try:
-            yield
+            async with mcp.running():  # the MCP sessions' tasks
+                yield
         finally:
             state.close()
 
@@ -346,6 +348,10 @@ def create_app(  # noqa: PLR0913 -- the API's options, each named
     app.include_router(_agent_routes.router)
     app.include_router(_ask_routes.router)
     app.include_router(_suggest_routes.router)
+    # MCP over streamable HTTP (docs/agents.md): the agent's bearer token on every
+    # request, each tool an SDK call through this app, like the console's clicks.
+    mcp = HttpEndpoint(app)
+    app.add_route("/mcp", mcp, include_in_schema=False)  # type: ignore[arg-type]
     if console is not None:
         providers = [SignInProvider(i.issuer, i.audience, i.console_client_secret,
                                     i.console_label) for i in oidc if i.console]  # fmt: skip

@@ -1,0 +1,411 @@
+"""The tools: each one SDK call (or a few reads) made as the agent's principal.
+
+The server decides nothing: the API authenticates the agent's token, Cedar decides
+with the tenant's role policy, and the ledger records, exactly as for the CLI. What
+is checked here is only the shape of the arguments, with the API's bounds, so that a
+model gets one clear line before anything is sent; the API checks everything again.
+
+How a tool reaches the API is a ``Gateway``: over stdio, the agent's token and a
+server URL or the API application in this process; over streamable HTTP, the
+bearer token of the request that carries the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Callable
+from typing import Annotated, Any, Protocol, TypeVar
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+from proctor.client import Client
+from proctor.errors import ControlDenied, ProctorError, UsageError
+from proctor.mcp._files import MAX_BYTES, MAX_FILES, pack
+from proctor.mcp._format import INSTRUCTIONS, MANIFEST_FORMAT
+
+_log = logging.getLogger("proctor.mcp")
+
+#: The API's rules for the names a tool takes (governance: tenants, deployments).
+_TENANT_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+_DEPLOYMENT_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+#: ``sha256:<64 hex>`` or a unique prefix of the hex part, at least 4 digits.
+_DIGEST_RE = re.compile(r"^(?:sha256:)?[0-9a-f]{4,64}$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
+#: What a tool's answer carries of a run's output: its end, where errors are.
+TAIL_BYTES = 8192
+#: The calls show_run lists (the newest); refusals are all listed up to the same bound.
+MAX_CALLS = 200
+_TEXT_MAX = 2048  # an instruction or a comment, as the API bounds them
+
+CLIENT_HEADER = "X-Proctor-Client"
+
+Json = Any
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Gateway(Protocol):
+    """How a tool call reaches the API as the agent."""
+
+    def client(self, ctx: Context, headers: dict[str, str]) -> Client:
+        """An SDK client that acts as the agent (closed by the caller)."""
+
+    def tenant(self, ctx: Context, client: Client) -> str:
+        """The agent's own tenant."""
+
+
+def client_header(ctx: Context) -> dict[str, str]:
+    """``X-Proctor-Client: name/version`` from the MCP client's ``initialize``
+    (clientInfo), printable ASCII and bounded; nothing when the client sent none."""
+    try:
+        params = ctx.request_context.session.client_params
+    except (ValueError, AttributeError):
+        return {}
+    info = params.client_info if params is not None else None
+    if info is None:
+        return {}
+
+    def clean(text: object, most: int) -> str:
+        s = "".join(c if 32 < ord(c) < 127 and c != "/" else "_" for c in str(text or ""))
+        return s[:most] or "unknown"
+
+    return {CLIENT_HEADER: f"{clean(info.name, 64)}/{clean(info.version, 32)}"}
+
+
+def one_line(exc: ProctorError) -> str:
+    """A ProctorError as the one line a model reads: the message and the hint."""
+    text = exc.message if not exc.hint else f"{exc.message} (hint: {exc.hint})"
+    return " ".join(text.split())
+
+
+def _guarded(fn: F) -> F:
+    """A tool's failures as one line (an MCP tool error, isError): a ProctorError's
+    message and hint, anything else named by its type only, never a traceback."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ToolError:
+            raise
+        except ProctorError as exc:
+            raise ToolError(one_line(exc)) from None
+        except Exception as exc:
+            _log.exception("tool %s failed", fn.__name__)
+            raise ToolError(
+                f"internal error in Proctor's MCP server ({type(exc).__name__}); "
+                "the call may be retried, and the server's log says more"
+            ) from None
+
+    return run  # type: ignore[return-value]
+
+
+def _check(value: str | None, rule: re.Pattern[str], what: str) -> None:
+    if value is not None and not rule.match(value):
+        raise UsageError(f"{what} {value[:80]!r} is not valid")
+
+
+def _text(value: str, what: str) -> str:
+    if len(json.dumps(value, ensure_ascii=False)) > _TEXT_MAX:
+        raise UsageError(f"{what} is longer than {_TEXT_MAX} bytes: say it shorter")
+    return value
+
+
+def _tail(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    cut = raw[-TAIL_BYTES:]
+    text = cut.decode("utf-8", "replace")
+    return ("[...]\n" if len(raw) > TAIL_BYTES else "") + text
+
+
+def _event_row(doc: dict[str, Any]) -> dict[str, Any]:
+    row = {k: doc.get(k) for k in ("seq", "action", "resource", "decision", "reason")}
+    return {k: v for k, v in row.items() if v not in (None, "")}
+
+
+TenantArg = Annotated[
+    str | None,
+    Field(description="Leave it out: you act in your own tenant (the token's), and only there."),
+]
+DigestArg = Annotated[
+    str,
+    Field(description="The artifact's digest as submit_artifact returned it ('sha256:<64 hex>')."),
+]
+RunArg = Annotated[str, Field(description="The run's id, as a run tool returned it.")]
+
+
+def _run_answer(run: Json, out: list[str], err: list[str]) -> dict[str, Any]:
+    return {
+        "run_id": run.get("id"), "deployment": run.get("deployment"),
+        "environment": run.get("environment"), "digest": run.get("digest"),
+        "status": run.get("status"), "exit_code": run.get("exit_code"),
+        "reason": run.get("reason"),
+        "stdout_tail": _tail("".join(out)), "stderr_tail": _tail("".join(err)),
+        "next": "show_run with this run_id lists its calls and every refusal with its reason",
+    }  # fmt: skip
+
+
+Call = Callable[[Context], tuple[Client, Callable[[str | None], str]]]
+
+
+def build_server(gateway: Gateway, *, name: str = "proctor") -> MCPServer:
+    """The MCP server whose tools reach the API through ``gateway``."""
+    server: MCPServer = MCPServer(name, instructions=INSTRUCTIONS, log_level="WARNING")
+
+    def call(ctx: Context) -> tuple[Client, Callable[[str | None], str]]:
+        client = gateway.client(ctx, client_header(ctx))
+
+        def tenant_of(given: str | None) -> str:
+            _check(given, _TENANT_RE, "the tenant")
+            return given if given is not None else gateway.tenant(ctx, client)
+
+        return client, tenant_of
+
+    _add_artifact_tools(server, call)
+    _add_run_tools(server, call)
+    _add_later_tools(server, call)
+    _flatten_argument_errors(server)
+    return server
+
+
+def _add_artifact_tools(server: MCPServer, call: Call) -> None:
+    @_guarded
+    def describe_datasets(ctx: Context, tenant: TenantArg = None) -> dict[str, Any]:
+        client, tenant_of = call(ctx)
+        with client:
+            t = tenant_of(tenant)
+            datasets = [
+                {k: d.get(k) for k in ("name", "kind", "synthetic", "twin_of")}
+                for d in client.datasets(t)
+            ]
+        return {
+            "tenant": t,
+            "datasets": datasets,
+            "note": "A manifest names the real dataset (synthetic false); sandbox runs read "
+            "its synthetic twin (twin_of) under the same name.",
+        }
+
+    server.add_tool(
+        describe_datasets,
+        description=(
+            "List the datasets your tenant has registered: name, kind (sqlite or "
+            "postgresql), whether it is synthetic and which real dataset it stands in for "
+            "in the sandbox. Never returns a row of data. Use the real datasets' names in "
+            "the manifest's [datasets.<name>...] tables; sandbox runs get their synthetic "
+            "twins. Refused for another tenant (it does not exist for you)."
+        ),
+    )
+
+    @_guarded
+    def describe_manifest_format() -> str:
+        return MANIFEST_FORMAT
+
+    server.add_tool(
+        describe_manifest_format,
+        description=(
+            "The format of proctor.toml, the manifest every artifact needs: its keys, "
+            "rules and an example, written for you. Read it before submit_artifact."
+        ),
+    )
+
+    @_guarded
+    def submit_artifact(
+        ctx: Context,
+        files: Annotated[
+            dict[str, str],
+            Field(
+                description="The code: {relative path: file text}, like "
+                "{'main.py': '...', 'lib/util.py': '...'}. Text files only; no proctor.toml "
+                "here (that is 'manifest')."
+            ),
+        ],
+        manifest: Annotated[str, Field(description="The text of proctor.toml.")],
+        executable: Annotated[
+            list[str], Field(description="Paths among 'files' to mark executable.")
+        ] = [],  # noqa: B006 - the SDK reads the default; it is never mutated
+        tenant: TenantArg = None,
+    ) -> dict[str, Any]:
+        data = pack(files, manifest, executable, max_bytes=MAX_BYTES, max_files=MAX_FILES)
+        client, tenant_of = call(ctx)
+        with client:
+            doc = client.submit_artifact(tenant_of(tenant), data)
+        return {
+            "digest": doc.get("digest"), "name": doc.get("name"),
+            "capabilities": (doc.get("manifest") or {}).get("capabilities"),
+            "capabilities_hash": doc.get("capabilities_hash"),
+            "file_count": doc.get("file_count"), "size": doc.get("size"),
+            "warnings": doc.get("warnings", []),
+            "next": "run_in_sandbox with this digest; identical content gives the same digest",
+        }  # fmt: skip
+
+    server.add_tool(
+        submit_artifact,
+        description=(
+            "Submit your code and its manifest as an artifact; returns its digest (the id "
+            "approvals and deployments name). Refused: paths that are absolute, hold '.' "
+            "or '..' or a backslash (no path may leave the artifact; no links are made), "
+            f"more than {MAX_FILES} files or {MAX_BYTES >> 20} MiB, and a manifest with any "
+            "mistake (the message names the key: read describe_manifest_format). "
+            "'warnings' are what a production deployment would refuse today. Next: "
+            "run_in_sandbox."
+        ),
+    )
+
+
+def _add_run_tools(server: MCPServer, call: Call) -> None:
+    @_guarded
+    def run_in_sandbox(
+        ctx: Context,
+        digest: DigestArg,
+        name: Annotated[
+            str,
+            Field(
+                description="A deployment name for the sandbox: a lowercase letter, then "
+                "up to 62 of a-z 0-9 -. Reuse it for the next version of the same code."
+            ),
+        ],
+        instruction: Annotated[
+            str | None,
+            Field(
+                description="Why this runs, in a sentence (recorded as the deployment's "
+                "instruction)."
+            ),
+        ] = None,
+        tenant: TenantArg = None,
+    ) -> dict[str, Any]:
+        _check(digest, _DIGEST_RE, "the digest")
+        _check(name, _DEPLOYMENT_RE, "the deployment name")
+        said = _text(instruction or "a trial run in the sandbox by a coding agent", "instruction")
+        client, tenant_of = call(ctx)
+        out: list[str] = []
+        err: list[str] = []
+        with client:
+            t = tenant_of(tenant)
+            client.deploy(t, digest, name, instruction=said, environment="sandbox")
+            run = client.run(t, name, on_stdout=out.append, on_stderr=err.append)
+        return _run_answer(run, out, err)
+
+    server.add_tool(
+        run_in_sandbox,
+        description=(
+            "Deploy an artifact (by digest) to the SANDBOX environment under a name and run "
+            "it once, waiting for the end; returns the run id, status, exit code and the "
+            "end of its output. The sandbox reads synthetic twins of the datasets and test "
+            "twins of the secrets, never real data; it needs no approval. A call the "
+            "manifest does not allow is refused and recorded: then read show_run, fix the "
+            "code or the manifest, submit again and run again. Only job artifacts run here."
+        ),
+    )
+
+    @_guarded
+    def run_deployment(
+        ctx: Context,
+        name: Annotated[str, Field(description="The deployment's name.")],
+        tenant: TenantArg = None,
+    ) -> dict[str, Any]:
+        _check(name, _DEPLOYMENT_RE, "the deployment name")
+        client, tenant_of = call(ctx)
+        out: list[str] = []
+        err: list[str] = []
+        with client:
+            run = client.run(tenant_of(tenant), name, on_stdout=out.append, on_stderr=err.append)
+        return _run_answer(run, out, err)
+
+    server.add_tool(
+        run_deployment,
+        description=(
+            "Start one run of an existing job deployment and wait for its end: one that "
+            "run_in_sandbox made, or a production deployment a person made after your "
+            "artifact was approved (you cannot deploy to production yourself: a person "
+            "gives that instruction). Returns the run id, status, exit code and the end of "
+            "its output; show_run gives the rest."
+        ),
+    )
+
+    @_guarded
+    def show_run(ctx: Context, run_id: RunArg, tenant: TenantArg = None) -> dict[str, Any]:
+        _check(run_id, _RUN_RE, "the run id")
+        client, tenant_of = call(ctx)
+        with client:
+            t = tenant_of(tenant)
+            run = client.get_run(t, run_id)
+            rid = str(run.get("id") or run_id)
+            stdout = b"".join(client.run_logs(t, rid, stream="stdout"))
+            stderr = b"".join(client.run_logs(t, rid, stream="stderr"))
+            answer: dict[str, Any] = {
+                "run_id": rid, "deployment": run.get("deployment"),
+                "environment": run.get("environment"), "digest": run.get("digest"),
+                "status": run.get("status"), "exit_code": run.get("exit_code"),
+                "reason": run.get("reason"), "started_at": run.get("started_at"),
+                "ended_at": run.get("ended_at"),
+                "stdout_tail": _tail(stdout), "stderr_tail": _tail(stderr),
+            }  # fmt: skip
+            try:
+                lines = client.events(t, run=rid, limit=1000)
+            except ControlDenied as exc:
+                answer["calls"] = []
+                answer["refusals"] = []
+                answer["calls_note"] = one_line(exc)
+                return answer
+        events = [json.loads(line) for line in lines]
+        calls = [_event_row(e) for e in events if e.get("action") not in ("run.start", "run.end")]
+        refusals = [c for c in calls if c.get("decision") == "deny"]
+        answer["calls"] = calls[-MAX_CALLS:]
+        answer["refusals"] = refusals[:MAX_CALLS]
+        if len(calls) > MAX_CALLS:
+            answer["calls_note"] = f"{len(calls)} calls; the newest {MAX_CALLS} are listed"
+        return answer
+
+    server.add_tool(
+        show_run,
+        description=(
+            "One of your runs: status, exit code, the end of stdout and stderr, every call "
+            "it made at the broker (seq, action, resource, decision) and each refusal with "
+            "its ledger seq and the reason, which names what the manifest lacked. Fix the "
+            "manifest or the code from the reasons; never widen it beyond what the code "
+            "needs. Runs of other principals' deployments may show no calls (you may read "
+            "only your own runs' events)."
+        ),
+    )
+
+
+def _add_later_tools(server: MCPServer, call: Call) -> None:
+    """The tools over SDK methods that other parts of issue 35 add."""
+    del server, call
+
+
+def _flatten_argument_errors(server: MCPServer) -> None:
+    """An argument that fails the tool's schema (pydantic's several-line report) as
+    one line: the tool, each field and what was wrong, no echo of the value."""
+
+    async def flatten(ctx: Any, call_next: Any) -> Any:
+        result = await call_next(ctx)
+        if ctx.method != "tools/call" or not isinstance(result, dict):
+            return result
+        content = result.get("content")
+        if not result.get("isError") or not isinstance(content, list) or not content:
+            return result
+        first = content[0]
+        text = first.get("text") if isinstance(first, dict) else None
+        if not isinstance(text, str) or "validation error for" not in text:
+            return result
+        return {**result, "content": [{"type": "text", "text": flat_validation(text)}]}
+
+    server.middleware.append(flatten)
+
+
+def flat_validation(text: str) -> str:
+    """pydantic's report (a title, then a field line and an indented problem line per
+    error) as one line."""
+    lines = text.splitlines()
+    tool = lines[0].split(":", 1)[0].removeprefix("Error executing tool ").strip()
+    problems = []
+    for i, line in enumerate(lines[1:], start=1):
+        if line and not line.startswith(" ") and i + 1 < len(lines):
+            what = lines[i + 1].strip().split(" [type=")[0]
+            problems.append(f"{line.strip()}: {what}")
+    return f"invalid arguments for {tool}: " + "; ".join(problems or ["see the tool's schema"])

@@ -1,0 +1,260 @@
+"""The MCP server over streamable HTTP at /mcp of a real API server on loopback, driven
+by the official MCP client: every request authenticated by the agent's bearer token,
+each tool call made as the agent (the API decides and records it, with the MCP
+client's name), and each refusal a clear one-line tool error with nothing changed.
+No sandbox here (tests/e2e/test_mcp_loop.py runs the loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import httpx2
+import pytest
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult, Implementation, TextContent
+
+from proctor.api import serve_api
+from tests.e2e.conftest_gov import Gov, build_gov
+
+T = TypeVar("T")
+TOOLS = {
+    "describe_datasets", "describe_manifest_format", "submit_artifact", "run_in_sandbox",
+    "run_deployment", "show_run",
+}  # fmt: skip
+MANIFEST = '[artifact]\nname = "probe"\nentrypoint = ["python3", "main.py"]\npurpose = "test"\n'
+INIT = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+               "clientInfo": {"name": "raw", "version": "1"}},
+}  # fmt: skip
+ACCEPT = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+@dataclass
+class Served:
+    gov: Gov
+    url: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    gov = build_gov(tmp_path_factory.mktemp("mcp-http"))
+    server = serve_api(gov.rt, "127.0.0.1", 0)
+    yield Served(gov, server.url)
+    server.stop()
+    gov.rt.close()
+
+
+@asynccontextmanager
+async def session(url: str, token: str, name: str = "test-agent") -> AsyncIterator[ClientSession]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with (
+        httpx2.AsyncClient(headers=headers, timeout=60) as http,
+        streamable_http_client(url + "/mcp", http_client=http) as (r, w),
+        ClientSession(r, w, client_info=Implementation(name=name, version="0.9")) as s,
+    ):
+        await s.initialize()
+        yield s
+
+
+def with_session(served: Served, token: str, fn: Callable[[ClientSession], Awaitable[T]]) -> T:
+    async def go() -> T:
+        async with session(served.url, token) as s:
+            return await fn(s)
+
+    return asyncio.run(go())
+
+
+def text(res: CallToolResult) -> str:
+    first = res.content[0]
+    assert isinstance(first, TextContent)
+    return first.text
+
+
+def events(served: Served, tenant: str = "acme", start: int = 0) -> list[dict[str, Any]]:
+    return [json.loads(e) for e in served.gov.rt.ledger.entries(tenant, start)]
+
+
+def test_a_request_without_a_valid_token_is_401_before_any_mcp_is_read(served: Served) -> None:
+    before = served.gov.rt.ledger.head("acme").size
+    for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": "Basic eA=="}):
+        resp = httpx.post(served.url + "/mcp", json=INIT, headers={**ACCEPT, **headers})
+        assert resp.status_code == 401, resp.text
+        assert resp.headers["www-authenticate"].startswith("Bearer")
+        assert resp.json()["error"]["code"] == "unauthenticated"
+        assert "mcp-session-id" not in resp.headers
+    assert served.gov.rt.ledger.head("acme").size == before
+
+
+def test_the_tools_are_described_for_a_model(served: Served) -> None:
+    async def listed(s: ClientSession) -> Any:
+        return (await s.list_tools()).tools
+
+    tools = with_session(served, served.gov.token("dev"), listed)
+    assert {t.name for t in tools} >= TOOLS
+    for t in tools:
+        assert t.description and len(t.description) > 80, t.name
+    submit = next(t for t in tools if t.name == "submit_artifact")
+    assert "'..'" in (submit.description or "") and "MiB" in (submit.description or "")
+
+
+def test_each_call_is_the_agents_own_request_with_its_mcp_client(served: Served) -> None:
+    start = served.gov.rt.ledger.head("acme").size
+
+    async def calls(s: ClientSession) -> tuple[CallToolResult, CallToolResult]:
+        return (await s.call_tool("describe_datasets", {}),
+                await s.call_tool("describe_manifest_format", {}))  # fmt: skip
+
+    datasets, fmt = with_session(served, served.gov.token("dev"), calls)
+    assert not datasets.is_error and not fmt.is_error
+    doc = json.loads(text(datasets))
+    assert doc["tenant"] == "acme"
+    assert {d["name"] for d in doc["datasets"]} == {"crm", "fake"}
+    assert "rows" not in text(datasets) and "user1@example.com" not in text(datasets)
+    assert "[artifact]" in text(fmt) and "entrypoint" in text(fmt)
+    read = [e for e in events(served, start=start)
+            if e["action"] == "api.request" and e["details"].get("path") == "/tenants/acme/datasets"]  # fmt: skip
+    assert len(read) == 1
+    (ev,) = read
+    assert ev["actor"] == {"type": "user", "id": "acme/dev"} and ev["decision"] == "allow"
+    assert ev["details"]["client"] == {"name": "test-agent", "version": "0.9"}
+
+
+def test_a_submission_is_the_agents_and_bad_paths_change_nothing(served: Served) -> None:
+    rt = served.gov.rt
+    bad = {
+        "/etc/passwd": "the file path '/etc/passwd' is absolute",
+        "../up.py": "has an empty, '.' or '..' part",
+        "lib/./x.py": "has an empty, '.' or '..' part",
+        "lib//x.py": "has an empty, '.' or '..' part",
+        "lib\\x.py": "holds a backslash",
+        ".git/config": "which a submission leaves out",
+        "a\x1bb": "holds a control character",
+        "proctor.toml": "give the manifest as the 'manifest' argument",
+    }
+
+    async def calls(
+        s: ClientSession,
+    ) -> tuple[list[CallToolResult], CallToolResult, CallToolResult]:
+        refused = [
+            await s.call_tool("submit_artifact", {"files": {"main.py": "print(1)", p: "x"},
+                                                  "manifest": MANIFEST})
+            for p in bad
+        ]  # fmt: skip
+        many = {f"f{i}.py": "" for i in range(10_000)}
+        too_many = await s.call_tool("submit_artifact", {"files": many, "manifest": MANIFEST})
+        typed = await s.call_tool("submit_artifact", {"files": 3, "manifest": MANIFEST})
+        return refused, too_many, typed
+
+    before = (len(rt.artifacts.list("acme")), rt.ledger.head("acme").size)
+    refused, too_many, typed = with_session(served, served.gov.token("dev"), calls)
+    for res, why in zip(refused, bad.values(), strict=True):
+        assert res.is_error and why in text(res), text(res)
+        assert "\n" not in text(res) and "Traceback" not in text(res)
+    assert too_many.is_error and "more than the 10000 an artifact may hold" in text(too_many)
+    assert typed.is_error
+    assert (
+        text(typed)
+        == "invalid arguments for submit_artifact: files: Input should be a valid dictionary"
+    )
+    # Nothing reached the API but the MCP requests' own authentication (whoami).
+    assert len(rt.artifacts.list("acme")) == before[0]
+    later = events(served, start=before[1])
+    assert {e["details"].get("path") for e in later} == {"/whoami"}
+
+    async def good(s: ClientSession) -> CallToolResult:
+        return await s.call_tool("submit_artifact", {
+            "files": {"main.py": "print('hi')\n", "lib/util.py": "X = 1\n"},
+            "manifest": MANIFEST,
+        })  # fmt: skip
+
+    res = with_session(served, served.gov.token("dev"), good)
+    assert not res.is_error, text(res)
+    doc = json.loads(text(res))
+    art = rt.artifacts.get("acme", doc["digest"])
+    assert art.author == "acme/dev" and doc["file_count"] == 3
+    assert [f.path for f in rt.artifacts.files("acme", art.digest)] == [
+        "lib/util.py", "main.py", "proctor.toml",
+    ]  # fmt: skip
+
+
+def test_a_message_over_the_apis_body_limit_is_refused_whole(served: Served) -> None:
+    rt = served.gov.rt
+    before = (len(rt.artifacts.list("acme")), rt.ledger.head("acme").size)
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "submit_artifact",
+                       "arguments": {"files": {"big.py": "#" * (2 << 20)}, "manifest": MANIFEST}}}  # fmt: skip
+    resp = httpx.post(served.url + "/mcp", json=call, timeout=60,
+                      headers={**ACCEPT, "Authorization": f"Bearer {served.gov.token('dev')}"})  # fmt: skip
+    assert resp.status_code == 413
+    assert (len(rt.artifacts.list("acme")), rt.ledger.head("acme").size) == before
+
+
+def test_another_tenant_is_refused_and_the_refusal_recorded(served: Served) -> None:
+    start = served.gov.rt.ledger.head("acme").size
+
+    async def calls(s: ClientSession) -> tuple[CallToolResult, CallToolResult]:
+        return (await s.call_tool("describe_datasets", {"tenant": "globex"}),
+                await s.call_tool("describe_datasets", {"tenant": "../globex"}))  # fmt: skip
+
+    other, malformed = with_session(served, served.gov.token("dev"), calls)
+    assert other.is_error and "globex" in text(other) and "\n" not in text(other)
+    assert malformed.is_error and "the tenant '../globex' is not valid" in text(malformed)
+    denied = [e for e in events(served, start=start) if e["decision"] == "deny"]
+    assert [e["details"].get("path") for e in denied] == ["/tenants/globex/datasets"]
+    assert denied[0]["actor"]["id"] == "acme/dev"
+    assert all(e["actor"]["id"] != "acme/dev" for e in events(served, "globex"))
+
+
+def test_a_session_belongs_to_the_principal_that_opened_it(served: Served) -> None:
+    dev, alice = served.gov.token("dev"), served.gov.token("alice")
+    with httpx.Client(base_url=served.url, headers=ACCEPT, timeout=30) as http:
+        opened = http.post("/mcp", json=INIT, headers={"Authorization": f"Bearer {dev}"})
+        assert opened.status_code == 200
+        sid = opened.headers["mcp-session-id"]
+        listing = {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}
+        stolen = http.post("/mcp", json=listing,
+                           headers={"Authorization": f"Bearer {alice}", "Mcp-Session-Id": sid})  # fmt: skip
+        assert stolen.status_code == 404
+        http.delete("/mcp", headers={"Authorization": f"Bearer {dev}", "Mcp-Session-Id": sid})
+
+
+@pytest.mark.parametrize("how", ["disabled", "rotated"])
+def test_a_revoked_token_is_refused_at_the_next_request_of_its_session(
+    served: Served, how: str
+) -> None:
+    rt, op = served.gov.rt, served.gov.op
+    name = f"dev-{how}"
+    _, token = rt.principals.create("acme", name, "user", ["developer"], op)
+    seen: dict[str, Any] = {}
+
+    async def go() -> None:
+        async with session(served.url, token) as s:
+            first = await s.call_tool("describe_datasets", {})
+            seen["first"] = first.is_error
+            if how == "disabled":
+                rt.principals.set_disabled("acme", name, True, op)
+            else:
+                rt.principals.rotate("acme", name, op)
+            seen["revoked_at"] = rt.ledger.head("acme").size
+            try:
+                await s.call_tool("describe_datasets", {})
+            except MCPError as exc:
+                seen["refused"] = str(exc)
+
+    # The official client may fail to close a session whose token no longer works.
+    with contextlib.suppress(BaseExceptionGroup):
+        asyncio.run(go())
+    assert seen["first"] is False
+    assert "refused" in seen
+    after = events(served, start=seen["revoked_at"])
+    assert all(e["actor"]["id"] != f"acme/{name}" for e in after)
