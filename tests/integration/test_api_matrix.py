@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import sqlite3
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,13 +24,19 @@ from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env
 
 ALLOWED = {
     "developer": {"tenant.read", "artifact.read", "artifact.submit", "deployment.read",
-                  "deployment.create", "run.read", "bucket.read", "run.events.read@own"},
+                  "deployment.create", "run.read", "bucket.read", "run.events.read@own",
+                  "approval.request", "dataset.describe"},
     "approver": {"tenant.read", "artifact.read", "deployment.read", "run.read",
                  "approval.grant", "approval.reject"},
     "auditor": {"tenant.read", "artifact.read", "deployment.read", "run.read", "audit.read",
-                "policy.read", "run.events.read", "run.events.read@own"},
+                "policy.read", "run.events.read", "run.events.read@own", "dataset.describe"},
+    # An AI agent (issue 35): no bucket's objects, no other's run events, no approving,
+    # no production (deployment.create@production), no administering.
+    "agent": {"tenant.read", "artifact.read", "artifact.submit", "deployment.read",
+              "deployment.create", "run.read", "approval.request", "dataset.describe"},
 }  # fmt: skip
-WHO = {"developer": "dev", "approver": "alice", "auditor": "aud", "admin": "root"}
+WHO = {"developer": "dev", "approver": "alice", "auditor": "aud", "admin": "root",
+       "agent": "coder"}  # fmt: skip
 
 
 @dataclass
@@ -73,6 +80,20 @@ ACTIONS: dict[str, Call] = {
     "run.events.read@own": lambda h, t, f: h.get(
         f"/tenants/{t}/events", params={"run": f"r-own-{t}", "limit": 1}
     ),
+    # Production needs approvals first: an allowed one answers 409 (not approved).
+    "deployment.create@production": lambda h, t, f: h.post(
+        f"/tenants/{t}/deployments",
+        json={
+            "digest": f.digest,
+            "name": "matrix-prod",
+            "instruction": "matrix test",
+            "environment": "production",
+        },
+    ),
+    "approval.request": lambda h, t, f: h.post(
+        f"/tenants/{t}/artifacts/{f.digest}/approval-requests", json={"comment": "matrix"}
+    ),
+    "dataset.describe": lambda h, t, f: h.get(f"/tenants/{t}/datasets/crm/schema"),
     "policy.read": lambda h, t, f: h.get(f"/tenants/{t}/policy"),
     "policy.set": lambda h, t, f: h.put(f"/tenants/{t}/quorum", json={"required": 1}),
     "approval.grant": lambda h, t, f: h.post(
@@ -107,6 +128,13 @@ def matrix_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ApiEn
         # Submitted by the operator, so that no role is its author (no SoD forbid).
         digest = env.rt.artifacts.submit(t, directory, env.rt.operator).digest
         env.rt.principals.create(t, "spare", "user", ["auditor"], env.rt.operator)
+        _, env.tokens[(t, "coder")] = env.rt.principals.create(
+            t, "coder", "agent", [], env.rt.operator, responsible=f"{t}/dev"
+        )
+        db = tmp / f"crm-{t}.db"
+        with sqlite3.connect(db) as conn:
+            conn.execute("CREATE TABLE customers (id INTEGER, email TEXT)")
+        env.rt.resources.add_dataset(t, "crm", db, env.rt.operator)
         env.rt.resources.add_bucket(t, "reports", env.rt.operator)
         dev = env.rt.principals.get(t, "dev")
         env.rt.deployments.deploy(t, env.rt.artifacts.get(t, digest), "own",
@@ -128,6 +156,8 @@ def _run_row(tenant: str, run_id: str, deployment: str = "ops") -> tuple[Any, ..
 
 
 def _allowed(role: str, action: str) -> bool:
+    if action == "deployment.create@production":
+        return role in ("admin", "developer")  # an agent deploys to the sandbox only
     return role == "admin" or action in ALLOWED[role]
 
 
@@ -147,7 +177,10 @@ def test_role_matrix(role: str, matrix_env: tuple[ApiEnv, Fx]) -> None:
                     assert resp.json()["error"]["code"] == "not_found"
                     expected[rid] = ("deny", cedar)
                 elif _allowed(role, action):
-                    assert resp.status_code in (200, 201), (role, action, resp.text)
+                    # Production without a quorum: allowed by the role policy, refused
+                    # by the approvals (409) after it.
+                    ok = (409,) if action == "deployment.create@production" else (200, 201)
+                    assert resp.status_code in ok, (role, action, resp.text)
                     expected[rid] = ("allow", cedar)
                 else:
                     assert resp.status_code == 403, (role, action, resp.text)

@@ -26,13 +26,18 @@ from proctor.api._auth import Authenticator
 from proctor.api._errors import ApiError, not_found
 from proctor.api._limits import PrincipalLimits
 from proctor.api._log_reads import LogReads
-from proctor.errors import PolicyError
-from proctor.governance import Principal
+from proctor.errors import PolicyError, UsageError
+from proctor.governance import Principal, explain_refusal
 from proctor.ledger import Action, EventDraft
 from proctor.policy import Decision, EntityRef, IpAddr
 from proctor.runtime import Runtime
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+#: ``X-Proctor-Client: <name>/<version>``: the MCP client an agent works through (the
+#: MCP server sets it from the client's ``initialize``), recorded on the request's
+#: events. Printable ASCII without spaces, name up to 64 and version up to 32.
+CLIENT_HEADER = "x-proctor-client"
+_CLIENT_RE = re.compile(r"([\x21-\x2e\x30-\x7e]{1,64})/([\x21-\x7e]{1,32})")
 _PATH_MAX = 512
 
 
@@ -119,6 +124,21 @@ def request_id_for(header: str | None) -> str:
     return "req_" + os.urandom(8).hex()
 
 
+def client_of(header: str | None) -> dict[str, str] | None:
+    """The ``X-Proctor-Client`` header as ``{"name", "version"}``; None without one.
+    A malformed one is refused (400), not dropped: an agent's events would otherwise
+    lose what it worked through without anyone noticing."""
+    if header is None:
+        return None
+    match = _CLIENT_RE.fullmatch(header)
+    if match is None:
+        raise UsageError(
+            "X-Proctor-Client must be <name>/<version>: printable ASCII without spaces,"
+            " a name of at most 64 characters (no '/') and a version of at most 32"
+        )
+    return {"name": match.group(1), "version": match.group(2)}
+
+
 def _source(request: Request) -> str | None:
     host = request.client.host if request.client else None
     if host is None:
@@ -137,6 +157,12 @@ class Ctx:
     source: str | None
     method: str
     path: str
+    #: The MCP client's name and version (``X-Proctor-Client``), if the request said.
+    client: dict[str, str] | None = None
+
+    def event_details(self) -> dict[str, Any]:
+        """What every event this request records carries of it beyond its own details."""
+        return {"client": dict(self.client)} if self.client is not None else {}
 
     @property
     def rt(self) -> Runtime:
@@ -174,6 +200,7 @@ class Ctx:
             "method": self.method,
             "path": self.path[:_PATH_MAX],
             "action": action,
+            **self.event_details(),
         }
         if tenant != p.tenant or log is not None:
             details["target_tenant"] = tenant[:64]
@@ -185,6 +212,10 @@ class Ctx:
             reason = f"{action} forbidden by {', '.join(decision.policies)}"
         else:
             reason = f"no role of {p.id} permits {action}"
+        because = None if decision.allowed else explain_refusal(decision.policies)
+        if because is not None:
+            # An agent's refusal says why an agent may not, recorded and answered alike.
+            reason = f"{reason}: {because}"
         if decision.allowed and not record_allowed:
             return decision
         self.rt.ledger.append(
@@ -216,6 +247,7 @@ def current(
     """The FastAPI dependency every authenticated route takes."""
     state: ApiState = request.app.state.proctor
     principal = state.auth.authenticate(request.headers.get("authorization"))
+    client = client_of(request.headers.get(CLIENT_HEADER))
     request.state.actor = principal.id  # for serve's log line of the request
     # Before the request is decided (and recorded): over its budget it costs no event.
     state.principals.admit(principal)
@@ -226,4 +258,5 @@ def current(
         _source(request),
         request.method,
         request.url.path,
+        client,
     )

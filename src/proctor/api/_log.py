@@ -89,7 +89,7 @@ def _authorize_events(ctx: Ctx, tenant: str, run: str | None) -> str | None:
     from proctor.lifecycle import Runs
 
     record = Runs(ctx.rt).get(tenant, run)
-    context = run_events_context(ctx.rt.deployments, ctx.principal, record)
+    context = run_events_context(ctx.rt.deployments, ctx.principal, record, ctx.rt.ledger)
     ctx.authorize(
         Action.RUN_EVENTS_READ,
         tenant,

@@ -20,13 +20,18 @@ class PrincipalOut(BaseModel):
     kind: str
     roles: list[str]
     disabled: bool
+    responsible: str | None = None
 
 
 class PrincipalCreate(Strict):
     name: str = Field(pattern=_NAME, max_length=63)
-    kind: Literal["user", "service"] = "user"
-    roles: list[Literal["developer", "approver", "auditor", "admin"]] = Field(
-        min_length=1, max_length=4
+    kind: Literal["user", "service", "agent"] = "user"
+    # An agent's role is its kind's: none need be given (approver or admin is refused).
+    roles: list[Literal["developer", "approver", "auditor", "admin", "agent"]] = Field(
+        default_factory=list, max_length=5
+    )
+    responsible: str | None = Field(
+        default=None, max_length=128, description="An agent's: the person or team answerable"
     )
 
 

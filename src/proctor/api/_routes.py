@@ -63,8 +63,9 @@ CtxDep = Annotated[Ctx, Depends(current)]
 
 def _principal(p: Principal) -> PrincipalOut:
     return PrincipalOut(
-        tenant=p.tenant, name=p.name, kind=p.kind, roles=list(p.roles), disabled=p.disabled
-    )
+        tenant=p.tenant, name=p.name, kind=p.kind, roles=list(p.roles), disabled=p.disabled,
+        responsible=p.responsible,
+    )  # fmt: skip
 
 
 def _tenant(ctx: Ctx, name: str) -> TenantOut:
@@ -142,13 +143,12 @@ def list_principals(ctx: CtxDep, tenant: str) -> list[PrincipalOut]:
 )
 def create_principal(ctx: CtxDep, tenant: str, body: PrincipalCreate) -> PrincipalCreated:
     """Create a principal; its token is in this response and never again."""
-    ref = (EntityRef.service_account if body.kind == "service" else EntityRef.user)(
-        tenant, body.name
-    )
+    ref = _KIND_REFS[body.kind](tenant, body.name)
     ctx.authorize(Action.PRINCIPAL_CREATE, tenant, f"principal/{tenant}/{body.name}", ref)
     p, token = ctx.rt.principals.create(
-        tenant, body.name, body.kind, list(body.roles), ctx.principal.actor
-    )
+        tenant, body.name, body.kind, list(body.roles), ctx.principal.actor,
+        responsible=body.responsible,
+    )  # fmt: skip
     return PrincipalCreated(principal=_principal(p), token=token)
 
 
@@ -158,12 +158,18 @@ def get_principal(ctx: CtxDep, tenant: str, name: str) -> PrincipalOut:
     return _principal(ctx.rt.principals.get(tenant, name))
 
 
+_KIND_REFS = {
+    "user": EntityRef.user,
+    "service": EntityRef.service_account,
+    "agent": EntityRef.agent,
+}
+
+
 def _principal_ref(ctx: Ctx, tenant: str, name: str) -> EntityRef:
     if tenant == ctx.principal.tenant:
         try:
-            if ctx.rt.principals.get(tenant, name).kind == "service":
-                return EntityRef.service_account(tenant, name)
-        except ProctorError:
+            return _KIND_REFS[ctx.rt.principals.get(tenant, name).kind](tenant, name)
+        except (ProctorError, KeyError):
             pass
     return EntityRef.user(tenant, name)
 
@@ -534,8 +540,10 @@ def list_deployments(ctx: CtxDep, tenant: str) -> list[DeploymentOut]:
 )
 def create_deployment(ctx: CtxDep, tenant: str, body: DeploymentIn) -> DeploymentOut:
     """Deploy an artifact (production needs a quorum of approvals)."""
+    # The environment is in the context: an agent deploys to the sandbox only.
     ctx.authorize(Action.DEPLOYMENT_CREATE, tenant, f"deployment/{body.name}",
-                  EntityRef.deployment(tenant, body.name))  # fmt: skip
+                  EntityRef.deployment(tenant, body.name),
+                  {"environment": body.environment})  # fmt: skip
     artifact = ctx.rt.artifacts.get(tenant, body.digest)
     dep = ctx.rt.deployments.deploy(
         tenant, artifact, body.name, environment=body.environment, mode=body.mode,
@@ -543,6 +551,21 @@ def create_deployment(ctx: CtxDep, tenant: str, body: DeploymentIn) -> Deploymen
         reference=body.reference, actor=ctx.principal.actor,
     )  # fmt: skip
     return _deployment(dep)
+
+
+def _environment(ctx: Ctx, tenant: str, name: str) -> dict[str, Any]:
+    """The Cedar context naming the environment ``name`` deploys to: "sandbox" only if
+    every version of it did (a rollback may go back to any); none if it is not the
+    principal's tenant's or does not exist (an agent is then refused)."""
+    if tenant != ctx.principal.tenant:
+        return {}
+    try:
+        envs = {v.environment for v in ctx.rt.deployments.versions(tenant, name)}
+    except ProctorError:
+        return {}
+    if not envs:
+        return {}
+    return {"environment": envs.pop() if len(envs) == 1 else "production"}
 
 
 def _deployment_ref(tenant: str, name: str) -> EntityRef:
@@ -573,7 +596,7 @@ def deployment_versions(ctx: CtxDep, tenant: str, name: str) -> list[DeploymentO
 def rollback(ctx: CtxDep, tenant: str, name: str) -> DeploymentOut:
     """Deploy the previous artifact of this deployment again (as a new version)."""
     ctx.authorize(Action.DEPLOYMENT_ROLLBACK, tenant, f"deployment/{name}",
-                  _deployment_ref(tenant, name))  # fmt: skip
+                  _deployment_ref(tenant, name), _environment(ctx, tenant, name))  # fmt: skip
     versions = ctx.rt.deployments.versions(tenant, name)
     current_version = versions[-1]
     previous = next(
@@ -597,7 +620,7 @@ def rollback(ctx: CtxDep, tenant: str, name: str) -> DeploymentOut:
 )
 def stop_deployment(ctx: CtxDep, tenant: str, name: str, body: StopIn) -> DeploymentOut:
     ctx.authorize(Action.DEPLOYMENT_CREATE, tenant, f"deployment/{name}",
-                  _deployment_ref(tenant, name))  # fmt: skip
+                  _deployment_ref(tenant, name), _environment(ctx, tenant, name))  # fmt: skip
     ctx.rt.deployments.set_status(tenant, name, "stopped", ctx.principal.actor, body.reason)
     return _deployment(ctx.rt.deployments.get(tenant, name))
 

@@ -112,7 +112,7 @@ def authorize_events(rt: Runtime, token: str | None, tenant: str, run: str | Non
             EntityRef.workload(record.workload),
             tenant,
             event_resource=f"run/{record.id}",
-            context=run_events_context(rt.deployments, principal, record),
+            context=run_events_context(rt.deployments, principal, record, rt.ledger),
         )
     return record.id
 

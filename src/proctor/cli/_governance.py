@@ -32,7 +32,7 @@ from proctor.cli._units import parse_duration
 from proctor.cli._when import EXAMPLES as WHEN_EXAMPLES
 from proctor.cli._when import parse_when
 from proctor.errors import ProctorError, UsageError
-from proctor.governance import ROLES, RUN_STATUSES, Environment, Principal
+from proctor.governance import KINDS, ROLES, RUN_STATUSES, Environment, Principal
 from proctor.ledger import Action
 from proctor.policy import EntityRef
 from proctor.runtime import Runtime
@@ -47,11 +47,21 @@ egress_app = typer.Typer(help="Egress settings of a tenant.", no_args_is_help=Tr
 
 def _authorize(
     rt: Runtime, principal: Principal | None, action: str, resource: EntityRef, tenant: str,
-    event_resource: str,
+    event_resource: str, context: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     """Cedar decides for principals; the local operator owns the runtime (recorded as such)."""
     if principal is not None:
-        rt.control.authorize(principal, action, resource, tenant, event_resource=event_resource)
+        rt.control.authorize(principal, action, resource, tenant, event_resource=event_resource,
+                             context=context)  # fmt: skip
+
+
+def _deploys_to(versions: Iterable[Any]) -> dict[str, Any]:
+    """The environment a deployment's versions deploy to, for the Cedar context: "sandbox"
+    only if every one did (an agent deploys to the sandbox only)."""
+    envs = {v.environment for v in versions}
+    if not envs:
+        return {}
+    return {"environment": envs.pop() if len(envs) == 1 else "production"}
 
 
 def _read(rt: Runtime, token: str | None, tenant: str, action: str) -> None:
@@ -69,20 +79,35 @@ def _read(rt: Runtime, token: str | None, tenant: str, action: str) -> None:
 def principal_create(
     tenant: TenantOpt,
     name: Annotated[str, typer.Argument(help="The principal's name")],
-    role: Annotated[list[str], typer.Option("--role", help=f"One of {', '.join(ROLES)}")],
+    role: Annotated[
+        list[str] | None,
+        typer.Option("--role", help=f"One of {', '.join(ROLES)} (an agent's is its kind's)"),
+    ] = None,
     service: Annotated[bool, typer.Option(help="A service account, not a person")] = False,
+    kind: Annotated[
+        str | None, typer.Option("--kind", help=f"One of {', '.join(KINDS)} (default user)")
+    ] = None,
+    responsible: Annotated[
+        str | None,
+        typer.Option("--responsible", help="An agent's: the person or team answerable for it"),
+    ] = None,
     as_json: JsonOpt = False,
     token: TokenOpt = None,
     home: HomeOpt = None,
 ) -> None:
-    """Create a principal; its token is printed once and never again."""
+    """Create a principal; its token is printed once and never again. An AI agent
+    (--kind agent) holds the agent role alone and names who is --responsible for it."""
+    if service and kind not in (None, "service"):
+        raise UsageError("give --service or --kind, not both")
+    chosen = "service" if service else (kind or "user")
     with open_runtime(home) as rt:
         rt.tenants.get(tenant)
         actor, who = acting(rt, token)
-        _authorize(rt, who, Action.PRINCIPAL_CREATE, EntityRef.user(tenant, name), tenant,
-                   f"principal/{tenant}/{name}")  # fmt: skip
-        p, secret = rt.principals.create(tenant, name, "service" if service else "user", role,
-                                         actor)  # fmt: skip
+        refs = {"service": EntityRef.service_account, "agent": EntityRef.agent}
+        _authorize(rt, who, Action.PRINCIPAL_CREATE, refs.get(chosen, EntityRef.user)(tenant, name),
+                   tenant, f"principal/{tenant}/{name}")  # fmt: skip
+        p, secret = rt.principals.create(tenant, name, chosen, list(role or []), actor,
+                                         responsible=responsible)  # fmt: skip
     if as_json:
         # The token is in the object, so that nobody scrapes it from a sentence.
         emit_json({**_principal_json(p), "token": secret})
@@ -94,7 +119,8 @@ def principal_create(
 
 def _principal_json(p: Principal) -> dict[str, Any]:
     return {"id": p.id, "tenant": p.tenant, "name": p.name, "kind": p.kind,
-            "roles": list(p.roles), "disabled": p.disabled}  # fmt: skip
+            "roles": list(p.roles), "disabled": p.disabled,
+            "responsible": p.responsible}  # fmt: skip
 
 
 @principal_app.command("list")
@@ -249,6 +275,69 @@ def approval_revoke(
         emit_json(a)
         return
     console.print(f"approval {a['id']} revoked at {a['revoked_at']}")
+
+
+@approval_app.command("request")
+def approval_request(
+    digest: Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix of the hex")],
+    tenant: TenantOpt,
+    comment: Annotated[str, typer.Option(help="What the approvers should look at, and why")] = "",
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Ask the tenant's approvers to approve an artifact (an agent's or a developer's
+    request, recorded). It approves nothing: a person approves."""
+    if (client := remote(token)) is not None:
+        r = client.request_approval(tenant, digest, comment)
+    else:
+        with open_runtime(home) as rt:
+            actor, principal = acting(rt, token)
+            if principal is None:
+                rt.tenants.get(tenant)
+            r = rt.approvals.request(tenant, digest, actor, comment, principal).as_json()
+    if as_json:
+        emit_json(r)
+        return
+    console.print(f"approval of {r['digest']} requested by {r['principal']} ({r['id']});"
+                  f" the state: proctor approval state -t {tenant} {r['digest']}")  # fmt: skip
+
+
+@approval_app.command("state")
+def approval_state(
+    digest: Annotated[str, typer.Argument(help="sha256:<hex>, or a unique prefix of the hex")],
+    tenant: TenantOpt,
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Where an artifact's approval stands: who asked and when, the approvals and
+    rejections in force, which count, the quorum, and whether production would run it."""
+    from proctor.cli._artifacts import _shown
+
+    if (client := remote(token)) is not None:
+        doc = client.approval_state(tenant, digest)
+    else:
+        with open_runtime(home) as rt:
+            _read(rt, token, tenant, Action.ARTIFACT_READ)
+            doc = rt.approvals.state(tenant, digest).as_json()
+    if as_json:
+        emit_json(doc)
+        return
+    console.print(f"{'digest:':12} {doc['digest']}")
+    quorum = doc["quorum"]
+    console.print(f"{'quorum:':12} {quorum['required']} from {' or '.join(quorum['roles'])}")
+    verdict = "yes" if doc["approved"] else f"no: {_shown(str(doc['why']))}"
+    console.print(f"{'approved:':12} {verdict}")
+    for r in doc["requests"]:
+        console.print(f"requested by {_shown(r['principal'])} at {r['created_at']}: "
+                      f"{_shown(r['comment'])}")  # fmt: skip
+    for a in doc["approvals"]:
+        counts = "counts" if a["principal"] in doc["counted"] else "does not count"
+        console.print(f"approved by {_shown(a['principal'])} at {a['created_at']} ({counts})")
+    for a in doc["rejections"]:
+        console.print(f"rejected by {_shown(a['principal'])} at {a['created_at']}: "
+                      f"{_shown(a['comment'])}")  # fmt: skip
 
 
 @approval_app.command("show")
@@ -450,6 +539,7 @@ def deploy(
                 EntityRef.deployment(tenant, rollback),
                 tenant,
                 f"deployment/{rollback}",
+                _deploys_to(versions),
             )
             artifact = rt.artifacts.get(tenant, previous.digest)
             dep = rt.deployments.deploy(
@@ -463,7 +553,7 @@ def deploy(
                 raise UsageError("give DIGEST and --name (or --rollback NAME)")
             artifact = rt.artifacts.get(tenant, digest)
             _authorize(rt, principal, Action.DEPLOYMENT_CREATE, EntityRef.deployment(tenant, name),
-                       tenant, f"deployment/{name}")  # fmt: skip
+                       tenant, f"deployment/{name}", {"environment": env})  # fmt: skip
             dep = rt.deployments.deploy(
                 tenant, artifact, name, environment=env, mode=mode,
                 every_seconds=parse_duration(every, "--every") if every else None,
@@ -540,8 +630,14 @@ def deployment_stop(
     """Stop a deployment: its runs are stopped and no new one starts."""
     with open_runtime(home) as rt:
         actor, principal = acting(rt, token)
+        versions: list[Any] = []
+        if principal is not None and principal.tenant == tenant:
+            try:
+                versions = rt.deployments.versions(tenant, name)
+            except ProctorError:
+                versions = []
         _authorize(rt, principal, Action.DEPLOYMENT_CREATE, EntityRef.deployment(tenant, name),
-                   tenant, f"deployment/{name}")  # fmt: skip
+                   tenant, f"deployment/{name}", _deploys_to(versions))  # fmt: skip
         rt.undeploy(tenant, name, actor, "stopped by request")
     if as_json:
         emit_json({"tenant": tenant, "name": name, "status": "stopped"})

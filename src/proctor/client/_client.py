@@ -604,6 +604,31 @@ class Client:
         body = {"dataset": dataset, "key": key, "request_ref": request_ref}
         return self._json("POST", f"{self._t(tenant)}/erasures", json=body)
 
+    # -- agents (issue 35): agent principals, approval requests, dataset descriptions --
+
+    def create_agent(self, tenant: str, name: str, responsible: str) -> tuple[Json, str]:
+        """Create an AI agent principal (an admin's call): it holds the agent role alone
+        and names the person or team ``responsible`` for it. Returns it and its token."""
+        doc = self._json(
+            "POST",
+            f"{self._t(tenant)}/principals",
+            json={"name": name, "kind": "agent", "responsible": responsible},
+        )
+        return doc["principal"], str(doc["token"])
+
+    def request_approval(self, tenant: str, digest: str, comment: str = "") -> Json:
+        """Ask the tenant's approvers to approve ``digest`` (recorded; approves nothing)."""
+        path = f"{self._t(tenant)}/artifacts/{_seg(digest)}/approval-requests"
+        return self._json("POST", path, json={"comment": comment})
+
+    def approval_state(self, tenant: str, digest: str) -> Json:
+        """Who asked, the approvals and rejections in force, the quorum, approved or not."""
+        return self._json("GET", f"{self._t(tenant)}/artifacts/{_seg(digest)}/approval-state")
+
+    def describe_dataset(self, tenant: str, name: str) -> Json:
+        """A dataset's tables, columns and types from its catalog (never a row)."""
+        return self._json("GET", f"{self._t(tenant)}/datasets/{_seg(name)}/schema")
+
     # -- manifests learned from runs (issue 35) ---------------------------------------
 
     def suggest_manifest(self, tenant: str, run: str) -> Json:

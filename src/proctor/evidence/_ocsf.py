@@ -59,6 +59,7 @@ _USER_TYPE = {
     "operator": (2, "Admin"),
     "runtime": (3, "System"),
     "service": (4, "Service"),
+    "agent": (4, "Service"),
     "workload": (4, "Service"),
 }
 _CATEGORY = {4: "Network Activity", 6: "Application Activity"}

@@ -12,7 +12,9 @@ from proctor.errors import (
 from proctor.governance._approvals import (
     DEFAULT_EXPIRY,
     Approval,
+    ApprovalRequest,
     Approvals,
+    ApprovalState,
     ArtifactInfo,
     QuorumRule,
 )
@@ -33,7 +35,8 @@ from proctor.governance._backing import (
     submission_problems,
     unbacked_rows,
 )
-from proctor.governance._control import ControlPlane, role_policy, run_events_context
+from proctor.governance._control import ControlPlane, role_policy, run_events_context, started_by
+from proctor.governance._control import explain as explain_refusal
 from proctor.governance._deployments import (
     MODES,
     Deployment,
@@ -108,6 +111,7 @@ from proctor.governance._predecessor import (
     standing_approvals,
 )
 from proctor.governance._principals import (
+    AGENT_ROLE,
     KINDS,
     ROLES,
     Principal,
@@ -133,6 +137,7 @@ from proctor.governance._suggest import Suggestion, suggest, suggest_for, sugges
 from proctor.governance._tenants import Tenant, Tenants, validate_tenant_name
 
 __all__ = [
+    "AGENT_ROLE",
     "DEFAULT_EXPIRY",
     "EMPTY_POLICY",
     "ENVIRONMENTS",
@@ -145,7 +150,9 @@ __all__ = [
     "ROLES",
     "RUN_STATUSES",
     "Approval",
+    "ApprovalRequest",
     "ApprovalRequired",
+    "ApprovalState",
     "Approvals",
     "Artifact",
     "ArtifactDiff",
@@ -223,6 +230,7 @@ __all__ = [
     "environment_forbid",
     "environment_of",
     "erase_key",
+    "explain_refusal",
     "is_production",
     "key_problem",
     "key_text",
@@ -243,6 +251,7 @@ __all__ = [
     "split_entry",
     "stage_object",
     "standing_approvals",
+    "started_by",
     "submission_problems",
     "subprocessor_forbid",
     "suggest",

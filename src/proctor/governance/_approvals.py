@@ -28,7 +28,7 @@ from proctor.errors import ApprovalRequired, ControlDenied, UsageError
 from proctor.governance._backing import Record
 from proctor.governance._control import ControlPlane
 from proctor.governance._prefixes import find_by_prefix
-from proctor.governance._principals import ROLES, Principal
+from proctor.governance._principals import AGENT_ROLE, ROLES, Principal
 from proctor.ledger import Action, Actor, EventDraft, Ledger, canonical_json, utc_now
 from proctor.policy import EntityRef
 from proctor.store import Conn, Store
@@ -79,6 +79,53 @@ class Approval:
 
     def as_json(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class ApprovalRequest:
+    """Someone (an agent, a developer) asking the approvers for a digest."""
+
+    id: str
+    tenant: str
+    digest: str
+    principal: str
+    comment: str
+    created_at: str
+    seq: int
+
+    def as_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class ApprovalState:
+    """Where an artifact's approval stands: who asked, who approved or rejected, the
+    quorum the tenant needs, and whether it is met now (as production would decide)."""
+
+    digest: str
+    requests: tuple[ApprovalRequest, ...]
+    approvals: tuple[Approval, ...]
+    rejections: tuple[Approval, ...]
+    counted: tuple[str, ...]
+    required: int
+    roles: tuple[str, ...]
+    approved: bool
+    why: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "requests": [r.as_json() for r in self.requests],
+            "approvals": [a.as_json() for a in self.approvals],
+            "rejections": [a.as_json() for a in self.rejections],
+            "counted": list(self.counted),
+            "quorum": {"required": self.required, "roles": list(self.roles)},
+            "approved": self.approved,
+            "why": self.why,
+        }
+
+
+_COMMENT_MAX = 2048
 
 
 @dataclass(frozen=True)
@@ -344,6 +391,10 @@ class Approvals:
     def set_quorum(self, tenant: str, required: int, roles: list[str], actor: Actor) -> QuorumRule:
         if required < 1:
             raise UsageError("a quorum needs at least one approval")
+        if AGENT_ROLE in roles:
+            raise UsageError(
+                "the agent role cannot approve: a person approves (GDPR Art. 28(3)(a))"
+            )
         bad = [r for r in roles if r not in ROLES]
         if bad:
             raise UsageError(f"unknown roles: {', '.join(bad)}")
@@ -392,6 +443,10 @@ class Approvals:
                 and a.principal.startswith(f"{tenant}/")
                 and any(r in rule.roles for r in a.roles)
                 and any(r in rule.roles for r in recorded_roles(record, tenant, a.principal))
+                # An agent's approval never counts, whatever roles were recorded for it
+                # (the role policy refuses it one; this holds should one appear).
+                and AGENT_ROLE not in a.roles
+                and AGENT_ROLE not in recorded_roles(record, tenant, a.principal)
             ):
                 continue
             if not_independent(record, tenant, a.principal, author) is None:
@@ -427,3 +482,88 @@ class Approvals:
                 hint=f"proctor approve {artifact.digest} --tenant {tenant}",
             )
         return list(voters.values())
+
+    # -- requests for approval (issue 35) ------------------------------------------
+
+    def request(
+        self, tenant: str, digest: str, actor: Actor, comment: str = "",
+        principal: Principal | None = None, details: dict[str, Any] | None = None,
+    ) -> ApprovalRequest:  # fmt: skip
+        """Ask the approvers for ``digest`` (a unique prefix too), recorded as an
+        ``approval.request`` event and a row. ``principal``: decided by the role policy
+        first (the local operator's is not decided); ``details``: added to the event
+        (the API's request id and client)."""
+        artifact = self._artifacts(tenant, digest)
+        if len(canonical_json(comment)) > _COMMENT_MAX:
+            raise UsageError(
+                f"the comment takes more than {_COMMENT_MAX} bytes as the audit log records it"
+            )
+        if principal is not None:
+            self._control.authorize(
+                principal, Action.APPROVAL_REQUEST, EntityRef.artifact(tenant, artifact.digest),
+                tenant, event_resource=f"artifact/{artifact.digest}",
+            )  # fmt: skip
+        req_id = "arq_" + os.urandom(8).hex()
+        at = utc_now()
+        seq: list[int] = []
+
+        def insert(conn: Conn) -> None:
+            row = conn.query_one("SELECT size FROM ledger_logs WHERE log = ?", (tenant,))
+            seq.append(int(row[0]) if row else 0)
+            conn.execute(
+                "INSERT INTO approval_requests (id, tenant, digest, principal, comment,"
+                " created_at, seq) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (req_id, tenant, artifact.digest, actor.id, comment, at, seq[0]),
+            )
+
+        self._ledger.append(
+            tenant,
+            EventDraft(
+                actor, Action.APPROVAL_REQUEST, f"artifact/{artifact.digest}",
+                reason="approval requested", artifact=artifact.digest,
+                details={"request": req_id, "comment": comment, "purpose": artifact.purpose,
+                         "capabilities_hash": artifact.capabilities_hash, **(details or {})},
+            ),
+            hook=insert,
+        )  # fmt: skip
+        return ApprovalRequest(req_id, tenant, artifact.digest, actor.id, comment, at, seq[0])
+
+    def requests(self, tenant: str, digest: str) -> list[ApprovalRequest]:
+        with self._store.read() as conn:
+            rows = conn.query(
+                "SELECT id, tenant, digest, principal, comment, created_at, seq"
+                " FROM approval_requests WHERE tenant = ? AND digest = ? ORDER BY created_at",
+                (tenant, digest),
+            )
+        return [
+            ApprovalRequest(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), str(r[5]),
+                            int(r[6]))
+            for r in rows
+        ]  # fmt: skip
+
+    def state(self, tenant: str, digest: str, at: str | None = None) -> ApprovalState:
+        """Where ``digest``'s approval stands at ``at`` (default: now), read from the
+        record as production's quorum check reads it."""
+        artifact = self._artifacts(tenant, digest)
+        at = at or utc_now()
+        record = self._record()
+        decided = ledger_approvals(record, tenant, artifact.digest)
+        standing = [a for a in decided if a.standing(at)]
+        rule = self.quorum(tenant, record)
+        counted = dict.fromkeys(a.principal for a in self._valid(record, tenant, artifact, at))
+        why: str | None = None
+        try:
+            self.require_quorum(tenant, artifact, at)
+        except ApprovalRequired as exc:
+            why = exc.message
+        return ApprovalState(
+            digest=artifact.digest,
+            requests=tuple(self.requests(tenant, artifact.digest)),
+            approvals=tuple(a for a in standing if a.decision == "approve"),
+            rejections=tuple(a for a in standing if a.decision == "reject"),
+            counted=tuple(counted),
+            required=rule.required,
+            roles=rule.roles,
+            approved=why is None,
+            why=why,
+        )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from proctor.errors import ControlDenied, NotFound
 from proctor.governance._policies import policy_object
-from proctor.governance._principals import ROLES, Principal
+from proctor.governance._principals import AGENT_ROLE, ROLES, Principal
 from proctor.governance._runs import RunRecord
 from proctor.ledger import Action, EventDraft, Ledger, LedgerObject
 from proctor.policy import (
@@ -37,7 +37,9 @@ _ROLE_ACTIONS = {
     "developer": (
         Action.ARTIFACT_SUBMIT,
         Action.ARTIFACT_READ,
+        Action.APPROVAL_REQUEST,
         Action.BUCKET_READ,
+        Action.DATASET_DESCRIBE,
         Action.DEPLOYMENT_CREATE,
         Action.DEPLOYMENT_READ,
         Action.DEPLOYMENT_ROLLBACK,
@@ -60,6 +62,7 @@ _ROLE_ACTIONS = {
         Action.AUDIT_READ,
         Action.RUN_EVENTS_READ,
         Action.EVIDENCE_EXPORT,
+        Action.DATASET_DESCRIBE,
         Action.ARTIFACT_READ,
         Action.DEPLOYMENT_READ,
         Action.RUN_READ,
@@ -67,7 +70,85 @@ _ROLE_ACTIONS = {
         Action.RETENTION_READ,
         Action.TENANT_READ,
     ),
+    # An AI agent (issue 35): describes data (never rows), submits code, deploys to
+    # the sandbox and runs there, reads runs, asks the approvers. Never a bucket's
+    # objects (data), never the tenant's whole log; the forbids below hold the rest.
+    AGENT_ROLE: (
+        Action.ARTIFACT_SUBMIT,
+        Action.ARTIFACT_READ,
+        Action.APPROVAL_REQUEST,
+        Action.DATASET_DESCRIBE,
+        Action.DEPLOYMENT_CREATE,
+        Action.DEPLOYMENT_READ,
+        Action.RUN_START,
+        Action.RUN_READ,
+        Action.RUN_STOP,
+        Action.TENANT_READ,
+    ),
 }
+
+#: What an agent may never do, whatever roles a row claims it holds, by the forbid
+#: that says so and why (the refusal's explanation, recorded with it).
+_AGENT_NEVER: dict[str, tuple[tuple[str, ...], str]] = {
+    "control:agent-never-approves": (
+        (Action.APPROVAL_GRANT, Action.APPROVAL_REJECT, Action.APPROVAL_REVOKE, Action.CALL_ANSWER),
+        "an agent may not approve, reject, revoke or answer an asked call: a person"
+        " approves (GDPR Art. 28(3)(a): the documented instructions come from a person)",
+    ),
+    "control:agent-never-administers": (
+        (
+            Action.PRINCIPAL_CREATE,
+            Action.TOKEN_ISSUE,
+            Action.TENANT_CREATE,
+            Action.TENANT_FREEZE,
+            Action.TENANT_UNFREEZE,
+            Action.POLICY_SET,
+            Action.QUORUM_SET,
+            Action.RETENTION_MANAGE,
+            Action.ERASURE_REQUEST,
+            Action.SUBPROCESSOR_MANAGE,
+            Action.DATASET_REGISTER,
+            Action.SECRET_REGISTER,
+            Action.BUCKET_WRITE,
+        ),
+        "an agent may not manage principals, tokens, the tenant, its policies or its"
+        " resources: a person administers the tenant the agent works in",
+    ),
+    "control:agent-sandbox-only": (
+        (Action.DEPLOYMENT_CREATE, Action.DEPLOYMENT_ROLLBACK),
+        "an agent deploys to the sandbox only: a production deployment is a person's"
+        " (GDPR Art. 28(3)(a): the documented instruction to process comes from a person)",
+    ),
+}
+
+
+def explain(policies: tuple[str, ...]) -> str | None:
+    """Why an agent was refused, in words, if one of ``policies`` is an agent forbid."""
+    for pid in policies:
+        found = _AGENT_NEVER.get(pid)
+        if found is not None:
+            return found[1]
+    return None
+
+
+def _agent_forbids() -> list[str]:
+    from proctor.policy import CONTROL_PLANE_ACTIONS
+
+    out = []
+    for pid, (actions, _) in _AGENT_NEVER.items():
+        # An action the schema does not have (yet) cannot be named; nothing permits it.
+        acts = ", ".join(
+            f'Proctor::Action::"{a}"' for a in actions if str(a) in CONTROL_PLANE_ACTIONS
+        )
+        condition = ""
+        if pid == "control:agent-sandbox-only":
+            # Without the environment in the context, an agent is refused (fails closed).
+            condition = ' unless { context has environment && context.environment == "sandbox" }'
+        out.append(
+            f'@id("{pid}")\n'
+            f"forbid(principal is Proctor::Agent, action in [{acts}], resource){condition};"
+        )
+    return out
 
 
 def role_policy(tenant: str) -> str:
@@ -94,6 +175,17 @@ def role_policy(tenant: str) -> str:
         f' resource in Proctor::Tenant::"{tenant}")'
         " when { context.principal_is_creator };"
     )
+    # An agent reads the events of the runs it started (of a production deployment a
+    # person made, too) and of the sandbox deployments it made.
+    parts.append(
+        f'@id("control:agent-own-run-events")\n'
+        f'permit(principal in Proctor::Role::"{tenant}/{AGENT_ROLE}",'
+        f' action == Proctor::Action::"run.events.read",'
+        f' resource in Proctor::Tenant::"{tenant}")'
+        " when { context.principal_is_creator ||"
+        " (context has principal_started_run && context.principal_started_run) };"
+    )
+    parts.extend(_agent_forbids())
     parts.append(
         '@id("control:separation-of-duties")\n'
         'forbid(principal, action == Proctor::Action::"approval.grant", resource)'
@@ -139,6 +231,8 @@ class ControlPlane:
         pref = EntityRef.user(principal.tenant, principal.name)
         if principal.kind == "service":
             pref = EntityRef.service_account(principal.tenant, principal.name)
+        elif principal.kind == "agent":
+            pref = EntityRef.agent(principal.tenant, principal.name)
         parents = tuple(EntityRef.role(principal.tenant, r) for r in principal.roles)
         entities = [
             Entity(pref, {}, (*parents, EntityRef.tenant(principal.tenant))),
@@ -176,6 +270,9 @@ class ControlPlane:
                 if decision.policies
                 else f"no role of {principal.id} permits it"
             )
+            because = explain(decision.policies)
+            if because is not None:
+                why = f"{why}: {because}"
             details: dict[str, Any] = {"policy_version": decision.version}
             if tenant != principal.tenant:
                 details["target_tenant"] = tenant
@@ -201,10 +298,15 @@ class ControlPlane:
 
 
 def run_events_context(
-    deployments: Deployments, principal: Principal | None, run: RunRecord
+    deployments: Deployments,
+    principal: Principal | None,
+    run: RunRecord,
+    ledger: Ledger | None = None,
 ) -> dict[str, Any]:
     """The Cedar context of ``run.events.read`` on ``run``: whether ``principal``
-    created the deployment version the run ran (the developer's permit needs it)."""
+    created the deployment version the run ran (the developer's permit needs it) and,
+    for an agent, whether it started the run (read from ``ledger``'s run.start
+    event: who started a run is in the signed record, not the row)."""
     if principal is None:
         return {"principal_is_creator": False}
     try:
@@ -212,4 +314,18 @@ def run_events_context(
     except NotFound:
         versions = []  # a throwaway run has no deployment: nobody created it
     creator = next((d.created_by for d in versions if d.version == run.version), None)
-    return {"principal_is_creator": creator == principal.id}
+    context: dict[str, Any] = {"principal_is_creator": creator == principal.id}
+    if principal.kind == "agent" and ledger is not None:
+        context["principal_started_run"] = started_by(ledger, run) == principal.id
+    return context
+
+
+def started_by(ledger: Ledger, run: RunRecord) -> str | None:
+    """Who the ledger says started ``run`` (its allowed run.start event's actor)."""
+    from proctor.ledger import EventFilter, parse_canonical, query_events
+
+    flt = EventFilter(run=run.id, action=Action.RUN_START, decision="allow", since=run.started_at)
+    for data in query_events(ledger, run.tenant, flt, limit=1, newest=False):
+        ev, _ = parse_canonical(data)
+        return str(ev["actor"]["id"])
+    return None

@@ -22,7 +22,7 @@ MAX_EVENT_BYTES = 16 * 1024
 CUT_MARKER = "…[cut]"
 Decision = Literal["allow", "deny"]
 
-_ACTOR_TYPES = frozenset({"operator", "user", "service", "workload", "runtime"})
+_ACTOR_TYPES = frozenset({"operator", "user", "service", "agent", "workload", "runtime"})
 _ACTION_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
 
 
@@ -33,7 +33,7 @@ def utc_now() -> str:
 
 @dataclass(frozen=True)
 class Actor:
-    """Who acted: a person, a service account, a run's workload, or the runtime."""
+    """Who acted: a person, a service account, an AI agent, a run's workload, or the runtime."""
 
     type: str
     id: str

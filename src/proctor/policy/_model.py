@@ -91,6 +91,10 @@ class EntityRef:
         return cls._scoped("ServiceAccount", tenant, ("service account", name))
 
     @classmethod
+    def agent(cls, tenant: str, name: str) -> EntityRef:
+        return cls._scoped("Agent", tenant, ("agent", name))
+
+    @classmethod
     def artifact(cls, tenant: str, digest: str) -> EntityRef:
         return cls._scoped("Artifact", tenant, ("artifact", digest))
 
