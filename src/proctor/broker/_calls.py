@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 ADMIT: Final = "admit"
 PARSE: Final = "parse"
 DECIDE: Final = "decide"
+ASK: Final = "ask"
 ACT: Final = "act"
 RECORD: Final = "record"
 COMPLETE: Final = "complete"

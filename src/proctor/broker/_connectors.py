@@ -16,6 +16,7 @@ from typing import Any
 from proctor.broker._calls import Acted, Call, Ruling, register
 from proctor.broker._datasets import (
     DatasetConnector,
+    SqlCall,
     Statement,
     act,
     event_base,
@@ -101,6 +102,8 @@ class SqlRequest:
     dataset: str
     stmt: Statement
     details: dict[str, Any]
+    #: The guest's call as checked (its text and parameters: an asked write names them).
+    call: SqlCall | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ async def prepare(scope: RunScope, request: Mapping[str, Any]) -> SqlRequest | S
         stmt, details = await connector.prepare(scope, binding, call, base)
     except (BadCall, CallDenied) as exc:  # the engine's own checks refused it
         return _refused(scope, f"dataset/{call.dataset}", exc, base)
-    return SqlRequest(connector, binding, call.dataset, stmt, details)
+    return SqlRequest(connector, binding, call.dataset, stmt, details, call)
 
 
 async def handle_sql(scope: RunScope, request: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@
     admit   (_admit.py)   budget charged, token checked, the kind found
     parse   (the kind)    its request read from the head (and body)
     decide  (the kind, through _decide.py)  its Cedar questions: one decision, one ruling
+    ask     (_ask.py)     a call of a capability marked ask waits for a person's answer
     act     (_act.py)     carried out: held until recorded, or after it
     record  (_record.py)  the one decision event, durable before any answer
     answer  (_answer.py)  the result sent; a refusal answered naming its event
@@ -29,7 +30,8 @@ from proctor.broker import _connectors, _files, _proxy, _transparent, _whoami  #
 from proctor.broker._act import act, settle
 from proctor.broker._admit import Gate, admit
 from proctor.broker._answer import answer, refuse, send_error
-from proctor.broker._calls import CURRENT, DECIDE, PARSE, Acted, Call, CallKind
+from proctor.broker._ask import wait_for_answer
+from proctor.broker._calls import ASK, CURRENT, DECIDE, PARSE, Acted, Call, CallKind
 from proctor.broker._record import record
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, RequestEvents, RunScope
 from proctor.broker._telemetry import finished
@@ -86,9 +88,31 @@ async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
     if ruling is not None:
         call.passed(DECIDE, began)
         call.ruled = ruling.refusal is None and ruling.decision.allowed
+    gate = call.scope.asks
+    asked = None
+    if gate is not None and ruling is not None and ruling.refusal is None and call.ruled:
+        asked = gate.rules.covers(ruling, request)
+        if asked is not None and asked.before:
+            began = time.perf_counter_ns()
+            await wait_for_answer(call.scope, gate, ruling, asked)  # nothing done yet
+            call.passed(ASK, began)
     if ruling is not None and (kind.records_first or ruling.refusal is not None):
         await record(call, ruling)  # a refusal is raised here, once on record
     acted = await act(call, kind, request, ruling)
+    if gate is not None and asked is not None and not asked.before and acted.refusal is None:
+        assert ruling is not None
+        # Asked once staged and held (a bucket write): the ask names what it would write.
+        asked.arguments.update({k: acted.details[k] for k in ("sha256", "bytes")
+                                if k in acted.details})  # fmt: skip
+        began = time.perf_counter_ns()
+        try:
+            await wait_for_answer(call.scope, gate, ruling, asked)
+            call.passed(ASK, began)
+            if ruling.refusal is not None:
+                await record(call, ruling)  # raises the refusal once on record
+        except BaseException:
+            await settle(acted, recorded=False)
+            raise
     if ruling is not None and ruling.seq is None:
         try:
             await record(call, ruling, acted)

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from proctor.broker._calls import COMPLETE, CURRENT, DECIDE, RECORD, passed
 from proctor.errors import LedgerError, ProctorError, UsageError
@@ -67,6 +67,9 @@ from proctor.policy import (
 )
 from proctor.store import Conn
 from proctor.telemetry import metrics, tenant
+
+if TYPE_CHECKING:
+    from proctor.broker._ask import AskGate
 
 log = logging.getLogger("proctor.broker")
 
@@ -458,6 +461,9 @@ class RunScope:
     # Why the run may no longer make calls (None: it may), read in the transaction
     # that appends each allowed call's event; set by the supervisor.
     standing: Callable[[Conn], str | None] | None = field(default=None, repr=False)
+    # The calls that wait for a person's answer (the manifest's ``ask``) and the store
+    # their asks are kept in; None: no call of the run asks.
+    asks: AskGate | None = field(default=None, repr=False)
     _entities: EntitySet | None = field(default=None, init=False, repr=False)
     _limiter: CallLimiter | None = field(default=None, init=False, repr=False)
     _flush_timer: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
