@@ -27,6 +27,7 @@ from proctor.governance._artifacts import (
     FileChange,
     artifact_digest,
 )
+from proctor.governance._asks import Ask, Asks
 from proctor.governance._backing import (
     RowProblem,
     Unbacked,
@@ -159,6 +160,8 @@ __all__ = [
     "ArtifactFile",
     "ArtifactInfo",
     "Artifacts",
+    "Ask",
+    "Asks",
     "AuthenticationFailed",
     "Bindings",
     "BucketObject",
