@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 import typer
@@ -37,14 +38,12 @@ def register(app: typer.Typer) -> None:
         agent's (its token), decided by the role policy and recorded in the ledger. It
         writes only MCP messages to stdout, and serves until the client closes stdin.
         """
-        import anyio
-
         from proctor.mcp import LocalGateway, serve_stdio
 
         url = REMOTE["url"]
         if url is not None:
             gateway = LocalGateway(token or "", url=url, verify=REMOTE["ca"] or True)
-            anyio.run(serve_stdio, gateway)
+            _run(lambda: serve_stdio(gateway))
             return
         LocalGateway(token or "", url="-")  # the token's absence is refused before the home opens
         from proctor.api import create_app
@@ -60,6 +59,22 @@ def register(app: typer.Typer) -> None:
                 async with api.router.lifespan_context(api):
                     await serve_stdio(local)
 
-            anyio.run(main)
+            _run(main)
         finally:
             rt.close()
+
+
+def _run(main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main``; a Proctor error raised inside a task group (the token refused at
+    start, say) comes out as itself, so that the CLI prints its one line."""
+    import anyio
+
+    try:
+        anyio.run(main)
+    except BaseExceptionGroup as group:
+        inner: BaseException = group
+        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+            inner = inner.exceptions[0]
+        if inner is not group:
+            raise inner from None
+        raise
