@@ -638,6 +638,26 @@ class Client:
         ``not_suggestable`` (refusals no manifest line lifts, with why)."""
         return self._json("GET", f"{self._t(tenant)}/runs/{_seg(run)}/suggested-manifest")
 
+    # -- calls that ask a person (issue 35) -------------------------------------------
+
+    def asked_calls(self, tenant: str, run: str | None = None, state: str | None = None) -> Json:
+        """The tenant's asked calls (capabilities marked ``ask``), pending first: each
+        with its run, call, exact arguments, state and the seqs of its events."""
+        given = {"run": run, "state": state}
+        params = {k: v for k, v in given.items() if v is not None}
+        return self._json("GET", f"{self._t(tenant)}/asks", params=params)
+
+    def asked_call(self, tenant: str, ask_id: str) -> Json:
+        """One asked call."""
+        return self._json("GET", f"{self._t(tenant)}/asks/{_seg(ask_id)}")
+
+    def answer_call(self, tenant: str, ask_id: str, approve: bool, comment: str = "") -> Json:
+        """Approve or deny an asked call (an approver who is not the code's author);
+        ``AlreadyAnswered`` if it has its one answer already."""
+        verb = "approve" if approve else "deny"
+        path = f"{self._t(tenant)}/asks/{_seg(ask_id)}/{verb}"
+        return self._json("POST", path, json={"comment": comment})
+
 
 def _event_params(
     since: str | None, until: str | None, run: str | None, action: str | None,
