@@ -23,12 +23,14 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, Implementation, TextContent
 
 from proctor.api import serve_api
+from proctor.client import Client
+from proctor.errors import ControlDenied, NotFound, ProctorError
 from tests.e2e.conftest_gov import Gov, build_gov
 
 T = TypeVar("T")
 TOOLS = {
     "describe_datasets", "describe_manifest_format", "submit_artifact", "run_in_sandbox",
-    "run_deployment", "show_run",
+    "run_deployment", "show_run", "suggest_manifest", "request_approval", "approval_state",
 }  # fmt: skip
 MANIFEST = '[artifact]\nname = "probe"\nentrypoint = ["python3", "main.py"]\npurpose = "test"\n'
 INIT = {
@@ -48,6 +50,9 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     gov = build_gov(tmp_path_factory.mktemp("mcp-http"))
+    gov.people["coder"] = gov.rt.principals.create(
+        "acme", "coder", "agent", [], gov.op, responsible="acme/dev"
+    )
     server = serve_api(gov.rt, "127.0.0.1", 0)
     yield Served(gov, server.url)
     server.stop()
@@ -110,23 +115,84 @@ def test_the_tools_are_described_for_a_model(served: Served) -> None:
 def test_each_call_is_the_agents_own_request_with_its_mcp_client(served: Served) -> None:
     start = served.gov.rt.ledger.head("acme").size
 
-    async def calls(s: ClientSession) -> tuple[CallToolResult, CallToolResult]:
+    async def calls(s: ClientSession) -> tuple[CallToolResult, CallToolResult, CallToolResult]:
         return (await s.call_tool("describe_datasets", {}),
+                await s.call_tool("describe_datasets", {"name": "crm"}),
                 await s.call_tool("describe_manifest_format", {}))  # fmt: skip
 
-    datasets, fmt = with_session(served, served.gov.token("dev"), calls)
-    assert not datasets.is_error and not fmt.is_error
-    doc = json.loads(text(datasets))
+    every, one, fmt = with_session(served, served.gov.token("coder"), calls)
+    assert not every.is_error and not one.is_error and not fmt.is_error
+    doc = json.loads(text(every))
     assert doc["tenant"] == "acme"
     assert {d["name"] for d in doc["datasets"]} == {"crm", "fake"}
-    assert "rows" not in text(datasets) and "user1@example.com" not in text(datasets)
+    (crm,) = json.loads(text(one))["datasets"]
+    (customers,) = crm["tables"]
+    assert customers["name"] == "customers"
+    assert [c["name"] for c in customers["columns"]] == [
+        "id", "name", "email", "country", "plan", "mrr",
+    ]  # fmt: skip
+    # The catalog, never a row (build_gov's rows are "Name 1", "user1@example.com", ...).
+    assert "example.com" not in text(every) + text(one) and "Name 1" not in text(every)
     assert "[artifact]" in text(fmt) and "entrypoint" in text(fmt)
-    read = [e for e in events(served, start=start)
-            if e["action"] == "api.request" and e["details"].get("path") == "/tenants/acme/datasets"]  # fmt: skip
-    assert len(read) == 1
-    (ev,) = read
-    assert ev["actor"] == {"type": "user", "id": "acme/dev"} and ev["decision"] == "allow"
-    assert ev["details"]["client"] == {"name": "test-agent", "version": "0.9"}
+    later = events(served, start=start)
+    described = [e for e in later if e["action"] == "dataset.describe"]
+    assert sorted(e["resource"] for e in described) == [
+        "dataset/crm",
+        "dataset/crm",
+        "dataset/fake",
+    ]
+    read = [e for e in later if e["action"] == "api.request"
+            and e["details"].get("path") == "/tenants/acme/datasets"]  # fmt: skip
+    assert len(read) == 2
+    for ev in read + described:
+        assert ev["actor"] == {"type": "agent", "id": "acme/coder"} and ev["decision"] == "allow"
+        assert ev["details"]["client"] == {"name": "test-agent", "version": "0.9"}
+
+
+def test_an_agent_asks_for_approval_and_reads_where_it_stands_but_cannot_approve(
+    served: Served,
+) -> None:
+    """Approving is not a tool; the API refuses the agent's own token all the same."""
+    rt = served.gov.rt
+    start = rt.ledger.head("acme").size
+
+    async def calls(s: ClientSession) -> tuple[CallToolResult, ...]:
+        sub = await s.call_tool("submit_artifact", {"files": {"main.py": "print('ok')\n"},
+                                                    "manifest": MANIFEST.replace("probe", "asks")})  # fmt: skip
+        digest = json.loads(text(sub))["digest"]
+        asked = await s.call_tool("request_approval", {"digest": digest, "comment": "please"})
+        state = await s.call_tool("approval_state", {"digest": digest})
+        long = await s.call_tool("request_approval", {"digest": digest, "comment": "x" * 2001})
+        bad = await s.call_tool("approval_state", {"digest": "sha256:../../x"})
+        return sub, asked, state, long, bad
+
+    sub, asked, state, long, bad = with_session(served, served.gov.token("coder"), calls)
+    digest = json.loads(text(sub))["digest"]
+    req = json.loads(text(asked))
+    assert (
+        req["digest"] == digest and req["principal"] == "acme/coder" and req["comment"] == "please"
+    )
+    st = json.loads(text(state))
+    assert st["approved"] is False and st["requests"][0]["principal"] == "acme/coder"
+    assert long.is_error and "longer than 2000" in text(long)
+    assert bad.is_error and "the digest 'sha256:../../x' is not valid" in text(bad)
+    (ev,) = [e for e in events(served, start=start) if e["action"] == "approval.request"]
+    assert ev["actor"] == {"type": "agent", "id": "acme/coder"} and ev["seq"] == req["seq"]
+    # The agent's token straight at the API: approving, deploying to production.
+    agent = Client(served.url, served.gov.token("coder"))
+    with pytest.raises(ControlDenied):
+        agent.approve("acme", digest, comment="lgtm")
+    with pytest.raises(ProctorError):
+        agent.deploy("acme", digest, "asks-prod", instruction="x", environment="production")
+    assert rt.approvals.for_artifact("acme", digest) == []
+    with pytest.raises(NotFound):
+        rt.deployments.versions("acme", "asks-prod")
+    denied = [e for e in events(served, start=start)
+              if e["decision"] == "deny" and e["actor"]["id"] == "acme/coder"]  # fmt: skip
+    assert [e["details"]["path"] for e in denied] == [
+        f"/tenants/acme/artifacts/{digest}/approvals", "/tenants/acme/deployments",
+    ]  # fmt: skip
+    assert all(e["action"] == "api.request" and e["reason"] for e in denied), denied
 
 
 def test_a_submission_is_the_agents_and_bad_paths_change_nothing(served: Served) -> None:

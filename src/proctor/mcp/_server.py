@@ -36,11 +36,16 @@ _DEPLOYMENT_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 #: ``sha256:<64 hex>`` or a unique prefix of the hex part, at least 4 digits.
 _DIGEST_RE = re.compile(r"^(?:sha256:)?[0-9a-f]{4,64}$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9_-]{4,64}$")
+_DATASET_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+#: The datasets describe_datasets describes in one answer.
+MAX_DATASETS = 100
+_DATASET_KEYS = ("name", "kind", "synthetic", "twin_of")
 #: What a tool's answer carries of a run's output: its end, where errors are.
 TAIL_BYTES = 8192
 #: The calls show_run lists (the newest); refusals are all listed up to the same bound.
 MAX_CALLS = 200
-_TEXT_MAX = 2048  # an instruction or a comment, as the API bounds them
+_TEXT_MAX = 2048  # an instruction, as the API bounds it
+_COMMENT_MAX = 2000  # an approval request's comment, as the API bounds it
 
 CLIENT_HEADER = "X-Proctor-Client"
 
@@ -167,36 +172,57 @@ def build_server(gateway: Gateway, *, name: str = "proctor") -> MCPServer:
 
     _add_artifact_tools(server, call)
     _add_run_tools(server, call)
-    _add_later_tools(server, call)
+    _add_approval_tools(server, call)
     _flatten_argument_errors(server)
     return server
 
 
 def _add_artifact_tools(server: MCPServer, call: Call) -> None:
     @_guarded
-    def describe_datasets(ctx: Context, tenant: TenantArg = None) -> dict[str, Any]:
+    def describe_datasets(
+        ctx: Context,
+        name: Annotated[
+            str | None, Field(description="One dataset's name; leave it out for all of them.")
+        ] = None,
+        tenant: TenantArg = None,
+    ) -> dict[str, Any]:
+        _check(name, _DATASET_RE, "the dataset name")
         client, tenant_of = call(ctx)
         with client:
             t = tenant_of(tenant)
-            datasets = [
-                {k: d.get(k) for k in ("name", "kind", "synthetic", "twin_of")}
-                for d in client.datasets(t)
-            ]
+            listed = [d for d in client.datasets(t) if name is None or d.get("name") == name]
+            if name is not None and not listed:
+                raise UsageError(f"no dataset {name!r} in tenant {t!r}",
+                                 hint="describe_datasets without a name lists them")  # fmt: skip
+            datasets = []
+            for d in listed[:MAX_DATASETS]:
+                row: dict[str, Any] = {
+                    k: d.get(k) for k in ("name", "kind", "synthetic", "twin_of")
+                }
+                try:
+                    schema = client.describe_dataset(t, str(d["name"]))
+                    row["tables"] = schema.get("tables", [])
+                except ProctorError as exc:  # one dataset's catalog unreadable: say so, go on
+                    row["error"] = one_line(exc)
+                datasets.append(row)
         return {
             "tenant": t,
             "datasets": datasets,
-            "note": "A manifest names the real dataset (synthetic false); sandbox runs read "
-            "its synthetic twin (twin_of) under the same name.",
+            "note": "A manifest names a real dataset (synthetic false) and the columns its "
+            "statements touch; sandbox runs read its synthetic twin (twin_of) under the same "
+            "name. No row is ever shown here.",
         }
 
     server.add_tool(
         describe_datasets,
         description=(
-            "List the datasets your tenant has registered: name, kind (sqlite or "
-            "postgresql), whether it is synthetic and which real dataset it stands in for "
-            "in the sandbox. Never returns a row of data. Use the real datasets' names in "
-            "the manifest's [datasets.<name>...] tables; sandbox runs get their synthetic "
-            "twins. Refused for another tenant (it does not exist for you)."
+            "The datasets your tenant has registered: name, kind (sqlite or postgresql), "
+            "whether it is synthetic (and which real dataset it stands in for in the "
+            "sandbox), and each table's columns with their types, from the database's own "
+            "catalog. Never returns a row of data. Write the manifest's "
+            "[datasets.<name>.tables.<table>] from it, naming only the columns your code "
+            "touches. Each description is recorded. Another tenant's datasets are refused "
+            "(it does not exist for you)."
         ),
     )
 
@@ -373,9 +399,86 @@ def _add_run_tools(server: MCPServer, call: Call) -> None:
     )
 
 
-def _add_later_tools(server: MCPServer, call: Call) -> None:
-    """The tools over SDK methods that other parts of issue 35 add."""
-    del server, call
+def _add_approval_tools(server: MCPServer, call: Call) -> None:
+    @_guarded
+    def suggest_manifest(ctx: Context, run_id: RunArg, tenant: TenantArg = None) -> Json:
+        _check(run_id, _RUN_RE, "the run id")
+        client, tenant_of = call(ctx)
+        with client:
+            doc = client.suggest_manifest(tenant_of(tenant), run_id)
+        keep = ("run", "digest", "environment", "status", "partial", "manifest", "diff", "lines",
+                "not_suggestable", "notes")  # fmt: skip
+        return {k: doc.get(k) for k in keep}
+
+    server.add_tool(
+        suggest_manifest,
+        description=(
+            "From one run's recorded calls and refusals (a sandbox run, usually), the "
+            "least-privilege manifest that would have allowed exactly them: the tables and "
+            "columns read, hosts called, buckets and modes, secrets. Returns the suggested "
+            "proctor.toml, a diff against the run's manifest, each line's reason and the "
+            "ledger seq of the event that needed it, and the refusals no manifest line can "
+            "lift (why). Nothing is widened beyond a recorded call. Check the diff, then "
+            "submit_artifact with the suggested manifest and run_in_sandbox again."
+        ),
+    )
+
+    @_guarded
+    def request_approval(
+        ctx: Context,
+        digest: DigestArg,
+        comment: Annotated[
+            str,
+            Field(
+                description="For the approvers: what the code does, what to look at, and "
+                "the sandbox run that shows it works (at most 2000 characters)."
+            ),
+        ] = "",
+        tenant: TenantArg = None,
+    ) -> Json:
+        _check(digest, _DIGEST_RE, "the digest")
+        if len(comment) > _COMMENT_MAX:
+            raise UsageError(
+                f"the comment is longer than {_COMMENT_MAX} characters: say it shorter"
+            )
+        client, tenant_of = call(ctx)
+        with client:
+            doc = client.request_approval(tenant_of(tenant), digest, comment)
+        return {
+            **doc,
+            "next": "a person approves (you cannot); approval_state shows where it "
+            "stands, and after a person deploys it to production, run_deployment runs it",
+        }
+
+    server.add_tool(
+        request_approval,
+        description=(
+            "Ask your tenant's approvers to approve an artifact (by digest) for production, "
+            "with a comment for them. It approves nothing: a person who is not its author "
+            "approves, and a person deploys it to production; you can neither approve nor "
+            "deploy to production (the role policy forbids agents both, and refuses and "
+            "records every attempt). Recorded as an approval.request event. Next: "
+            "approval_state."
+        ),
+    )
+
+    @_guarded
+    def approval_state(ctx: Context, digest: DigestArg, tenant: TenantArg = None) -> Json:
+        _check(digest, _DIGEST_RE, "the digest")
+        client, tenant_of = call(ctx)
+        with client:
+            doc: Json = client.approval_state(tenant_of(tenant), digest)
+        return doc
+
+    server.add_tool(
+        approval_state,
+        description=(
+            "Where an artifact's approval stands: who asked and when, the approvals and "
+            "rejections in force and by whom, which of them count, the quorum your tenant "
+            "needs, and whether production would run it now (and if not, why). An approval "
+            "covers exactly this digest: a changed byte is a new digest to approve."
+        ),
+    )
 
 
 def _flatten_argument_errors(server: MCPServer) -> None:
