@@ -56,6 +56,9 @@ access = "read"
 ARGS: dict[str, list[str]] = {
     "approval list": ["-t", "acme", "--digest", "{D}"],
     "approval show": ["{A}", "-t", "acme"],
+    "approval request": ["{D}", "-t", "acme", "--comment", "the walk"],
+    "approval state": ["{D}", "-t", "acme"],
+    "dataset describe": ["-t", "acme", "crm"],
     "approval revoke": ["{A}", "-t", "acme"],
     "approve": ["{D}", "-t", "acme", "--yes", "--token", "{TOKEN_bob}"],
     "artifact cat": ["-t", "acme", "{D}", "main.py"],

@@ -317,3 +317,47 @@ def test_the_pg_dataset_is_described_from_its_catalog(pg_dsn: str, tmp_path: Pat
         ],
     }  # fmt: skip
     assert "secret-row" not in json.dumps(doc) and "postgresql://" not in json.dumps(doc)
+
+
+def test_the_cli_describes_a_dataset_and_asks_for_approval_as_the_agent(
+    env: ApiEnv, tmp_path: Path
+) -> None:
+    token = env.token("acme", "coder")
+    res = run_cli("dataset", "describe", "-t", "acme", "crm", "--json", "--token", token,
+                  home=env.home)  # fmt: skip
+    doc = json.loads(res.out)
+    assert [t["name"] for t in doc["tables"]] == ["customers", "gold"]
+    res = run_cli("dataset", "describe", "-t", "acme", "crm", "--token", token, home=env.home)
+    assert "customers" in res.out and "email" in res.out and "not null" in res.out
+    assert "secret-row" not in res.out
+    ev = [e for e in env.events("acme") if e["action"] == "dataset.describe"][-1]
+    assert ev["actor"] == {"type": "agent", "id": "acme/coder"}
+    # Through the API (--server) too; another tenant's is unknown.
+    res = run_cli("--server", env.url, "dataset", "describe", "-t", "acme", "crm", "--json",
+                  "--token", token)  # fmt: skip
+    assert json.loads(res.out)["tables"] == doc["tables"]
+    res = run_cli("--server", env.url, "dataset", "describe", "-t", "globex", "crm",
+                  "--token", token, check=False)  # fmt: skip
+    assert res.code != 0 and "unknown tenant" in res.err
+    digest = _submit(env, tmp_path, "cli-ask", agent(env))
+    res = run_cli("approval", "request", digest, "-t", "acme", "--comment", "please look",
+                  "--json", "--token", token, home=env.home)  # fmt: skip
+    req = json.loads(res.out)
+    assert req["principal"] == "acme/coder" and req["comment"] == "please look"
+    person(env, "alice").approve("acme", digest, comment="looked")
+    res = run_cli("approval", "state", digest, "-t", "acme", "--token", token, home=env.home)
+    assert "approved:    yes" in res.out and "requested by acme/coder" in res.out
+    assert "approved by acme/alice" in res.out and "(counts)" in res.out
+    res = run_cli("--server", env.url, "approval", "state", digest, "-t", "acme", "--json",
+                  "--token", token)  # fmt: skip
+    assert json.loads(res.out)["approved"] is True
+    # The CLI's agent creation: --kind agent --responsible, by the local operator.
+    res = run_cli("principal", "create", "-t", "acme", "cli-agent", "--kind", "agent",
+                  "--responsible", "acme/alice", "--json", home=env.home)  # fmt: skip
+    made = json.loads(res.out)
+    assert made["kind"] == "agent" and made["roles"] == ["agent"]
+    assert made["responsible"] == "acme/alice"
+    res = run_cli("principal", "create", "-t", "acme", "cli-agent2", "--kind", "agent",
+                  "--role", "approver", "--responsible", "acme/alice", home=env.home,
+                  check=False)  # fmt: skip
+    assert res.code == 2 and "a person approves" in res.err

@@ -15,11 +15,11 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from proctor.api._context import Ctx, current
-from proctor.api._describe import as_json, describe
-from proctor.api._errors import ERROR_RESPONSES, not_found
+from proctor.api._describe import describe_recorded
+from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import Strict
 from proctor.errors import ProctorError
-from proctor.ledger import Action, EventDraft
+from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -87,19 +87,6 @@ def describe_dataset(ctx: CtxDep, tenant: str, name: str) -> dict[str, Any]:
     with contextlib.suppress(ProctorError):
         ref = EntityRef.dataset(tenant, name)
     ctx.authorize(Action.DATASET_DESCRIBE, tenant, f"dataset/{name}", ref)
-    found = next((d for d in ctx.rt.resources.datasets(tenant) if d.name == name), None)
-    if found is None:
-        raise not_found(f"no dataset {name!r} in tenant {tenant!r}")
-    tables = describe(found)
-    doc = as_json(found, tables)
-    details: dict[str, Any] = {
-        "request_id": ctx.request_id,
-        "tables": len(tables),
-        **ctx.event_details(),
-    }
-    ctx.rt.ledger.append(
-        ctx.principal.tenant,
-        EventDraft(ctx.principal.actor, Action.DATASET_DESCRIBE, f"dataset/{name}",
-                   reason="described (tables, columns, types; no rows)", details=details),
-    )  # fmt: skip
-    return doc
+    details = {"request_id": ctx.request_id, **ctx.event_details()}
+    return describe_recorded(ctx.rt, tenant, name, ctx.principal.actor, ctx.principal.tenant,
+                             details)  # fmt: skip

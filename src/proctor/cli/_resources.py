@@ -283,6 +283,51 @@ def dataset_list(
     print_table(table, wide)
 
 
+@dataset_app.command("describe")
+def dataset_describe(
+    tenant: TenantOpt,
+    name: Annotated[str, typer.Argument(help="The dataset's name")],
+    as_json: JsonOpt = False,
+    token: TokenOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """A dataset's tables and views, their columns and types, from the database's own
+    catalog: what a manifest names. Never a row, never where the dataset is."""
+    from proctor.api._describe import describe_recorded
+    from proctor.cli._common import acting
+    from proctor.policy import EntityRef
+
+    if (client := remote(token)) is not None:
+        doc = client.describe_dataset(tenant, name)
+    else:
+        with open_runtime(home) as rt:
+            actor, principal = acting(rt, token)
+            log = tenant
+            if principal is not None:
+                rt.control.authorize(principal, Action.DATASET_DESCRIBE,
+                                     EntityRef.dataset(tenant, name), tenant,
+                                     event_resource=f"dataset/{name}")  # fmt: skip
+                log = principal.tenant
+            rt.tenants.get(tenant)
+            doc = describe_recorded(rt, tenant, name, actor, log, {})
+    if as_json:
+        emit_json(doc)
+        return
+    from rich.markup import escape
+
+    # Names come from the database: escaped, so none is taken for markup.
+    for t in doc["tables"]:
+        console.print(f"[bold]{escape(t['name'])}[/]" + (" (view)" if t["kind"] == "view" else ""))
+        for c in t["columns"]:
+            flags = ("primary key" if c["primary_key"] else "",
+                     "" if c["nullable"] else "not null")  # fmt: skip
+            extra = ", ".join(f for f in flags if f)
+            console.print(
+                f"  {escape(c['name']):24} {escape(c['type']) or '-'}"
+                + (f"  ({extra})" if extra else "")
+            )
+
+
 @secret_app.command("set")
 def secret_set(
     tenant: TenantOpt,
