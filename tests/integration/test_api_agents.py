@@ -361,3 +361,36 @@ def test_the_cli_describes_a_dataset_and_asks_for_approval_as_the_agent(
                   "--role", "approver", "--responsible", "acme/alice", home=env.home,
                   check=False)  # fmt: skip
     assert res.code == 2 and "a person approves" in res.err
+
+
+@pytest.mark.sandbox
+def test_an_agent_runs_in_the_sandbox_and_a_persons_production_deployment(
+    env: ApiEnv, tmp_path: Path
+) -> None:
+    """The loop's runs: the agent deploys its code to the sandbox and runs it; a person
+    deploys the approved code to production and the agent starts that run; the agent
+    reads the events of the runs it started, and not of a run a person started."""
+    from tests.sandbox_conftest_helpers import any_backend
+
+    any_backend()
+    coder, dev = agent(env), person(env, "dev")
+    digest = _submit(env, tmp_path, "loop", coder)
+    coder.deploy("acme", digest, "loop-sandbox", environment="sandbox", instruction="try")
+    run = coder.run("acme", "loop-sandbox")
+    assert run["status"] == "succeeded" and run["environment"] == "sandbox", run
+    assert b"".join(coder.run_logs("acme", run["id"])) == b"hello\n"
+    events = [json.loads(e) for e in coder.events("acme", run=run["id"])]
+    assert any(e["action"] == "run.start" for e in events)
+    person(env, "alice").approve("acme", digest, comment="looked")
+    dev.deploy("acme", digest, "loop-prod", environment="production",
+               instruction="the monthly report (RET-7)")  # fmt: skip
+    prod = coder.run("acme", "loop-prod")
+    assert prod["status"] == "succeeded" and prod["environment"] == "production", prod
+    start = [json.loads(e) for e in coder.events("acme", run=prod["id"])]
+    start = [e for e in start if e["action"] == "run.start"]
+    assert start[0]["actor"] == {"type": "agent", "id": "acme/coder"}
+    # A run a person started, of a deployment a person made: not the agent's to read.
+    other = dev.run("acme", "loop-prod")
+    with pytest.raises(ControlDenied):
+        coder.events("acme", run=other["id"])
+    assert _denials(env, "run.events.read")
