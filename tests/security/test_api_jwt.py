@@ -102,7 +102,7 @@ def test_valid_jwt_maps_claims_to_a_principal(oidc_env: ApiEnv, keys: dict[str, 
     r = _call(oidc_env, _token(keys["good"]))
     assert r.status_code == 200, r.text
     assert r.json() == {"tenant": "acme", "name": "carol", "kind": "user", "roles": ["auditor"],
-                        "disabled": False}  # fmt: skip
+                        "disabled": False, "responsible": None}  # fmt: skip
     assert _call(oidc_env, _token(keys["good"]), "/tenants/acme/events?limit=1").status_code == 200
     # The mapped role decides: an auditor may not submit or approve.
     assert _call(oidc_env, _token(keys["good"]), "/tenants/acme/quorum").status_code == 200
@@ -124,6 +124,24 @@ def test_jwks_from_url_and_stored_principal_roles(oidc_env: ApiEnv, keys: dict[s
     # An unknown subject there has no role: refused.
     tok = _token(keys["url"], kid="u1", iss="https://ci.example.test", sub="nobody")
     _refused(_call(oidc_env, tok), "no role")
+
+
+def test_a_jwt_naming_an_agent_gives_it_the_agent_role_alone(
+    oidc_env: ApiEnv, keys: dict[str, Any]
+) -> None:
+    """Claims cannot widen an agent: whatever its groups map to, a stored agent holds the
+    agent role (and Cedar forbids its type approving whatever it holds); a person's
+    groups never give the agent role."""
+    rt = oidc_env.rt
+    rt.principals.create("acme", "jwt-agent", "agent", [], rt.operator, responsible="acme/dev")
+    tok = _token(keys["good"], preferred_username="jwt-agent", groups=["proctor-devs"])
+    r = _call(oidc_env, tok)
+    assert r.status_code == 200, r.text
+    assert r.json()["kind"] == "agent" and r.json()["roles"] == ["agent"]
+    assert r.json()["responsible"] == "acme/dev"
+    deny = httpx.put(f"{oidc_env.url}/tenants/acme/quorum", json={"required": 1},
+                     headers={"Authorization": f"Bearer {tok}"})  # fmt: skip
+    assert deny.status_code == 403
 
 
 def test_expired(oidc_env: ApiEnv, keys: dict[str, Any]) -> None:

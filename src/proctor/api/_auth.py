@@ -24,7 +24,7 @@ import jwt
 
 from proctor.api._errors import unauthenticated
 from proctor.errors import NotFound, UsageError
-from proctor.governance import ROLES, AuthenticationFailed, Principal
+from proctor.governance import AGENT_ROLE, ROLES, AuthenticationFailed, Principal
 from proctor.runtime import Runtime
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9._-]{0,62}$")
@@ -250,7 +250,12 @@ class Authenticator:
             roles = tuple(sorted(mapped))
         elif stored is not None:
             roles = stored.roles
+        kind = stored.kind if stored is not None else "user"
+        # An agent's rights are its kind's whatever a token's claims map to (an approver
+        # role would not let it approve: Cedar forbids the Agent type; it is not given);
+        # and nobody else holds the agent role.
+        roles = (AGENT_ROLE,) if kind == "agent" else tuple(r for r in roles if r != AGENT_ROLE)
         if not roles:
             raise unauthenticated("the JWT's claims map to no role here")
-        kind = stored.kind if stored is not None else "user"
-        return Principal(issuer.tenant, name, kind, roles)
+        responsible = stored.responsible if stored is not None else None
+        return Principal(issuer.tenant, name, kind, roles, responsible=responsible)
