@@ -31,6 +31,7 @@ T = TypeVar("T")
 TOOLS = {
     "describe_datasets", "describe_manifest_format", "submit_artifact", "run_in_sandbox",
     "run_deployment", "show_run", "suggest_manifest", "request_approval", "approval_state",
+    "asked_calls",
 }  # fmt: skip
 MANIFEST = '[artifact]\nname = "probe"\nentrypoint = ["python3", "main.py"]\npurpose = "test"\n'
 INIT = {
@@ -164,9 +165,15 @@ def test_an_agent_asks_for_approval_and_reads_where_it_stands_but_cannot_approve
         state = await s.call_tool("approval_state", {"digest": digest})
         long = await s.call_tool("request_approval", {"digest": digest, "comment": "x" * 2001})
         bad = await s.call_tool("approval_state", {"digest": "sha256:../../x"})
-        return sub, asked, state, long, bad
+        asks = await s.call_tool("asked_calls", {"state": "pending"})
+        bad_state = await s.call_tool("asked_calls", {"state": "all"})
+        return sub, asked, state, long, bad, asks, bad_state
 
-    sub, asked, state, long, bad = with_session(served, served.gov.token("coder"), calls)
+    sub, asked, state, long, bad, asks, bad_state = with_session(
+        served, served.gov.token("coder"), calls
+    )
+    assert json.loads(text(asks)) == {"asked_calls": [], "count": 0}
+    assert bad_state.is_error and "the state must be one of pending," in text(bad_state)
     digest = json.loads(text(sub))["digest"]
     req = json.loads(text(asked))
     assert (
@@ -324,3 +331,20 @@ def test_a_revoked_token_is_refused_at_the_next_request_of_its_session(
     assert "refused" in seen
     after = events(served, start=seen["revoked_at"])
     assert all(e["actor"]["id"] != f"acme/{name}" for e in after)
+
+
+def test_an_mcp_client_name_the_api_would_refuse_is_made_printable(served: Served) -> None:
+    """clientInfo is the client's to say: spaces, '/', non-ASCII and length would make
+    the API refuse the header (400), so they are replaced, never passed on or dropped."""
+    start = served.gov.rt.ledger.head("acme").size
+
+    async def go() -> CallToolResult:
+        async with session(
+            served.url, served.gov.token("coder"), name="My Agent/ü" + "x" * 80
+        ) as s:
+            return await s.call_tool("describe_datasets", {"name": "fake"})
+
+    res = asyncio.run(go())
+    assert not res.is_error, text(res)
+    (ev,) = [e for e in events(served, start=start) if e["action"] == "dataset.describe"]
+    assert ev["details"]["client"] == {"name": "My_Agent__" + "x" * 54, "version": "0.9"}

@@ -40,6 +40,7 @@ _DATASET_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 #: The datasets describe_datasets describes in one answer.
 MAX_DATASETS = 100
 _DATASET_KEYS = ("name", "kind", "synthetic", "twin_of")
+_ASK_STATES = ("pending", "approved", "denied", "timed_out", "abandoned")
 #: What a tool's answer carries of a run's output: its end, where errors are.
 TAIL_BYTES = 8192
 #: The calls show_run lists (the newest); refusals are all listed up to the same bound.
@@ -173,6 +174,7 @@ def build_server(gateway: Gateway, *, name: str = "proctor") -> MCPServer:
     _add_artifact_tools(server, call)
     _add_run_tools(server, call)
     _add_approval_tools(server, call)
+    _add_ask_tools(server, call)
     _flatten_argument_errors(server)
     return server
 
@@ -477,6 +479,44 @@ def _add_approval_tools(server: MCPServer, call: Call) -> None:
             "rejections in force and by whom, which of them count, the quorum your tenant "
             "needs, and whether production would run it now (and if not, why). An approval "
             "covers exactly this digest: a changed byte is a new digest to approve."
+        ),
+    )
+
+
+def _add_ask_tools(server: MCPServer, call: Call) -> None:
+    @_guarded
+    def asked_calls(
+        ctx: Context,
+        run_id: Annotated[str | None, Field(description="Only this run's asked calls.")] = None,
+        state: Annotated[
+            str | None,
+            Field(
+                description="Only those in this state: pending, approved, denied, "
+                "timed_out or abandoned."
+            ),
+        ] = None,
+        tenant: TenantArg = None,
+    ) -> dict[str, Any]:
+        _check(run_id, _RUN_RE, "the run id")
+        if state is not None and state not in _ASK_STATES:
+            raise UsageError(
+                f"the state must be one of {', '.join(_ASK_STATES)}, not {state[:40]!r}"
+            )
+        client, tenant_of = call(ctx)
+        with client:
+            asks = client.asked_calls(tenant_of(tenant), run=run_id, state=state)
+        return {"asked_calls": asks[:MAX_CALLS], "count": len(asks)}
+
+    server.add_tool(
+        asked_calls,
+        description=(
+            "The calls your runs made of a capability the manifest marks ask = true (a "
+            "write to a production bucket, a host, a table's write access): each waits for "
+            "a person, and is listed with its run, the call and its exact arguments (a "
+            "digest of a body), its state (pending, approved, denied, timed_out, abandoned) "
+            "and the ledger seqs of the ask and its answer. You cannot answer one: an "
+            "approver who is not the code's author does; a call not answered in time is "
+            "refused. Pending first."
         ),
     )
 
