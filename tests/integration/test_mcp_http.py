@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import httpx
 import httpx2
 import pytest
 from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, Implementation, TextContent
@@ -25,6 +27,7 @@ from mcp_types import CallToolResult, Implementation, TextContent
 from proctor.api import serve_api
 from proctor.client import Client
 from proctor.errors import ControlDenied, NotFound, ProctorError
+from tests.conftest import PROCTOR
 from tests.e2e.conftest_gov import Gov, build_gov
 
 T = TypeVar("T")
@@ -348,3 +351,28 @@ def test_an_mcp_client_name_the_api_would_refuse_is_made_printable(served: Serve
     assert not res.is_error, text(res)
     (ev,) = [e for e in events(served, start=start) if e["action"] == "dataset.describe"]
     assert ev["details"]["client"] == {"name": "My_Agent__" + "x" * 54, "version": "0.9"}
+
+
+def test_proctor_mcp_over_stdio_talks_to_a_running_api_with_the_agents_token(
+    served: Served,
+) -> None:
+    """`proctor --server URL mcp`: the stdio server as a client of a remote API."""
+    start = served.gov.rt.ledger.head("acme").size
+    env = dict(os.environ, PROCTOR_SERVER=served.url, PROCTOR_TOKEN=served.gov.token("coder"))
+    env.pop("PROCTOR_HOME", None)
+    params = StdioServerParameters(command=PROCTOR, args=["mcp"], env=env)
+
+    async def go() -> CallToolResult:
+        async with (
+            stdio_client(params) as (r, w),
+            ClientSession(r, w, client_info=Implementation(name="remote", version="3")) as s,
+        ):
+            await s.initialize()
+            return await s.call_tool("describe_datasets", {"name": "crm"})
+
+    res = asyncio.run(go())
+    assert not res.is_error, text(res)
+    assert json.loads(text(res))["datasets"][0]["tables"][0]["name"] == "customers"
+    (ev,) = [e for e in events(served, start=start) if e["action"] == "dataset.describe"]
+    assert ev["actor"] == {"type": "agent", "id": "acme/coder"}
+    assert ev["details"]["client"] == {"name": "remote", "version": "3"}
