@@ -7,6 +7,7 @@ refused if the ledger cannot record it; so is every answer the socket gives
 itself (whoami, malformed requests, unknown endpoints, refused tokens).
 """
 
+from proctor.broker._ask import AskGate, AskRules
 from proctor.broker._connectors import (
     dataset_connector,
     handle_sql,
@@ -49,6 +50,8 @@ __all__ = [
     "SECRET_BINDING_RULE",
     "SPECIAL_ADDRESS_RULE",
     "WHOAMI_RULE",
+    "AskGate",
+    "AskRules",
     "BadCall",
     "Broker",
     "BrokerError",

@@ -35,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 
 from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
-from proctor.governance import Deployment, Home, Retention, RunRecord
+from proctor.governance import Asks, ControlPlane, Deployment, Home, Retention, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
@@ -167,6 +167,20 @@ class Server:
         reap_broker_sockets()
         closed = self.supervisor.mark_interrupted(self.actor)
         log_event(log, "reap", runs=[r.id for r in closed], interrupted=len(closed))
+        self.close_orphaned_asks()
+
+    def close_orphaned_asks(self) -> None:
+        """Close every ask whose run no longer runs (its serve was killed while a call
+        waited): abandoned, recorded, never left waiting on nobody."""
+        try:
+            asks = Asks(self.rt.store, self.rt.ledger, ControlPlane(self.rt.ledger))
+            closed = asks.abandon_orphans(self.actor)
+        except ProctorError as exc:
+            log.warning("proctor serve: asks of ended runs not closed yet: %s", exc.message)
+            return
+        if closed:
+            log_event(log, "asks.abandoned", asks=[a.id for a in closed], runs=sorted(
+                {a.run for a in closed}))  # fmt: skip
 
     def sweep(self) -> None:
         """Close the runs of this host's processes that died since the last look
@@ -174,6 +188,7 @@ class Server:
         closed = self.rt.close_orphaned_runs(self.actor, skip=self.supervisor.supervisor_id)
         if closed:
             log_event(log, "reap", runs=[run for _, run in closed], interrupted=len(closed))
+            self.close_orphaned_asks()
 
     def sweep_nodes(self) -> None:
         """Find the nodes whose lease lapsed: the first node to see one marks it dead
@@ -182,6 +197,8 @@ class Server:
             if node == self.node.id or not declare_dead(self.rt.store, node):
                 continue  # ours is the lease thread's to judge; another node won this one
             gone = self.rt.close_orphaned_runs(self.actor, node=node)
+            if gone:
+                self.close_orphaned_asks()
             requeued, ended = self.queue.release(node)
             log_event(log, "node.dead", logging.WARNING, node=node,
                       runs=[run for _, run in gone], interrupted=len(gone),

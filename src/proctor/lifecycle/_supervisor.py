@@ -24,6 +24,8 @@ from typing import Any
 
 from proctor import telemetry
 from proctor.broker import (
+    AskGate,
+    AskRules,
     Broker,
     DatasetBinding,
     RateLimit,
@@ -36,6 +38,8 @@ from proctor.broker import (
 from proctor.errors import ProctorError, RunRefused
 from proctor.governance import (
     ApprovalRequired,
+    Asks,
+    ControlPlane,
     Deployment,
     Home,
     RunRecord,
@@ -414,6 +418,10 @@ class Supervisor:
                 tenant, day, seq, reason
             ),
         )
+        # The calls that wait for a person's answer (the approved manifest's ``ask``).
+        asked = AskRules.of(caps)
+        if asked is not None:
+            scope.asks = AskGate(asked, rt.store)
         return scope, limits, limits_doc
 
     def _record_start(
@@ -594,6 +602,9 @@ class Supervisor:
                 "refused_over_bound": scope.refused_over_bound,
                 "refused_over_quota": scope.refused_over_quota,
             }  # fmt: skip
+        # No call waits past its run: its pending asks are closed, each recorded, before
+        # the run's end (the sandbox is gone, so is the call that waited).
+        self.close_asks(tenant, run_id, f"the run ended ({status}: {clip(reason, 200)})")
         end = self.rt.ledger.append(
             tenant,
             # A start failure's text comes from the sandbox: cut to the event's budget.
@@ -608,6 +619,17 @@ class Supervisor:
             receipt = make_receipt(self.rt.ledger, tenant, end.seq)
             (self.rt.home / "runs" / run_id / "receipt.tlog-proof").write_text(receipt)
         return self.runs.get(tenant, run_id)
+
+    def close_asks(self, tenant: str, run_id: str, why: str) -> None:
+        """Close the run's pending asks as abandoned (a failure is logged: the run's end
+        is recorded all the same, and the next sweep closes them)."""
+        actor = Actor("runtime", f"supervisor:{self.supervisor_id}")
+        try:
+            Asks(self.rt.store, self.rt.ledger, ControlPlane(self.rt.ledger)).abandon_run(
+                tenant, run_id, actor, why
+            )
+        except ProctorError as exc:
+            _log.warning("run %s: its asks were not closed: %s", run_id, exc.message)
 
     def mark_interrupted(self, actor: Actor) -> list[RunRecord]:
         """Runs left 'running' by a supervisor that is gone, on any host (see

@@ -1,0 +1,171 @@
+"""An asked call in a real run (issue 35, item 3): guest code in a real sandbox calls a
+loopback API through the real shim and the runtime's broker; the manifest marks the
+host ``ask``. The call waits until a person answers; the run's end or a stopping
+supervisor closes a pending ask (abandoned, recorded), never leaving it waiting."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proctor.governance import Ask, Asks, RunRecord
+from proctor.lifecycle import Supervisor
+from tests.e2e.conftest_gov import Gov, build_gov
+
+pytestmark = pytest.mark.sandbox
+
+BACKEND = "bubblewrap"
+
+GUEST = r"""
+import json, os, urllib.request, urllib.error
+port = int(os.environ["UP_PORT"])
+try:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/asked?n=1", timeout=120) as r:
+        print(json.dumps({"status": r.status, "body": r.read().decode()}), flush=True)
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "body": json.loads(e.read())}), flush=True)
+"""
+
+
+class _Up(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list[str]
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.seen.append(self.path)
+        body = b"reached"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def upstream() -> Iterator[tuple[int, list[str]]]:
+    seen: list[str] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Up", (_Up,), {"seen": seen}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def gov(tmp_path: Path) -> Iterator[Gov]:
+    g = build_gov(tmp_path)
+    yield g
+    g.rt.close()
+
+
+def _allow(gov: Gov, port: int) -> None:
+    gov.rt.resources.allow_sandbox_host("acme", f"127.0.0.1:{port}", gov.op)
+    gov.rt.allow_egress_range("acme", "127.0.0.1/32", gov.op)
+
+
+def _deploy(gov: Gov, port: int, name: str, extra: str = "") -> None:
+    rt, op = gov.rt, gov.op
+    host = f"127.0.0.1:{port}"
+    art = gov.artifact_dir(name, GUEST, f"""
+        [egress]
+        hosts = ["{host}"]
+        [ask]
+        egress = ["{host}"]
+        timeout = "2m"
+        {extra}
+        """)  # fmt: skip
+    digest = gov.submit("acme", art)
+    rt.deployments.deploy("acme", rt.artifacts.get("acme", digest), name,
+                          environment="sandbox", mode="job", instruction="test", actor=op)  # fmt: skip
+
+
+def _start(gov: Gov, sup: Supervisor, name: str, port: int, out: list[bytes]) -> Future[RunRecord]:
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(sup.start, "acme", name, gov.principal("dev").actor,
+                         on_stdout=out.append, env={"UP_PORT": str(port)})  # fmt: skip
+    pool.shutdown(wait=False)
+    return future
+
+
+def _pending(asks: Asks) -> Ask:
+    deadline = time.monotonic() + 90
+    while not (found := asks.find("acme", state="pending")):
+        assert time.monotonic() < deadline, "no ask came"
+        time.sleep(0.1)
+    return found[0]
+
+
+def _events(gov: Gov, run: str) -> list[dict[str, Any]]:
+    return [e for e in map(json.loads, gov.rt.ledger.entries("acme")) if e.get("run") == run]
+
+
+def test_an_asked_call_in_a_real_run_waits_for_the_approver(
+    gov: Gov, upstream: tuple[int, list[str]]
+) -> None:
+    port, seen = upstream
+    _allow(gov, port)
+    _deploy(gov, port, "asker")
+    asks = Asks(gov.rt.store, gov.rt.ledger, gov.rt.control)
+    out: list[bytes] = []
+    with gov.rt.make_broker() as broker:
+        sup = Supervisor(gov.rt, broker, BACKEND)
+        running = _start(gov, sup, "asker", port, out)
+        ask = _pending(asks)
+        assert ask.arguments["target"] == "/asked?n=1" and seen == []
+        alice = gov.principal("alice")
+        asks.answer("acme", ask.id, True, actor=alice.actor, principal=alice,
+                    trust_domain=gov.rt.config.trust_domain)  # fmt: skip
+        record = running.result(timeout=120)
+    assert record.status == "succeeded", record
+    assert json.loads(b"".join(out)) == {"status": 200, "body": "reached"}
+    assert seen == ["/asked?n=1"]
+    events = _events(gov, record.id)
+    (asked,) = [e for e in events if e["action"] == "call.ask"]
+    (answered,) = [e for e in events if e["action"] == "call.answer"]
+    (call,) = [e for e in events if e["action"] == "http.request"]
+    assert asked["seq"] < answered["seq"] < call["seq"]
+    assert call["details"]["ask"]["seq"] == asked["seq"]
+    assert call["details"]["ask"]["answer_seq"] == answered["seq"]
+
+
+def test_a_run_that_ends_or_is_stopped_while_a_call_waits_abandons_its_ask(
+    gov: Gov, upstream: tuple[int, list[str]]
+) -> None:
+    port, seen = upstream
+    _allow(gov, port)
+    _deploy(gov, port, "timedout", '[limits]\ntimeout = "4s"')
+    _deploy(gov, port, "stopped")
+    asks = Asks(gov.rt.store, gov.rt.ledger, gov.rt.control)
+    with gov.rt.make_broker() as broker:
+        sup = Supervisor(gov.rt, broker, BACKEND)
+        # Its wall clock ends the run while the call waits.
+        ended = _start(gov, sup, "timedout", port, []).result(timeout=120)
+        # A serve told to stop stops its runs, a waiting one too.
+        running = _start(gov, sup, "stopped", port, [])
+        waiting = _pending(asks)
+        sup.shutdown("serve is stopping")
+        stopped = running.result(timeout=120)
+    assert seen == []
+    assert stopped.status == "interrupted"
+    for record in (ended, stopped):
+        events = _events(gov, record.id)
+        actions = [e["action"] for e in events]
+        assert actions.index("call.ask") < actions.index("call.answer") < actions.index("run.end")
+        (answered,) = [e for e in events if e["action"] == "call.answer"]
+        assert (
+            answered["details"]["answer"] == "abandoned" and answered["actor"]["type"] == "runtime"
+        )
+        (ask,) = asks.find("acme", run=record.id)
+        assert ask.state == "abandoned" and ask.answer_seq == answered["seq"]
+    assert waiting.run == stopped.id
+    assert asks.find("acme", state="pending") == []
