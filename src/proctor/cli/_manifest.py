@@ -93,9 +93,9 @@ def _print(doc: dict[str, Any], output: Path | None) -> None:
         for x in doc["lines"]:
             sign = "+" if x["change"] == "added" else "-"
             seq = f"seq {x['seq']}: " if x["seq"] is not None else ""
-            console.print(
-                escape(f"  {sign} {x['line'].strip()}  [{x['where']}]  {seq}{x['reason']}")
-            )
+            line = x["line"].strip()
+            where = "" if line == f"[{x['where']}]" else f"  [{x['where']}]"
+            console.print(escape(f"  {sign} {line}{where}  {seq}{x['reason']}"))
     if doc["not_suggestable"]:
         console.print("\n[bold]not suggestable[/] (no manifest line lifts these refusals)")
         for u in doc["not_suggestable"]:

@@ -170,8 +170,8 @@ class _Used:
 
 def _outcome(ev: Mapping[str, Any]) -> str:
     if ev.get("decision") == "allow":
-        return f"allowed (seq {ev['seq']})"
-    return f"refused at seq {ev['seq']}: {ev.get('reason', '')}"
+        return "allowed"
+    return f"refused: {ev.get('reason', '')}"
 
 
 def _is_default_deny(ev: Mapping[str, Any]) -> bool:
