@@ -6,6 +6,10 @@ supervisor closes a pending ask (abandoned, recorded), never leaving it waiting.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +20,10 @@ from typing import Any
 
 import pytest
 
+from proctor.client import Client
 from proctor.governance import Ask, Asks, RunRecord
-from proctor.lifecycle import Supervisor
+from proctor.lifecycle import Runs, Supervisor
+from tests.conftest import PROCTOR, wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
 
 pytestmark = pytest.mark.sandbox
@@ -169,3 +175,78 @@ def test_a_run_that_ends_or_is_stopped_while_a_call_waits_abandons_its_ask(
         assert ask.state == "abandoned" and ask.answer_seq == answered["seq"]
     assert waiting.run == stopped.id
     assert asks.find("acme", state="pending") == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_serve_killed_while_a_call_waits_is_restarted_and_closes_the_run_and_its_ask(
+    gov: Gov, upstream: tuple[int, list[str]]
+) -> None:
+    """`proctor serve` SIGKILLed while its run's call waits for an answer: the next
+    serve records the run interrupted and the ask abandoned; nothing is left waiting
+    and the call never went out."""
+    port, seen = upstream
+    _allow(gov, port)
+    # Started through serve's API: the guest is told its port in its code, not its env.
+    baked = GUEST.replace('int(os.environ["UP_PORT"])', str(port))
+    art = gov.artifact_dir("killed", baked, f"""
+        [egress]
+        hosts = ["127.0.0.1:{port}"]
+        [ask]
+        egress = ["127.0.0.1:{port}"]
+        """)  # fmt: skip
+    digest = gov.submit("acme", art)
+    gov.rt.deployments.deploy("acme", gov.rt.artifacts.get("acme", digest), "killed",
+                              environment="sandbox", mode="job", instruction="test",
+                              actor=gov.op)  # fmt: skip
+    asks = Asks(gov.rt.store, gov.rt.ledger, gov.rt.control)
+    env = dict(os.environ, PROCTOR_HOME=str(gov.home))
+    api = _free_port()
+    first = subprocess.Popen([PROCTOR, "serve", "--backend", BACKEND, "--api-port", str(api)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    runner = None
+    try:
+        url = f"http://127.0.0.1:{api}"
+        wait_until(lambda: _up(url, gov.token("dev")), "serve's API", 60)
+        runner = subprocess.Popen([PROCTOR, "--server", url, "run", "killed", "-t", "acme",
+                                   "--token", gov.token("dev")], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        waiting = _pending(asks)
+        first.kill()  # SIGKILL: nothing of serve's own ending runs
+        first.wait(timeout=30)
+        assert asks.get("acme", waiting.id).state == "pending"  # left by the dead serve
+        second = subprocess.Popen([PROCTOR, "serve", "--backend", BACKEND, "--no-api"], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            wait_until(lambda: asks.get("acme", waiting.id).state == "abandoned",
+                       "the ask closed by the next serve", 60)  # fmt: skip
+        finally:
+            second.send_signal(signal.SIGTERM)
+            second.wait(timeout=60)
+    finally:
+        for proc in (first, runner):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert seen == []
+    run = waiting.run
+    assert Runs(gov.rt).get("acme", run).status == "interrupted"
+    events = _events(gov, run)
+    actions = [e["action"] for e in events]
+    assert actions.count("run.end") == 1 and actions.count("call.answer") == 1
+    (answered,) = [e for e in events if e["action"] == "call.answer"]
+    assert answered["details"]["answer"] == "abandoned" and "interrupted" in answered["reason"]
+    assert actions.index("call.ask") < actions.index("call.answer")
+    assert asks.find("acme", state="pending") == []
+
+
+def _up(url: str, token: str) -> bool:
+    try:
+        Client(url, token).health()
+    except Exception:
+        return False
+    return True
