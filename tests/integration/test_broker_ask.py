@@ -9,19 +9,22 @@ socket, so the test sees exactly what crosses it. The answers are given through
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proctor.broker import Broker, EgressProxy, Handlers, RunScope
+from proctor.broker import Broker, CallDenied, EgressProxy, Handlers, RunScope, write_object
 from proctor.broker._ask import AskGate, AskRules
 from proctor.broker._fair import run_blocking
 from proctor.errors import AlreadyAnswered, ControlDenied
@@ -33,6 +36,7 @@ from proctor.ledger import Action, Actor, EventDraft
 from proctor.policy import capability_policies, compile_policies
 from tests.conftest import LedgerEnv, draft
 from tests.integration.test_broker_core import _scope
+from tests.integration.test_broker_sql import default_caps, events, make_dataset, make_scope, sql
 
 DIGEST = "sha256:" + "ab" * 32
 AUTHOR = Actor("user", "acme/bob")
@@ -325,3 +329,86 @@ def test_waiting_calls_hold_no_worker_nor_the_loop(world: World) -> None:
     finally:
         world.broker.close_run("q6")
         world.broker.close_run("q7")
+
+
+# -- a bucket write (asked once staged: its SHA-256 named) and a table write ------------
+
+
+@pytest.fixture
+def held(ledger_env: LedgerEnv, tmp_path: Path) -> Iterator[tuple[RunScope, Path, Asks]]:
+    root = tmp_path / "buckets"
+    (root / "reports").mkdir(parents=True)
+    scope = make_scope(ledger_env, make_dataset(tmp_path / "crm.db"), caps=default_caps("read-write"),
+                       buckets_dir=root)  # fmt: skip
+    rules = AskRules(
+        buckets=frozenset({"reports"}), tables=frozenset({"crm.customers"}), timeout=60
+    )
+    scope.asks = AskGate(rules, ledger_env.store)
+    yield scope, root, Asks(ledger_env.store, ledger_env.ledger, ControlPlane(ledger_env.ledger))
+
+
+def _answer_when_asked(asks: Asks, approve: bool) -> Any:
+    def answer() -> Ask:
+        (ask,) = _until(lambda: asks.find("acme", state="pending") or None)
+        return asks.answer("acme", ask.id, approve, actor=ALICE.actor, principal=ALICE,
+                           trust_domain="test.local")  # fmt: skip
+
+    return _in_thread(answer)
+
+
+def test_a_bucket_write_is_asked_with_its_digest_and_written_only_if_approved(
+    held: tuple[RunScope, Path, Asks], ledger_env: LedgerEnv
+) -> None:
+    scope, root, asks = held
+    data = b"the quarterly numbers\n"
+    digest = hashlib.sha256(data).hexdigest()
+    denied = _answer_when_asked(asks, False)
+    with pytest.raises(CallDenied, match="asked call denied by acme/alice"):
+        asyncio.run(write_object(scope, "reports", "q1.md", data))
+    ask = denied.result(timeout=30)
+    assert ask.arguments == {
+        "bucket": "reports",
+        "key": "q1.md",
+        "sha256": digest,
+        "bytes": len(data),
+    }
+    assert sorted(p.name for p in (root / "reports").iterdir()) == []  # staged, then removed
+    approved = _answer_when_asked(asks, True)
+    assert asyncio.run(write_object(scope, "reports", "q1.md", data))["sha256"] == digest
+    approved.result(timeout=30)
+    assert (root / "reports" / "q1.md").read_bytes() == data
+    writes = [e for e in events(ledger_env) if e["action"] == "file.write"]
+    assert [w["decision"] for w in writes] == ["deny", "allow"]
+    assert writes[1]["details"]["ask"]["answer"] == "approved"
+
+
+def test_a_table_write_is_asked_the_statement_kept_out_of_the_log(
+    held: tuple[RunScope, Path, Asks], ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    scope, _, asks = held
+    statement = "UPDATE customers SET plan = ? WHERE id = ?"
+    denied = _answer_when_asked(asks, False)
+    with pytest.raises(CallDenied):
+        sql(scope, statement, ["secret-plan-value", 1])
+    ask = denied.result(timeout=30)
+    assert ask.arguments["statement"] == statement and ask.arguments["tables"] == ["customers"]
+    assert ask.arguments["params"] == ["secret-plan-value", 1]
+    logged = [e for e in events(ledger_env) if e["action"] == "call.ask"][-1]
+    assert logged["details"]["arguments"]["statement_sha256"] == hashlib.sha256(
+        statement.encode()).hexdigest()  # fmt: skip
+    assert "secret-plan-value" not in json.dumps(events(ledger_env))  # the value: the row only
+    with sqlite3.connect(tmp_path / "crm.db") as db:
+        assert (
+            db.execute("SELECT plan FROM customers WHERE id = 1").fetchone()[0]
+            != "secret-plan-value"
+        )
+    # A table the manifest does not mark ask is written at once.
+    assert (
+        sql(scope, "INSERT INTO events (customer, kind) VALUES (?, ?)", [1, "x"])["rows_affected"]
+        == 1
+    )
+    approved = _answer_when_asked(asks, True)
+    assert sql(scope, statement, ["gold", 1])["rows_affected"] == 1
+    approved.result(timeout=30)
+    with sqlite3.connect(tmp_path / "crm.db") as db:
+        assert db.execute("SELECT plan FROM customers WHERE id = 1").fetchone()[0] == "gold"
