@@ -264,7 +264,9 @@ def test_an_agent_submits_deploys_to_the_sandbox_and_asks_for_approval(
     assert len(coder.approval_state("acme", digest)["requests"]) == 2
 
 
-def test_the_client_header_is_on_every_event_of_the_request_and_bounded(env: ApiEnv) -> None:
+def test_the_client_header_is_on_every_event_of_the_request_and_bounded(
+    env: ApiEnv, tmp_path: Path
+) -> None:
     coder = agent(env)
     before = env.rt.ledger.head("acme").size
     coder.artifacts("acme")
@@ -273,6 +275,12 @@ def test_the_client_header_is_on_every_event_of_the_request_and_bounded(env: Api
         e["details"]["client"] == {"name": "claude-code", "version": "1.0.42"}  # type: ignore[index]
         for e in new
     )
+    # The governance events of its requests carry it too (the submission's own event).
+    digest = coder.submit_artifact("acme", artifact_dir(tmp_path, "with-client"))["digest"]
+    [sub] = [e for e in env.events("acme") if e["action"] == "artifact.submit"
+             and e["artifact"] == digest]  # fmt: skip
+    assert sub["details"]["client"] == {"name": "claude-code", "version": "1.0.42"}  # type: ignore[index]
+    assert sub["actor"] == {"type": "agent", "id": "acme/coder"}
     with env.http("acme", "coder") as http:
         for bad in ("no-version", "a b/1", "x" * 65 + "/1", "n/" + "9" * 33, "/1", "n/",
                     "n/1\x7f"):  # fmt: skip
@@ -389,6 +397,7 @@ def test_an_agent_runs_in_the_sandbox_and_a_persons_production_deployment(
     start = [json.loads(e) for e in coder.events("acme", run=prod["id"])]
     start = [e for e in start if e["action"] == "run.start"]
     assert start[0]["actor"] == {"type": "agent", "id": "acme/coder"}
+    assert start[0]["details"]["client"] == {"name": "claude-code", "version": "1.0.42"}
     # A run a person started, of a deployment a person made: not the agent's to read.
     other = dev.run("acme", "loop-prod")
     with pytest.raises(ControlDenied):

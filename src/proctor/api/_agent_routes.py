@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from proctor.api._context import Ctx, current
+from proctor.api._context import Ctx, bound
 from proctor.api._describe import describe_recorded
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import Strict
@@ -23,7 +23,7 @@ from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
-CtxDep = Annotated[Ctx, Depends(current)]
+CtxDep = Annotated[Ctx, Depends(bound)]
 
 
 class ApprovalRequestIn(Strict):

@@ -28,7 +28,7 @@ from proctor.api._limits import PrincipalLimits
 from proctor.api._log_reads import LogReads
 from proctor.errors import PolicyError, UsageError
 from proctor.governance import Principal, explain_refusal
-from proctor.ledger import Action, EventDraft
+from proctor.ledger import REQUEST_DETAILS, Action, EventDraft
 from proctor.policy import Decision, EntityRef, IpAddr
 from proctor.runtime import Runtime
 
@@ -164,6 +164,15 @@ class Ctx:
         """What every event this request records carries of it beyond its own details."""
         return {"client": dict(self.client)} if self.client is not None else {}
 
+    def bind(self) -> None:
+        """Have every event the principal records from here on in this context (this
+        thread, and a run's thread started from it) carry :meth:`event_details`. Each
+        handler's thread runs in its own copy of the request's context, so nothing is
+        left behind for another request."""
+        details = self.event_details()
+        if details:
+            REQUEST_DETAILS.set(details)
+
     @property
     def rt(self) -> Runtime:
         return self.state.rt
@@ -185,6 +194,7 @@ class Ctx:
         ``record_allowed=False``: the caller counts an allowed decision itself (reads
         of a log through the tlog-tiles paths, see ``_log_reads``)."""
         p = self.principal
+        self.bind()
         cedar_context: dict[str, Any] = {"request_id": self.request_id, **(context or {})}
         if self.source is not None:
             cedar_context["source"] = IpAddr(self.source)
@@ -260,3 +270,17 @@ def current(
         request.url.path,
         client,
     )
+
+
+async def bound(
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Security(_bearer),  # noqa: B008
+) -> Ctx:
+    """:func:`current`, with the request's details bound (:meth:`Ctx.bind`) in the
+    request's own context: every event its handler records carries them, in the
+    handler's thread, a worker's and a run's thread alike."""
+    from fastapi.concurrency import run_in_threadpool
+
+    ctx = await run_in_threadpool(current, request, credentials)
+    ctx.bind()
+    return ctx

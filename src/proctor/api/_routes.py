@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from proctor.api._context import Ctx, current
+from proctor.api._context import Ctx, bound
 from proctor.api._errors import ERROR_RESPONSES, ApiError, describe
 from proctor.api._models import (
     ApprovalIn,
@@ -58,7 +58,7 @@ from proctor.ledger import Action
 from proctor.policy import EntityRef
 
 router = APIRouter(responses=ERROR_RESPONSES)
-CtxDep = Annotated[Ctx, Depends(current)]
+CtxDep = Annotated[Ctx, Depends(bound)]
 
 
 def _principal(p: Principal) -> PrincipalOut:

@@ -18,6 +18,7 @@ from proctor.ledger._erasures import (
 from proctor.ledger._event import (
     CUT_MARKER,
     MAX_EVENT_BYTES,
+    REQUEST_DETAILS,
     Actor,
     Decision,
     EventDraft,
@@ -101,6 +102,7 @@ __all__ = [
     "MAX_PRUNE_RANGES",
     "PRUNED_ACTION",
     "PRUNE_ACTION",
+    "REQUEST_DETAILS",
     "SYSTEM_LOG",
     "Action",
     "Actor",

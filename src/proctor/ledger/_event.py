@@ -4,7 +4,8 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -46,6 +47,26 @@ class Actor:
 
     def as_json(self) -> dict[str, str]:
         return {"type": self.type, "id": self.id}
+
+
+#: Details every event a principal (a person, a service, an agent) records in this
+#: context carries beside its own: the API sets what the request says of itself that
+#: the record should keep (the MCP client an agent works through, X-Proctor-Client),
+#: and each event its handler records, in its thread or a run's it starts, has it.
+#: An event's own details win.
+REQUEST_DETAILS: ContextVar[Mapping[str, Any] | None] = ContextVar(
+    "proctor_request_details", default=None
+)
+_PRINCIPAL_ACTORS = frozenset({"user", "service", "agent"})
+
+
+def with_request_details(draft: EventDraft) -> EventDraft:
+    """``draft`` with this context's :data:`REQUEST_DETAILS` (a principal's only)."""
+    extra = REQUEST_DETAILS.get()
+    if not extra or draft.actor.type not in _PRINCIPAL_ACTORS:
+        return draft
+    missing = {k: v for k, v in extra.items() if k not in draft.details}
+    return replace(draft, details={**draft.details, **missing}) if missing else draft
 
 
 @dataclass(frozen=True)

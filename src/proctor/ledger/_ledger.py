@@ -27,7 +27,13 @@ from proctor.errors import (
 )
 from proctor.ledger._actions import INDEXED_ACTIONS, event_ref
 from proctor.ledger._canonical import canonical_event, canonical_json
-from proctor.ledger._event import EVENT_VERSION, EventDraft, bounded_event, utc_now
+from proctor.ledger._event import (
+    EVENT_VERSION,
+    EventDraft,
+    bounded_event,
+    utc_now,
+    with_request_details,
+)
 from proctor.ledger._merkle import (
     EMPTY_ROOT,
     CompactRange,
@@ -201,6 +207,8 @@ class _Pending:
     ) -> None:
         self.log = log
         self.lazy = lazy
+        # Here, in the caller's thread (and context): the request's details it carries.
+        draft = with_request_details(draft)
         self.draft = draft
         self.hook = hook
         self.create = create
