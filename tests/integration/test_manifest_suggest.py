@@ -21,6 +21,7 @@ from proctor.governance import Manifest, RunRecord, parse_manifest, suggest
 from proctor.governance._suggest import UNUSED
 from proctor.policy import capability_policies
 from tests.conftest import LedgerEnv
+from tests.integration.test_broker_ask import World, upstream, world  # noqa: F401
 from tests.integration.test_broker_proxy import TENANT, Env, proxy_env
 from tests.integration.test_broker_sql import make_dataset, make_scope, sql
 
@@ -230,3 +231,43 @@ def test_a_suggestion_that_would_not_parse_is_refused(tmp_path: Path) -> None:
     ]  # fmt: skip
     with pytest.raises(ProctorError, match="does not parse"):
         suggest(_run(), manifest, events)
+
+
+def test_an_asked_call_stays_asked_and_a_persons_refusal_is_not_suggestable(
+    world: World,  # noqa: F811 - the fixture imported above
+) -> None:
+    """A call of a capability marked ask that timed out unanswered: the capability was
+    used (it got as far as the ask), stays asked in the suggestion (dropping the mark
+    would widen), and the refusal is a person's, which no manifest line lifts."""
+    _, _, channel = world.open("r1", timeout=0.5)
+    try:
+        status, _, _ = world.get(channel, "/asked")
+    finally:
+        world.broker.close_run("r1")
+    assert status.startswith("HTTP/1.1 403")
+    manifest = parse_manifest(f"""
+[artifact]
+name = "churn"
+entrypoint = ["python3", "main.py"]
+purpose = "Churn report"
+
+[egress]
+hosts = ["{world.entry}", "unused.example.com"]
+
+[ask]
+egress = ["{world.entry}", "unused.example.com"]
+timeout = "500ms"
+""")
+    events = [e for e in world.events() if e.get("run") == "r1"]
+    (call,) = [e for e in events if e["action"] == "http.request"]
+    got = suggest(_run(), manifest, events, allowed_ranges=("127.0.0.0/8",))
+    assert parse_manifest(got.manifest).capabilities == {
+        "datasets": {}, "egress": [world.entry], "secrets": [], "buckets": {},
+        "ask": {"egress": [world.entry], "timeout_seconds": 0.5},
+    }  # fmt: skip
+    assert {(x.change, x.line.strip()) for x in got.lines} == {
+        ("removed", '"unused.example.com:443",')
+    }  # two lines: the host's and its ask's
+    assert len(got.lines) == 2 and all(x.reason == UNUSED for x in got.lines)
+    (refused,) = got.not_suggestable
+    assert refused.seq == call["seq"] and "a person" in refused.why

@@ -1,5 +1,5 @@
 """The suggestion's TOML writer: what it writes parses back to the same manifest (names,
-quotes, control characters, IPv6, wildcards, request rules, every limit, a schedule),
+quotes, control characters, IPv6, wildcards, request rules, asked calls, every limit, a schedule),
 so a suggested manifest is one a person can submit as it is."""
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ body_digests = true
 names = ["tok"]
 [buckets]
 reports = "read-write"
+[ask]
+egress = ["api.example.com"]
+buckets = ["reports"]
+tables = ["crm.weird table"]
+timeout = "90s"
 [limits]
 memory = "256M"
 timeout = "500ms"

@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from proctor.errors import ProctorError, UsageError
+from proctor.governance._asks import ASK_RULE
 from proctor.governance._environments import SANDBOX_EGRESS_FORBID_ID
 from proctor.governance._home import Home
 from proctor.governance._manifest import Manifest, egress_entry, parse_manifest
@@ -43,6 +44,9 @@ from proctor.ledger import Action, EventFilter, iter_events
 
 #: The reason of a submitted line no call used.
 UNUSED = "no call of this run used it"
+#: Marks an asked call a person's answer (or its timeout) refused: the manifest let it
+#: through to the ask, so it used its capability; taken as allowed for what it used.
+_ASKED_REFUSED = "_asked_refused"
 
 _SQL = (Action.SQL_SELECT, Action.SQL_WRITE)
 _FILES = (Action.FILE_READ, Action.FILE_WRITE)
@@ -169,6 +173,8 @@ class _Used:
 
 
 def _outcome(ev: Mapping[str, Any]) -> str:
+    if ev.get(_ASKED_REFUSED):
+        return f"asked, then {ev.get('reason', '')}"
     if ev.get("decision") == "allow":
         return "allowed"
     return f"refused: {ev.get('reason', '')}"
@@ -250,14 +256,7 @@ def _entry(details: Mapping[str, Any]) -> str | None:
 
 
 def _covered(entry: str, manifest: Manifest) -> bool:
-    host, _, port = entry.rpartition(":")
-    for allowed in manifest.capabilities.get("egress", []):
-        a_host, _, a_port = str(allowed).rpartition(":")
-        if a_port != port:
-            continue
-        if a_host == host or (a_host.startswith("*.") and host.endswith(a_host[1:])):
-            return True
-    return False
+    return any(_under(entry, str(a)) for a in manifest.capabilities.get("egress", []))
 
 
 def _special(host: str, allowed_ranges: Sequence[str]) -> str | None:
@@ -360,11 +359,16 @@ def collect(
 ) -> _Used:
     """What the events of one run used (see the module's docstring)."""
     used = _Used()
-    for ev in events:
+    for event in events:
+        ev = event
         if "pruned" in ev:
             used.pruned += 1
             continue
         action = ev.get("action")
+        if ev.get("decision") == "deny" and ASK_RULE in (ev.get("policies") or []):
+            used.refuse(ev, "an asked call a person denied, or left unanswered past ask.timeout:"
+                            " the manifest let it be asked; the answer is a person's")  # fmt: skip
+            ev = {**ev, "decision": "allow", _ASKED_REFUSED: True}
         if action in _SQL:
             _sql(used, ev, manifest)
         elif action in _FILES:
@@ -415,7 +419,43 @@ def capabilities_of(used: _Used, manifest: Manifest) -> dict[str, Any]:
     kept_rules = {h: r for h, r in rules.items() if h in hosts}
     if kept_rules:
         out["egress_rules"] = kept_rules
+    ask = _kept_ask(manifest.capabilities.get("ask") or {}, out)
+    if ask:
+        out["ask"] = ask
     return out
+
+
+def _kept_ask(ask: Mapping[str, Any], caps: Mapping[str, Any]) -> dict[str, Any]:
+    """The submitted ``[ask]`` over what is kept: a capability whose every use waits for a
+    person stays so (dropping it would widen), a host narrowed from an asked wildcard
+    is asked as the wildcard was."""
+    out: dict[str, Any] = {}
+    hosts = [h for h in caps["egress"] if any(_under(h, a) for a in ask.get("egress", []))]
+    if hosts:
+        out["egress"] = sorted(hosts)
+    buckets = [b for b in ask.get("buckets", []) if "write" in caps["buckets"].get(b, "")]
+    if buckets:
+        out["buckets"] = sorted(buckets)
+    tables = []
+    for dotted in ask.get("tables", []):
+        dataset, _, table = str(dotted).partition(".")
+        grant = caps["datasets"].get(dataset, {}).get("tables", {}).get(table)
+        if grant is not None and "write" in grant["access"]:
+            tables.append(dotted)
+    if tables:
+        out["tables"] = sorted(tables)
+    if out and "timeout_seconds" in ask:
+        out["timeout_seconds"] = ask["timeout_seconds"]
+    return out
+
+
+def _under(entry: str, allowed: str) -> bool:
+    """Whether egress entry ``allowed`` (exact or ``*.domain:port``) covers ``entry``."""
+    host, _, port = entry.rpartition(":")
+    a_host, _, a_port = str(allowed).rpartition(":")
+    return a_port == port and (
+        a_host == host or (a_host.startswith("*.") and host.endswith(a_host[1:]))
+    )
 
 
 # -- TOML, one capability a line ------------------------------------------------------
@@ -488,8 +528,23 @@ def render(manifest: Manifest, capabilities: Mapping[str, Any]) -> _Lines:
         lines += [("", bkey, "buckets"), ("[buckets]", bkey, "buckets")]
         for name, access in sorted(buckets.items()):
             lines.append((f"{_key(name)} = {_str(access)}", ("bucket", name, access), "buckets"))
+    _ask(lines, capabilities.get("ask") or {})
     _code(lines, manifest)
     return lines
+
+
+def _ask(lines: _Lines, ask: Mapping[str, Any]) -> None:
+    if not ask:
+        return
+    key: Key = ("section", "ask")
+    lines += [("", key, "ask"), ("[ask]", key, "ask")]
+    for kind in ("egress", "buckets", "tables"):
+        if ask.get(kind):
+            lines.append((f"{kind} = [", key, "ask"))
+            lines += [(f"  {_str(i)},", ("ask", kind, i), "ask") for i in ask[kind]]
+            lines.append(("]", key, "ask"))
+    if "timeout_seconds" in ask:
+        lines.append((f"timeout = {_value(ask['timeout_seconds'])}", ("ask-timeout",), "ask"))
 
 
 def _datasets(lines: _Lines, datasets: Mapping[str, Any]) -> None:
@@ -543,7 +598,9 @@ def _text(lines: Sequence[tuple[str, Key, str]]) -> str:
     return "\n".join(text for text, _, _ in lines) + "\n"
 
 
-_PUNCTUATION = frozenset({"]", "columns = [", "hosts = [", "names = ["})
+_PUNCTUATION = frozenset(
+    {"]", "columns = [", "hosts = [", "names = [", "egress = [", "buckets = [", "tables = ["}
+)
 
 
 def _modes(access: str) -> tuple[str, ...]:
@@ -560,12 +617,26 @@ def _needed(key: Key, used: _Used, had: str | None = None) -> _Need | None:
         found = [used.needs[k] for m in modes if (k := (key[0], *subject, m)) in used.needs]
         return min(found, key=lambda n: n.seq) if found else None
     if key[0] == "section":
-        kind = {"egress": "host", "secrets": "secret", "buckets": "bucket"}[key[1]]
+        kind = {"egress": "host", "secrets": "secret", "buckets": "bucket"}.get(key[1])
         found = [n for k, n in used.needs.items() if k[0] == kind]
         return min(found, key=lambda n: n.seq) if found else None
     if key[0] == "rules":
         return used.needs.get(("host", key[1]))
+    if key[0] == "ask":
+        need = used.needs.get(_asked_key(str(key[1]), str(key[2])))
+        why = "every use waits for a person, as the submitted [ask] says; "
+        return None if need is None else _Need(why + need.reason, need.seq)
     return used.needs.get(key)
+
+
+def _asked_key(kind: str, item: str) -> Key:
+    """The capability an ``[ask]`` entry is of."""
+    if kind == "egress":
+        return ("host", item)
+    if kind == "buckets":
+        return ("bucket", item, "write")
+    dataset, _, table = item.partition(".")
+    return ("access", dataset, table, "write")
 
 
 def _removed_reason(key: Key, used: _Used, suggested: set[Key]) -> str:
