@@ -82,7 +82,6 @@ _ROLE_ACTIONS = {
         Action.DEPLOYMENT_READ,
         Action.RUN_START,
         Action.RUN_READ,
-        Action.RUN_STOP,
         Action.TENANT_READ,
     ),
 }
