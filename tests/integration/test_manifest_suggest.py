@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from proctor.broker import BrokerError
+from proctor.broker import BrokerError, SecretBinding
 from proctor.broker._files import read_object, write_object
 from proctor.errors import ProctorError
 from proctor.governance import Manifest, RunRecord, parse_manifest, suggest
@@ -271,3 +271,35 @@ timeout = "500ms"
     assert len(got.lines) == 2 and all(x.reason == UNUSED for x in got.lines)
     (refused,) = got.not_suggestable
     assert refused.seq == call["seq"] and "a person" in refused.why
+
+
+def test_the_secret_injected_is_kept_and_the_one_never_injected_is_removable(proxy: Env) -> None:
+    entry = f"api.test:{proxy.api.port}"
+    manifest = parse_manifest(f"""
+[artifact]
+name = "churn"
+entrypoint = ["python3", "main.py"]
+purpose = "Churn report"
+
+[egress]
+hosts = ["{entry}"]
+
+[secrets]
+names = ["crm_token", "spare_token"]
+""")
+    proxy.scope([entry], secrets=["crm_token", "spare_token"],
+                bindings=[SecretBinding("crm_token", "v-" + "x" * 20, ("api.test",)),
+                          SecretBinding("spare_token", "w-" + "y" * 20, ("nowhere.test",))])  # fmt: skip
+    opener = proxy.opener(trust=proxy.proxy.tenant_ca(TENANT).ca_pem())
+    with opener.open(f"https://{entry}/one", timeout=10) as resp:
+        assert resp.status == 200
+    events = [e for e in proxy.events() if e.get("run")]
+    (request,) = [e for e in events if e["action"] == "http.request"]
+    got = suggest(_run(), manifest, events)
+    assert parse_manifest(got.manifest).capabilities["secrets"] == ["crm_token"]
+    (removed,) = got.lines
+    assert (removed.change, removed.line.strip(), removed.reason) == (
+        "removed", '"spare_token",', UNUSED,
+    )  # fmt: skip
+    # Kept because the request carried it: its event is the one that used it.
+    assert request["details"]["inject"] == [{"secret": "crm_token", "header": "Authorization"}]
