@@ -277,7 +277,8 @@ def test_runs_list_filters_by_status_time_and_who_started_them(acme: Acme) -> No
 
         assert listed("--status", "succeeded") == every
         assert listed("--status", "failed") == []
-        for recent in ("1h", "30m", "2d", "yesterday", "today", "1w"):
+        # Each spelling is parsed by test_relative_times_parse_against_one_now: two here.
+        for recent in ("1h", "yesterday"):
             assert listed("--since", recent) == every, recent
         assert listed("--since", "0s") == []  # now: every run started before it
         assert listed("--since", started[every[1]]) == every[1:]  # an ISO time, inclusive

@@ -28,6 +28,15 @@ T = "acme"
 OP = Actor("operator", "root")
 
 
+@pytest.fixture(autouse=True)
+def _labels_as_they_were() -> Iterator[None]:
+    """These tests turn tenant labels on: the process's other tests find them as
+    they were."""
+    was = telemetry.tenant_labels()
+    yield
+    telemetry.enable_metrics(tenant_labels=was)
+
+
 @pytest.fixture
 def labels() -> Iterator[None]:
     """Metrics on (for the rest of this process, as in serve), tenant labels restored."""
