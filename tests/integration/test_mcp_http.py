@@ -376,3 +376,21 @@ def test_proctor_mcp_over_stdio_talks_to_a_running_api_with_the_agents_token(
     (ev,) = [e for e in events(served, start=start) if e["action"] == "dataset.describe"]
     assert ev["actor"] == {"type": "agent", "id": "acme/coder"}
     assert ev["details"]["client"] == {"name": "remote", "version": "3"}
+
+
+def test_tool_calls_beyond_the_apis_threads_do_not_starve_it(served: Served) -> None:
+    """A tool's thread waits on an API request that needs one of the API's own threads:
+    tools in that same pool, more of them at once than it has, would wait forever. With
+    4 API threads, 12 calls at once, on one session, all come back."""
+    server = serve_api(served.gov.rt, "127.0.0.1", 0, worker_threads=4)
+    try:
+
+        async def go() -> list[CallToolResult]:
+            async with session(server.url, served.gov.token("coder")) as s:
+                calls = [s.call_tool("describe_datasets", {"name": "crm"}) for _ in range(12)]
+                return await asyncio.wait_for(asyncio.gather(*calls), timeout=90)
+
+        results = asyncio.run(go())
+    finally:
+        server.stop()
+    assert len(results) == 12 and not any(r.is_error for r in results)

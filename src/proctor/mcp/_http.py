@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import anyio
 import anyio.to_thread
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
@@ -35,6 +36,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _TOKEN = "proctor.mcp.token"  # noqa: S105 - the scope key, not a token
 _PRINCIPAL = "proctor.mcp.principal"
 _LOOPBACK = ("127.0.0.1", 0)
+#: Requests authenticated at once; more wait their turn.
+AUTH_THREADS = 8
 
 
 def _address(scope: Scope) -> tuple[str, int]:
@@ -89,6 +92,9 @@ class HttpEndpoint:
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False)
         )
         self._manager = self._server.session_manager
+        # Their own threads, as the tools have (see _server._guarded): never the pool the
+        # API serves its requests from, whoami included.
+        self._auth_threads = anyio.CapacityLimiter(AUTH_THREADS)
 
     def running(self) -> AbstractAsyncContextManager[None]:
         return self._manager.run()
@@ -108,7 +114,9 @@ class HttpEndpoint:
             ))  # fmt: skip
             return
         try:
-            who = await anyio.to_thread.run_sync(self._whoami, token, scope)
+            who = await anyio.to_thread.run_sync(
+                self._whoami, token, scope, limiter=self._auth_threads
+            )
         except ProctorError as exc:
             await _refuse(send, exc)
             return

@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, Protocol, TypeVar
 
+import anyio
+import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
@@ -88,26 +90,37 @@ def one_line(exc: ProctorError) -> str:
     return " ".join(text.split())
 
 
-def _guarded(fn: F) -> F:
-    """A tool's failures as one line (an MCP tool error, isError): a ProctorError's
-    message and hint, anything else named by its type only, never a traceback."""
+def _guarded(limiter: anyio.CapacityLimiter) -> Callable[[F], F]:
+    """A tool: its body in a worker thread of ``limiter`` (the SDK is synchronous), and
+    its failures as one line (an MCP tool error, isError): a ProctorError's message and
+    hint, anything else named by its type only, never a traceback.
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except ToolError:
-            raise
-        except ProctorError as exc:
-            raise ToolError(one_line(exc)) from None
-        except Exception as exc:
-            _log.exception("tool %s failed", fn.__name__)
-            raise ToolError(
-                f"internal error in Proctor's MCP server ({type(exc).__name__}); "
-                "the call may be retried, and the server's log says more"
-            ) from None
+    The tools' own threads, not the process's shared pool: a tool's thread waits on an
+    API request that the API serves in a thread of that pool, so tools taking the whole
+    pool would wait forever for requests that cannot start."""
 
-    return run  # type: ignore[return-value]
+    def wrap(fn: F) -> F:
+        def body(kwargs: dict[str, Any]) -> Any:
+            try:
+                return fn(**kwargs)
+            except ToolError:
+                raise
+            except ProctorError as exc:
+                raise ToolError(one_line(exc)) from None
+            except Exception as exc:
+                _log.exception("tool %s failed", fn.__name__)
+                raise ToolError(
+                    f"internal error in Proctor's MCP server ({type(exc).__name__}); "
+                    "the call may be retried, and the server's log says more"
+                ) from None
+
+        @functools.wraps(fn)
+        async def run(**kwargs: Any) -> Any:
+            return await anyio.to_thread.run_sync(body, kwargs, limiter=limiter)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 def _check(value: str | None, rule: re.Pattern[str], what: str) -> None:
@@ -156,6 +169,9 @@ def _run_answer(run: Json, out: list[str], err: list[str]) -> dict[str, Any]:
 
 
 Call = Callable[[Context], tuple[Client, Callable[[str | None], str]]]
+Guard = Callable[[F], F]
+#: Tool calls served at once (each in its own worker thread); more wait their turn.
+TOOL_THREADS = 16
 
 
 def build_server(gateway: Gateway, *, name: str = "proctor") -> MCPServer:
@@ -171,16 +187,17 @@ def build_server(gateway: Gateway, *, name: str = "proctor") -> MCPServer:
 
         return client, tenant_of
 
-    _add_artifact_tools(server, call)
-    _add_run_tools(server, call)
-    _add_approval_tools(server, call)
-    _add_ask_tools(server, call)
+    guarded: Guard[Any] = _guarded(anyio.CapacityLimiter(TOOL_THREADS))
+    _add_artifact_tools(server, call, guarded)
+    _add_run_tools(server, call, guarded)
+    _add_approval_tools(server, call, guarded)
+    _add_ask_tools(server, call, guarded)
     _flatten_argument_errors(server)
     return server
 
 
-def _add_artifact_tools(server: MCPServer, call: Call) -> None:
-    @_guarded
+def _add_artifact_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
+    @guarded
     def describe_datasets(
         ctx: Context,
         name: Annotated[
@@ -228,7 +245,7 @@ def _add_artifact_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def describe_manifest_format() -> str:
         return MANIFEST_FORMAT
 
@@ -240,7 +257,7 @@ def _add_artifact_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def submit_artifact(
         ctx: Context,
         files: Annotated[
@@ -284,8 +301,8 @@ def _add_artifact_tools(server: MCPServer, call: Call) -> None:
     )
 
 
-def _add_run_tools(server: MCPServer, call: Call) -> None:
-    @_guarded
+def _add_run_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
+    @guarded
     def run_in_sandbox(
         ctx: Context,
         digest: DigestArg,
@@ -329,7 +346,7 @@ def _add_run_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def run_deployment(
         ctx: Context,
         name: Annotated[str, Field(description="The deployment's name.")],
@@ -354,7 +371,7 @@ def _add_run_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def show_run(ctx: Context, run_id: RunArg, tenant: TenantArg = None) -> dict[str, Any]:
         _check(run_id, _RUN_RE, "the run id")
         client, tenant_of = call(ctx)
@@ -401,8 +418,8 @@ def _add_run_tools(server: MCPServer, call: Call) -> None:
     )
 
 
-def _add_approval_tools(server: MCPServer, call: Call) -> None:
-    @_guarded
+def _add_approval_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
+    @guarded
     def suggest_manifest(ctx: Context, run_id: RunArg, tenant: TenantArg = None) -> Json:
         _check(run_id, _RUN_RE, "the run id")
         client, tenant_of = call(ctx)
@@ -425,7 +442,7 @@ def _add_approval_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def request_approval(
         ctx: Context,
         digest: DigestArg,
@@ -464,7 +481,7 @@ def _add_approval_tools(server: MCPServer, call: Call) -> None:
         ),
     )
 
-    @_guarded
+    @guarded
     def approval_state(ctx: Context, digest: DigestArg, tenant: TenantArg = None) -> Json:
         _check(digest, _DIGEST_RE, "the digest")
         client, tenant_of = call(ctx)
@@ -483,8 +500,8 @@ def _add_approval_tools(server: MCPServer, call: Call) -> None:
     )
 
 
-def _add_ask_tools(server: MCPServer, call: Call) -> None:
-    @_guarded
+def _add_ask_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
+    @guarded
     def asked_calls(
         ctx: Context,
         run_id: Annotated[str | None, Field(description="Only this run's asked calls.")] = None,
