@@ -142,7 +142,10 @@ def test_the_suggested_manifest_lets_the_same_code_run_without_refusals(gov: Gov
         assert [u["seq"] for u in doc["not_suggestable"]] == [meta_seq]
         assert '+  "plan",' in doc["diff"] and '-archive = "read"' in doc["diff"]
         # The human form says the same in words.
-        words = run_cli("manifest", "suggest", "--run", run_id, "-t", "acme", home=gov.home).out
+        written = gov.home.parent / "suggested.toml"
+        words = run_cli("manifest", "suggest", "--run", run_id, "-t", "acme", "-o", str(written),
+                        home=gov.home).out  # fmt: skip
+        assert written.read_text() == doc["manifest"]
         assert f"seq {sql_seq}:" in words and "no call of this run used it" in words
         assert "169.254.169.254" in words
 
@@ -205,6 +208,11 @@ def test_bad_input_is_one_line_and_changes_nothing(gov: Gov) -> None:
     res = run_cli("manifest", "suggest", "--run", "r-nope", "-t", "nope", home=gov.home,
                   check=False)  # fmt: skip
     assert res.code != 0 and "nope" in res.err and "Traceback" not in res.err
+    taken = gov.home.parent / "taken.toml"
+    taken.write_text("mine")
+    res = run_cli("manifest", "suggest", "--run", "r-nope", "-t", "acme", "-o", str(taken),
+                  home=gov.home, check=False)  # fmt: skip
+    assert res.code == 2 and "exists already" in res.err and taken.read_text() == "mine"
     res = run_cli("manifest", "suggest", "-t", "acme", home=gov.home, check=False)
     assert res.code == 2 and "--run" in res.err
     assert gov.rt.ledger.head("acme").size == before
