@@ -27,7 +27,20 @@ from proctor.governance._artifacts import (
     FileChange,
     artifact_digest,
 )
-from proctor.governance._asks import Ask, Asks
+from proctor.governance._asks import (
+    ASK_RULE,
+    Ask,
+    AskLost,
+    Asks,
+    answer_draft,
+    closing_hook,
+    insert_pending,
+    note_seq,
+    on_answer,
+    read_ask,
+)
+from proctor.governance._asks import STATES as ASK_STATES
+from proctor.governance._asks import TIMEOUT_ACTOR as ASK_TIMEOUT_ACTOR
 from proctor.governance._backing import (
     RowProblem,
     Unbacked,
@@ -139,6 +152,9 @@ from proctor.governance._tenants import Tenant, Tenants, validate_tenant_name
 
 __all__ = [
     "AGENT_ROLE",
+    "ASK_RULE",
+    "ASK_STATES",
+    "ASK_TIMEOUT_ACTOR",
     "DEFAULT_EXPIRY",
     "EMPTY_POLICY",
     "ENVIRONMENTS",
@@ -161,6 +177,7 @@ __all__ = [
     "ArtifactInfo",
     "Artifacts",
     "Ask",
+    "AskLost",
     "Asks",
     "AuthenticationFailed",
     "Bindings",
@@ -219,6 +236,7 @@ __all__ = [
     "Tenant",
     "Tenants",
     "Unbacked",
+    "answer_draft",
     "approved_predecessor",
     "artifact_digest",
     "bindings",
@@ -226,6 +244,7 @@ __all__ = [
     "ca_host",
     "capabilities_hash",
     "check_entrypoint",
+    "closing_hook",
     "covers",
     "decision_problems",
     "effective_policies",
@@ -234,14 +253,18 @@ __all__ = [
     "environment_of",
     "erase_key",
     "explain_refusal",
+    "insert_pending",
     "is_production",
     "key_problem",
     "key_text",
     "list_object_files",
     "load_manifest",
+    "note_seq",
+    "on_answer",
     "parse_manifest",
     "policy_object",
     "predecessor_of",
+    "read_ask",
     "read_ca_pem",
     "read_object_file",
     "readiness",
