@@ -18,8 +18,7 @@ import pytest
 
 from proctor.client import Client
 from proctor.errors import AlreadyAnswered, ControlDenied, NotFound
-from proctor.governance import Ask
-from proctor.governance._asks import insert_pending
+from proctor.governance import Ask, insert_pending
 from proctor.ledger import Action, Actor, EventDraft
 from tests.conftest import PROCTOR, run_cli
 from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env

@@ -28,8 +28,7 @@ from proctor.broker import Broker, CallDenied, EgressProxy, Handlers, RunScope, 
 from proctor.broker._ask import AskGate, AskRules
 from proctor.broker._fair import run_blocking
 from proctor.errors import AlreadyAnswered, ControlDenied
-from proctor.governance import ControlPlane
-from proctor.governance._asks import Ask, Asks
+from proctor.governance import Ask, Asks, ControlPlane
 from proctor.governance._principals import Principal
 from proctor.guest.protocol import TOKEN_HEADER
 from proctor.ledger import Action, Actor, EventDraft

@@ -36,11 +36,11 @@ from proctor.broker._calls import Ruling
 from proctor.broker._fair import run_blocking
 from proctor.broker._scope import CallDenied, CallRefused, RunScope
 from proctor.errors import LedgerError
-from proctor.governance._asks import (
+from proctor.governance import (
     ASK_RULE,
-    TIMEOUT_ACTOR,
+    ASK_TIMEOUT_ACTOR,
     Ask,
-    _Lost,
+    AskLost,
     answer_draft,
     closing_hook,
     insert_pending,
@@ -259,18 +259,18 @@ async def _answered(
 async def _time_out(scope: RunScope, gate: AskGate, ask: Ask) -> Ask | None:
     """Close ``ask`` as timed out; None if an answer came first."""
     at = _iso(datetime.now(UTC))
-    draft = answer_draft(ask, "timed_out", TIMEOUT_ACTOR, policies=(ASK_RULE,),
+    draft = answer_draft(ask, "timed_out", ASK_TIMEOUT_ACTOR, policies=(ASK_RULE,),
                          reason=f"timed out: not answered in {gate.rules.timeout:g} s")  # fmt: skip
     try:
         appended = await scope.ledger.append_async(
-            scope.tenant, draft, closing_hook(ask, "timed_out", TIMEOUT_ACTOR.id, None, at)
+            scope.tenant, draft, closing_hook(ask, "timed_out", ASK_TIMEOUT_ACTOR.id, None, at)
         )
-    except _Lost:
+    except AskLost:
         return None
     except LedgerError as exc:
         raise CallRefused(
             f"the call was refused because the ledger cannot record its timeout: {exc.message}"
         ) from exc
     await run_blocking(scope, note_seq, gate.store, ask.id, "answer_seq", appended.seq)
-    return _with(ask, state="timed_out", answered_by=TIMEOUT_ACTOR.id, answered_at=at,
+    return _with(ask, state="timed_out", answered_by=ASK_TIMEOUT_ACTOR.id, answered_at=at,
                  answer_seq=appended.seq)  # fmt: skip

@@ -24,8 +24,8 @@ from proctor.cli._common import (
     remote,
 )
 from proctor.errors import UsageError
+from proctor.governance import ASK_STATES as STATES
 from proctor.governance import Asks
-from proctor.governance._asks import STATES
 from proctor.ledger import Action
 
 ask_app = typer.Typer(

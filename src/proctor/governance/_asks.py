@@ -133,7 +133,7 @@ def note_seq(store: Store, ask_id: str, column: str, seq: int) -> None:
         conn.execute(f"UPDATE asks SET {column} = ? WHERE id = ?", (seq, ask_id))  # noqa: S608
 
 
-class _Lost(ProctorError):
+class AskLost(ProctorError):
     """Raised inside the answer's transaction: the ask was answered first."""
 
 
@@ -152,7 +152,7 @@ def closing_hook(
             (state, by, at, comment, ask.id, ask.tenant),
         )
         if changed != 1:
-            raise _Lost(f"ask {ask.id} is answered already")
+            raise AskLost(f"ask {ask.id} is answered already")
 
     return hook
 
@@ -200,7 +200,7 @@ def close_ask(  # noqa: PLR0913 - the answer's event and its row, spelled out
     try:
         appended = ledger.append(ask.tenant, draft, hook=closing_hook(ask, state, actor.id,
                                                                       comment, at))  # fmt: skip
-    except _Lost:
+    except AskLost:
         raise already(ask, read_ask(store, ask.tenant, ask.id)) from None
     note_seq(store, ask.id, "answer_seq", appended.seq)
     wake(ask.id)
