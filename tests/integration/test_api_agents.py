@@ -403,3 +403,24 @@ def test_an_agent_runs_in_the_sandbox_and_a_persons_production_deployment(
     with pytest.raises(ControlDenied):
         coder.events("acme", run=other["id"])
     assert _denials(env, "run.events.read")
+
+
+def test_an_approval_recorded_as_an_agents_never_counts(env: ApiEnv, tmp_path: Path) -> None:
+    """Should an approval by an agent ever reach the record (a bug, a forged entry
+    claiming the approver role), the quorum does not count it."""
+    from proctor.ledger import Action, Actor, EventDraft
+
+    digest = _submit(env, tmp_path, "forged", person(env, "dev"))
+    art = env.rt.artifacts.get("acme", digest)
+    env.rt.ledger.append("acme", EventDraft(
+        Actor("agent", "acme/coder"), Action.APPROVAL_GRANT, f"artifact/{digest}",
+        reason="approved", artifact=digest, approvals=("apr_forged",),
+        details={"approval": "apr_forged", "capabilities_hash": art.capabilities_hash,
+                 "purpose": art.purpose, "roles": ["approver"], "expires_at": None,
+                 "comment": ""},
+    ))  # fmt: skip
+    state = agent(env).approval_state("acme", digest)
+    assert [a["principal"] for a in state["approvals"]] == ["acme/coder"]
+    assert state["counted"] == [] and state["approved"] is False
+    with pytest.raises(UsageError, match="a person approves"):
+        env.rt.approvals.set_quorum("acme", 1, ["agent"], env.rt.operator)
