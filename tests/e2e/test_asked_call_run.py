@@ -12,6 +12,7 @@ import socket
 import subprocess
 import threading
 import time
+import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,7 @@ import pytest
 from proctor.client import Client
 from proctor.governance import Ask, Asks, RunRecord
 from proctor.lifecycle import Runs, Supervisor
-from tests.conftest import PROCTOR, wait_until
+from tests.conftest import PROCTOR, run_cli, wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
 
 pytestmark = pytest.mark.sandbox
@@ -142,6 +143,16 @@ def test_an_asked_call_in_a_real_run_waits_for_the_approver(
     assert asked["seq"] < answered["seq"] < call["seq"]
     assert call["details"]["ask"]["seq"] == asked["seq"]
     assert call["details"]["ask"]["answer_seq"] == answered["seq"]
+    # The evidence pack holds the chain, and verifies (the answer's role policy with it).
+    pack = gov.home.parent / "asked-pack.zip"
+    run_cli("evidence", "export", "-t", "acme", "--from", "2000-01-01", "--to", "2100-01-01",
+            "-o", str(pack), home=gov.home)  # fmt: skip
+    run_cli("evidence", "verify", str(pack), "--key", gov.rt.ledger.vkey(), home=gov.home)
+    with zipfile.ZipFile(pack) as z:
+        packed = [json.loads(line) for line in z.read("events/events.jsonl").splitlines()]
+    assert [e["seq"] for e in packed if e.get("run") == record.id
+            and e["action"] in ("call.ask", "call.answer", "http.request")] == [
+        asked["seq"], answered["seq"], call["seq"]]  # fmt: skip
 
 
 def test_a_run_that_ends_or_is_stopped_while_a_call_waits_abandons_its_ask(

@@ -28,7 +28,16 @@ from proctor.errors import AlreadyAnswered, ControlDenied, NotFound, ProctorErro
 from proctor.governance._backing import Record
 from proctor.governance._control import ControlPlane
 from proctor.governance._principals import Principal
-from proctor.ledger import Action, Actor, Appended, EventDraft, Ledger, canonical_json, utc_now
+from proctor.ledger import (
+    Action,
+    Actor,
+    Appended,
+    EventDraft,
+    Ledger,
+    LedgerObject,
+    canonical_json,
+    utc_now,
+)
 from proctor.policy import EntityRef
 from proctor.store import Conn, Store
 
@@ -160,8 +169,10 @@ def closing_hook(
 def answer_draft(
     ask: Ask, state: str, actor: Actor, *, reason: str, comment: str | None = None,
     policies: tuple[str, ...] = (), details: Mapping[str, Any] | None = None,
+    objects: tuple[LedgerObject, ...] = (),
 ) -> EventDraft:  # fmt: skip
-    """The ``call.answer`` event of ``ask`` answered ``state`` by ``actor``."""
+    """The ``call.answer`` event of ``ask`` answered ``state`` by ``actor`` (``objects``:
+    the role policy whose version a person's answer cites, for evidence packs)."""
     doc: dict[str, Any] = {"ask": ask.id, "ask_seq": ask.ask_seq, "answer": state,
                            "call": ask.action, "call_resource": ask.resource}  # fmt: skip
     if comment:
@@ -170,6 +181,7 @@ def answer_draft(
     return EventDraft(
         actor, Action.CALL_ANSWER, f"ask/{ask.id}", reason=reason, policies=policies,
         deployment=ask.deployment, run=ask.run, artifact=ask.artifact, details=doc,
+        objects=objects,
     )  # fmt: skip
 
 
@@ -190,13 +202,13 @@ def already(ask: Ask, current: Ask | None) -> AlreadyAnswered:
 def close_ask(  # noqa: PLR0913 - the answer's event and its row, spelled out
     store: Store, ledger: Ledger, ask: Ask, state: str, actor: Actor, *, reason: str,
     comment: str | None = None, policies: tuple[str, ...] = (),
-    details: Mapping[str, Any] | None = None,
+    details: Mapping[str, Any] | None = None, objects: tuple[LedgerObject, ...] = (),
 ) -> Appended:  # fmt: skip
     """Move ``ask`` from pending to ``state`` with its ``call.answer`` event, or raise
     :class:`AlreadyAnswered` (nothing recorded) if another answer came first."""
     at = utc_now()
     draft = answer_draft(ask, state, actor, reason=reason, comment=comment,
-                         policies=policies, details=details)  # fmt: skip
+                         policies=policies, details=details, objects=objects)  # fmt: skip
     try:
         appended = ledger.append(ask.tenant, draft, hook=closing_hook(ask, state, actor.id,
                                                                       comment, at))  # fmt: skip
@@ -313,6 +325,7 @@ class Asks:
         is_author = author is not None and actor.id == author
         policies: tuple[str, ...] = ()
         version = None
+        objects: tuple[LedgerObject, ...] = ()
         if principal is not None:
             workload = (
                 f"spiffe://{trust_domain}/tenant/{tenant}/deployment/{ask.deployment}/run/{ask.run}"
@@ -322,6 +335,7 @@ class Asks:
                 event_resource=f"ask/{ask.id}", context={"principal_is_author": is_author},
             )  # fmt: skip
             policies, version = allowed.policies, allowed.version
+            objects = (self._control.role_policy_object(principal.tenant),)
         elif is_author:
             raise self._refuse(
                 ask, actor, AUTHOR_RULE, "the author of the code does not answer its calls"
@@ -329,7 +343,8 @@ class Asks:
         state = "approved" if approve else "denied"
         details = {"policy_version": version} if version is not None else {}
         close_ask(self._store, self._ledger, ask, state, actor, reason=state,
-                  comment=comment or None, policies=policies, details=details)  # fmt: skip
+                  comment=comment or None, policies=policies, details=details,
+                  objects=objects)  # fmt: skip
         return self.get(tenant, ask_id)
 
     def abandon_run(self, tenant: str, run: str, actor: Actor, why: str) -> list[Ask]:
