@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import textwrap
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +27,11 @@ import pytest
 
 from tests.conftest import PROCTOR, wait_until
 from tests.e2e.conftest_gov import Gov, build_gov
+from tests.prometheus_support import free_port, prometheus, stop
 from tests.sandbox_conftest_helpers import working
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.host]
 BACKEND = ([b for b in ("bubblewrap", "gvisor") if b in working()] or ["bubblewrap"])[0]
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 JOB = """
 import json, proctor_guest
@@ -55,12 +53,6 @@ access = "read"
 [buckets]
 reports = "read-write"
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -97,8 +89,6 @@ class Scraped:
 
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
-    if not Path(PROMETHEUS).exists():
-        pytest.fail("Debian's prometheus is not installed (make setup installs it)")
     tmp = tmp_path_factory.mktemp("scrape")
     gov = build_gov(tmp)
     rt = gov.rt
@@ -109,7 +99,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     token_file = tmp / "scrape.token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
-    api_port, metrics_port, prom_port = _free_port(), _free_port(), _free_port()
+    api_port, metrics_port, prom_port = free_port(), free_port(), free_port()
     config = tmp / "prometheus.yml"
     config.write_text(textwrap.dedent(f"""\
         global:
@@ -122,10 +112,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
             authorization: {{credentials_file: {token_file}}}
             static_configs: [{{targets: ["127.0.0.1:{api_port}"]}}]
         """))  # fmt: skip
-    data = Path(tempfile.mkdtemp(prefix="prom-", dir=tmp))
     env = dict(os.environ, PROCTOR_HOME=str(gov.home))
     serve_log, prom_log = tmp / "serve.stderr", tmp / "prometheus.stderr"
     procs: list[subprocess.Popen[bytes]] = []
+    stack = ExitStack()
     try:
         with serve_log.open("wb") as err:
             procs.append(subprocess.Popen(
@@ -134,12 +124,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
                  "--metrics-tenant-labels"],
                 env=env, stdout=subprocess.DEVNULL, stderr=err,
             ))  # fmt: skip
-        with prom_log.open("wb") as err:
-            procs.append(subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}"],
-                stdout=subprocess.DEVNULL, stderr=err,
-            ))  # fmt: skip
+        procs.append(stack.enter_context(prometheus(config, prom_port, prom_log)))
         api, prom = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{prom_port}"
 
         def answers(url: str) -> bool:
@@ -167,15 +152,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
         out = "".join(d["data"] for d in lines if d.get("stream") == "stdout")
         yield Scraped(gov, api, prom, token, run, json.loads(out.splitlines()[0]))
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
+        stack.close()  # Prometheus first: it scrapes serve
+        if procs:
+            stop(procs[0])
         rt.close()
 
 
@@ -244,7 +223,7 @@ def test_a_serve_without_the_api_serves_its_metrics_alone(tmp_path: Path) -> Non
                         (["--metrics-port", "0"], "--metrics-port")):  # fmt: skip
         res = run_cli("serve", *args, home=gov.home, check=False)
         assert res.code == 2 and words in res.err, res.err
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PROCTOR_HOME=str(gov.home))
     log = tmp_path / "serve.stderr"
     with log.open("wb") as err:

@@ -14,12 +14,10 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
-import tempfile
 import textwrap
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,27 +29,11 @@ import yaml
 
 from proctor.runtime import init_home
 from tests.conftest import PROCTOR, wait_until
+from tests.prometheus_support import free_port, prometheus, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "proctor.rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "proctor.json"
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @dataclass
@@ -68,12 +50,10 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    if not Path(PROMETHEUS).exists():
-        pytest.fail("Debian's prometheus is not installed (make setup installs it)")
     tmp = tmp_path_factory.mktemp("rules-live")
     home = tmp / "home"
     init_home(home)
-    metrics_port, api_port, prom_port = _free_port(), _free_port(), _free_port()
+    metrics_port, api_port, prom_port = free_port(), free_port(), free_port()
     shutil.copy(RULES, tmp / RULES.name)
     config = tmp / "prometheus.yml"
     config.write_text(textwrap.dedent(f"""\
@@ -86,10 +66,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
           - job_name: proctor
             static_configs: [{{targets: ["127.0.0.1:{metrics_port}"]}}]
         """))  # fmt: skip
-    data = Path(tempfile.mkdtemp(prefix="prom-", dir=tmp))
     serve_log, prom_log = tmp / "serve.stderr", tmp / "prometheus.stderr"
     env = dict(os.environ, PROCTOR_HOME=str(home))
     procs: list[subprocess.Popen[bytes]] = []
+    stack = ExitStack()
     try:
         with serve_log.open("wb") as err:
             procs.append(subprocess.Popen(
@@ -97,12 +77,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                  "--metrics-port", str(metrics_port), "--metrics-tenant-labels"],
                 env=env, stdout=subprocess.DEVNULL, stderr=err,
             ))  # fmt: skip
-        with prom_log.open("wb") as err:
-            procs.append(subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}",
-                 f"--web.listen-address=127.0.0.1:{prom_port}"],
-                stdout=subprocess.DEVNULL, stderr=err,
-            ))  # fmt: skip
+        procs.append(stack.enter_context(prometheus(config, prom_port, prom_log)))
         live = Live(f"http://127.0.0.1:{prom_port}", procs[0], serve_log)
 
         def up() -> bool:
@@ -117,9 +92,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         wait_until(up, "Prometheus scraping serve")
         yield live
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
-        shutil.rmtree(data, ignore_errors=True)
+        stack.close()
+        if procs:
+            stop(procs[0])
 
 
 def _when(rfc3339: str) -> float:
@@ -172,7 +147,7 @@ def test_every_dashboard_query_answers(live: Live) -> None:
 
 
 def test_a_node_that_is_gone_makes_target_down_pending(live: Live) -> None:
-    _stop(live.serve)
+    stop(live.serve)
     assert live.serve.returncode == 0, live.serve_log.read_text()
 
     def pending() -> list[dict[str, Any]]:
