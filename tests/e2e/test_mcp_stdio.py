@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp_types import CallToolResult, Implementation, TextContent
 
+from proctor.governance import parse_manifest
 from proctor.mcp._files import MAX_BYTES
 from tests.conftest import PROCTOR
 from tests.e2e.conftest_gov import Gov, build_gov
@@ -136,3 +138,8 @@ def test_the_manifest_format_is_text_for_a_model(gov: Gov) -> None:
                    "proctor_guest.sql", "Denied"):  # fmt: skip
         assert needle in body, needle
     assert {t.name for t in tools.tools} >= {"submit_artifact", "run_in_sandbox", "show_run"}
+    # Its example is a manifest the submission accepts, capabilities and asks included.
+    example = re.search(r"```toml\n(.*?)```", body, re.DOTALL)
+    assert example is not None
+    caps = parse_manifest(example.group(1)).to_json()["capabilities"]
+    assert caps["ask"]["egress"] == ["enrich.example.com:443"] and caps["secrets"]

@@ -50,6 +50,11 @@ names = ["enrich_token"]               # injected by the broker; the code never 
 [buckets]
 reports = "write"                      # read | write | read-write
 
+[ask]                                  # calls that wait for a person's answer at run time
+egress = ["enrich.example.com:443"]    # every call to these hosts (each one of egress.hosts)
+buckets = ["reports"]                  # every write to these buckets (written by the manifest)
+timeout = "5m"                         # unanswered this long: refused (default 5m, at most 24h)
+
 [limits]
 memory = "256M"
 timeout = "60s"
@@ -78,6 +83,10 @@ message naming the key.
 (durations: 90, "500ms", "60s", "5m", "1h"), pids, cpu, calls, calls_per_second, call_burst.
 - lifecycle.every (schedules only, at least 1s), lifecycle.restart (services only: \
 always | on-failure | never).
+- [ask] marks risky capabilities (a host, a bucket write, a table write: \
+ask.tables = ["dataset.table"] for tables with write access) whose every use waits for \
+a person's answer while the run waits; a denied or unanswered call is refused. Each \
+entry must be a capability the manifest already has. asked_calls lists them.
 
 ## In the code
 
