@@ -130,6 +130,7 @@ def test_the_suggested_manifest_lets_the_same_code_run_without_refusals(gov: Gov
             "egress": [f"localhost:{port}"],
             "secrets": [],
             "buckets": {"reports": "write"},
+            "egress_rules": {f"localhost:{port}": {"methods": ["GET"], "paths": ["/v1/score"]}},
         }  # fmt: skip
         lines = {(x["change"], x["line"].strip()): x for x in doc["lines"]}
         assert lines[("added", '"plan",')]["seq"] == sql_seq

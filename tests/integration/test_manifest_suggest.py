@@ -115,6 +115,9 @@ def test_the_suggestion_allows_exactly_what_the_calls_used(
         "egress": [f"127.0.0.1:{proxy.http.port}", f"api.test:{proxy.http.port}"],
         "secrets": [],
         "buckets": {"other": "read", "reports": "write"},
+        # A host the suggestion adds gets the methods and paths its calls used, exactly.
+        "egress_rules": {f"api.test:{proxy.http.port}": {
+            "methods": ["GET"], "paths": ["/v1/score"]}},
     }  # fmt: skip
     # What says what the code is, and how it runs, is kept as submitted.
     assert (again.name, again.entrypoint, again.purpose) == ("churn", ("python3", "main.py"),
@@ -144,7 +147,10 @@ def test_the_suggestion_allows_exactly_what_the_calls_used(
         ("removed", '"customer",'), ("removed", 'inbox = "read"'),
         ("removed", '"*.unused.example.org:443",'), ("removed", "[datasets.crm.tables.events]"),
         ("removed", 'reports = "read-write"'), ("removed", 'access = "read"'),
+        ("added", f'[egress.rules."api.test:{proxy.http.port}"]'),
+        ("added", 'methods = ["GET"]'), ("added", 'paths = ["/v1/score"]'),
     }  # fmt: skip
+    assert lines[("added", 'paths = ["/v1/score"]')].seq == api_seq
     # The metadata address is no line of any manifest: listed with why.
     (meta,) = got.not_suggestable
     assert meta.seq == meta_seq and "link-local" in meta.why

@@ -63,3 +63,17 @@ def test_a_service_keeps_its_restart_policy() -> None:
     )
     text = _text(render(manifest, manifest.capabilities))
     assert 'restart = "always"' in text and parse_manifest(text) == manifest
+
+
+def test_request_rules_are_suggested_only_where_they_allow_exactly_the_calls() -> None:
+    from proctor.governance._suggest import _rules_of
+
+    host = "api.example.com:80"
+    assert _rules_of(host, {("GET", "/v1/a"), ("POST", "/v1/b")}) == {
+        "methods": ["GET", "POST"], "paths": ["/v1/a", "/v1/b"],
+    }  # fmt: skip
+    # A path that would be a pattern (more than the call), one a rule cannot hold, a
+    # CONNECT (its requests unseen), too many paths: no rules, never wider ones.
+    for requests in ({("GET", "/v1/*")}, {("GET", "/v1/%2e%2e")}, {("GET", "/a//b")},
+                     {("CONNECT", None)}, {("GET", f"/c/{i}") for i in range(17)}):  # fmt: skip
+        assert _rules_of(host, requests) is None, requests

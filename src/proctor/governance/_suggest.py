@@ -14,8 +14,10 @@ the manifest that would have allowed exactly those calls and nothing more:
   forbid, a secret's binding or its value echoed, a malformed call, a limit) is
   listed as not suggestable, with why;
 - what the manifest says of the code rather than of its reach (name, entrypoint,
-  purpose, limits, lifecycle) and the request rules of a kept host are kept as
-  submitted: rules only narrow what a host allows.
+  purpose, limits, lifecycle), the request rules of a kept host and the ``[ask]`` marks
+  of what is kept are kept as submitted: rules and asks only narrow; a host the
+  suggestion adds gets request rules naming exactly the methods and paths its calls
+  used, where every call to it was plain HTTP and every path a literal.
 
 The output is TOML that :func:`parse_manifest` accepts (checked before it is
 returned), a unified diff against the submitted manifest written the same way, and
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from proctor.errors import ProctorError, UsageError
+from proctor.errors import PolicyError, ProctorError, UsageError
 from proctor.governance._asks import ASK_RULE
 from proctor.governance._environments import SANDBOX_EGRESS_FORBID_ID
 from proctor.governance._home import Home
@@ -41,6 +43,7 @@ from proctor.governance._manifest import Manifest, egress_entry, parse_manifest
 from proctor.governance._runs import RunRecord, Runs
 from proctor.governance._subprocessors import FORBID_ID as SUBPROCESSOR_FORBID_ID
 from proctor.ledger import Action, EventFilter, iter_events
+from proctor.policy import EgressRule
 
 #: The reason of a submitted line no call used.
 UNUSED = "no call of this run used it"
@@ -149,6 +152,8 @@ class _Used:
 
     tables: dict[tuple[str, str], _Table] = field(default_factory=dict)
     hosts: set[str] = field(default_factory=set)
+    #: (method, path) of each call to a host (path None: a CONNECT, inside TLS).
+    requests: dict[str, set[tuple[str, str | None]]] = field(default_factory=dict)
     secrets: set[str] = field(default_factory=set)
     buckets: dict[str, set[str]] = field(default_factory=dict)  # name -> {read, write}
     needs: dict[Key, _Need] = field(default_factory=dict)
@@ -318,6 +323,10 @@ def _http(used: _Used, ev: Mapping[str, Any], manifest: Manifest, ranges: Sequen
         return
     used.hosts.add(entry)
     used.need(("host", entry), f"http.request to {entry}: {_outcome(ev)}{extra}", seq)
+    path = details.get("path") if details.get("tunnel_seq") is None else None
+    used.requests.setdefault(entry, set()).add(
+        (str(details.get("method")), path if isinstance(path, str) else None)
+    )
     for item in details.get("inject") or []:
         name = item.get("secret") if isinstance(item, Mapping) else None
         if isinstance(name, str):
@@ -417,12 +426,38 @@ def capabilities_of(used: _Used, manifest: Manifest) -> dict[str, Any]:
     }
     rules = manifest.capabilities.get("egress_rules") or {}
     kept_rules = {h: r for h, r in rules.items() if h in hosts}
+    submitted = set(manifest.capabilities.get("egress", []))
+    for host in hosts:
+        if host not in submitted and (rule := _rules_of(host, used.requests.get(host, set()))):
+            kept_rules[host] = rule
     if kept_rules:
         out["egress_rules"] = kept_rules
     ask = _kept_ask(manifest.capabilities.get("ask") or {}, out)
     if ask:
         out["ask"] = ask
     return out
+
+
+#: The most paths a suggested request rule lists; past it the host gets none (the calls
+#: name ids in their paths, and a person writes the pattern).
+_MAX_RULE_PATHS = 16
+_LITERAL_PATH = re.compile(r"^/[!$&'()+,\-./0-9:;=@A-Z_a-z~]{0,500}$")
+
+
+def _rules_of(host: str, requests: set[tuple[str, str | None]]) -> dict[str, Any] | None:
+    """Request rules for a host the suggestion adds, allowing exactly the methods and
+    paths its calls used, where every call was plain HTTP (method and path known) and
+    every path a literal pattern (no ``*``: a pattern would allow more); else None."""
+    if not requests or len(requests) > _MAX_RULE_PATHS:
+        return None
+    if any(path is None or not _LITERAL_PATH.match(path) for _, path in requests):
+        return None
+    doc = {"methods": sorted({m for m, _ in requests}),
+           "paths": sorted({str(p) for _, p in requests})}  # fmt: skip
+    try:
+        return EgressRule.from_json(host, doc).to_json()
+    except PolicyError:
+        return None
 
 
 def _kept_ask(ask: Mapping[str, Any], caps: Mapping[str, Any]) -> dict[str, Any]:
