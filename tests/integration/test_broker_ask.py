@@ -411,3 +411,23 @@ def test_a_table_write_is_asked_the_statement_kept_out_of_the_log(
     approved.result(timeout=30)
     with sqlite3.connect(tmp_path / "crm.db") as db:
         assert db.execute("SELECT plan FROM customers WHERE id = 1").fetchone()[0] == "gold"
+
+
+def test_an_approved_call_whose_guest_went_away_is_not_made(world: World) -> None:
+    _, _, channel = world.open("q8")
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(channel.socket))
+            s.sendall(f"GET http://{world.entry}/asked/gone HTTP/1.1\r\nHost: {world.entry}\r\n"
+                      f"{TOKEN_HEADER}: {channel.token}\r\n\r\n".encode())  # fmt: skip
+            (ask,) = world.pending("q8")
+        # The guest has gone; the approver, not knowing, approves.
+        world.asks.answer("acme", ask.id, True, actor=ALICE.actor, principal=ALICE,
+                          trust_domain="test.local")  # fmt: skip
+        call = _until(lambda: next((e for e in world.events() if e["action"] == "http.request"),
+                                   None))  # fmt: skip
+    finally:
+        world.broker.close_run("q8")
+    assert call["decision"] == "deny" and "closed its connection" in call["reason"]
+    assert call["details"]["ask"]["answer"] == "approved"
+    assert world.seen == []

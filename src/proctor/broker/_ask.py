@@ -223,6 +223,20 @@ async def wait_for_answer(scope: RunScope, gate: AskGate, ruling: Ruling, asked:
                                 policies=(ASK_RULE,))  # fmt: skip
 
 
+def gone_while_waiting(
+    scope: RunScope, ruling: Ruling, reader: asyncio.StreamReader | None
+) -> None:
+    """An approved call whose guest closed its connection while it waited is not made:
+    nobody would receive its answer, and the approver approved a call someone waited on."""
+    if ruling.refusal is not None or reader is None or not reader.at_eof():
+        return
+    why = "the guest closed its connection while the call waited for its answer"
+    ruling.decision = Decision(False, (ASK_RULE,), scope.policies.version)
+    ruling.reason = f"refused: {why}"
+    ruling.refusal = CallDenied(f"{ruling.action} on {ruling.resource} refused: {why}",
+                                policies=(ASK_RULE,))  # fmt: skip
+
+
 def _with(ask: Ask, **changes: Any) -> Ask:
     return Ask(**{**ask.__dict__, **changes})
 

@@ -30,7 +30,7 @@ from proctor.broker import _connectors, _files, _proxy, _transparent, _whoami  #
 from proctor.broker._act import act, settle
 from proctor.broker._admit import Gate, admit
 from proctor.broker._answer import answer, refuse, send_error
-from proctor.broker._ask import wait_for_answer
+from proctor.broker._ask import gone_while_waiting, wait_for_answer
 from proctor.broker._calls import ASK, CURRENT, DECIDE, PARSE, Acted, Call, CallKind
 from proctor.broker._record import record
 from proctor.broker._scope import REQUEST_EVENTS, BrokerError, RequestEvents, RunScope
@@ -95,6 +95,7 @@ async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
         if asked is not None and asked.before:
             began = time.perf_counter_ns()
             await wait_for_answer(call.scope, gate, ruling, asked)  # nothing done yet
+            gone_while_waiting(call.scope, ruling, call.reader)
             call.passed(ASK, began)
     if ruling is not None and (kind.records_first or ruling.refusal is not None):
         await record(call, ruling)  # a refusal is raised here, once on record
@@ -107,6 +108,7 @@ async def _decided(call: Call, kind: CallKind, request: Any) -> Acted:
         began = time.perf_counter_ns()
         try:
             await wait_for_answer(call.scope, gate, ruling, asked)
+            gone_while_waiting(call.scope, ruling, call.reader)
             call.passed(ASK, began)
             if ruling.refusal is not None:
                 await record(call, ruling)  # raises the refusal once on record
