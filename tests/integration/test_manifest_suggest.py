@@ -309,3 +309,28 @@ names = ["crm_token", "spare_token"]
     )  # fmt: skip
     # Kept because the request carried it: its event is the one that used it.
     assert request["details"]["inject"] == [{"secret": "crm_token", "header": "Authorization"}]
+
+
+def test_a_table_read_without_a_column_keeps_one_or_is_left_to_a_person(
+    ledger_env: LedgerEnv, tmp_path: Path
+) -> None:
+    manifest = parse_manifest("""
+[artifact]
+name = "churn"
+entrypoint = ["python3", "-c", "pass"]
+purpose = "Churn report"
+
+[datasets.crm.tables.customers]
+columns = ["plan", "id", "mrr"]
+""")
+    scope = make_scope(ledger_env, make_dataset(tmp_path / "crm.db"), caps=manifest.capabilities)
+    sql(scope, "SELECT count(*) FROM customers")
+    with pytest.raises(BrokerError):
+        sql(scope, "SELECT count(*) FROM events")
+    got = suggest(_run(), manifest, _events(ledger_env))
+    # Any one column allows count(*): the fewest the submitted grant had, one.
+    tables = parse_manifest(got.manifest).capabilities["datasets"]["crm"]["tables"]
+    assert tables == {"customers": {"columns": ["id"], "access": "read"}}
+    (events_read,) = got.not_suggestable
+    assert events_read.resource == "dataset/crm/table/events"
+    assert "names no column of crm.events" in events_read.why

@@ -242,6 +242,11 @@ def _sql(used: _Used, ev: Mapping[str, Any], manifest: Manifest) -> None:
             t.columns.add(c)
             why = f"{action} of {where} {verb} column {c}: {outcome}"
             used.need(("column", dataset, table, c), why, int(ev["seq"]))
+        if not columns and not _submitted_columns(manifest, dataset, table):
+            # count(*) names no column, and a grant lists at least one: which one is the
+            # person's choice (any one allows it), not the run's to say.
+            why = f"the statement names no column of {where}, and a table's grant lists"
+            used.refuse(ev, why + " at least one: add the table with a column of your choice")
 
 
 def _submitted_columns(manifest: Manifest, dataset: str, table: str) -> list[str]:
