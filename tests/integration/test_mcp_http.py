@@ -112,6 +112,9 @@ def test_the_tools_are_described_for_a_model(served: Served) -> None:
     assert {t.name for t in tools} >= TOOLS
     for t in tools:
         assert t.description and len(t.description) > 80, t.name
+    hints = {t.name: t.annotations.read_only_hint for t in tools if t.annotations}
+    assert hints["describe_datasets"] is True and hints["show_run"] is True
+    assert hints["submit_artifact"] is False and hints["run_in_sandbox"] is False
     submit = next(t for t in tools if t.name == "submit_artifact")
     assert "'..'" in (submit.description or "") and "MiB" in (submit.description or "")
 

@@ -23,6 +23,7 @@ import anyio
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from proctor.client import Client
@@ -170,6 +171,15 @@ def _run_answer(run: Json, out: list[str], err: list[str]) -> dict[str, Any]:
 
 Call = Callable[[Context], tuple[Client, Callable[[str | None], str]]]
 Guard = Callable[[F], F]
+#: For clients that show or gate tools: nothing here destroys anything; reads change
+#: nothing; a submission of the same content is the same artifact.
+_READ = ToolAnnotations(read_only_hint=True, destructive_hint=False, open_world_hint=False)
+_ADD = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+                       open_world_hint=False)  # fmt: skip
+_ASK = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                       open_world_hint=False)  # fmt: skip
+_RUN = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                       open_world_hint=True)  # fmt: skip
 #: Tool calls served at once (each in its own worker thread); more wait their turn.
 TOOL_THREADS = 16
 
@@ -234,6 +244,7 @@ def _add_artifact_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         describe_datasets,
+        annotations=_READ,
         description=(
             "The datasets your tenant has registered: name, kind (sqlite or postgresql), "
             "whether it is synthetic (and which real dataset it stands in for in the "
@@ -251,6 +262,7 @@ def _add_artifact_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         describe_manifest_format,
+        annotations=_READ,
         description=(
             "The format of proctor.toml, the manifest every artifact needs: its keys, "
             "rules and an example, written for you. Read it before submit_artifact."
@@ -289,6 +301,7 @@ def _add_artifact_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         submit_artifact,
+        annotations=_ADD,
         description=(
             "Submit your code and its manifest as an artifact; returns its digest (the id "
             "approvals and deployments name). Refused: paths that are absolute, hold '.' "
@@ -336,6 +349,7 @@ def _add_run_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
 
     server.add_tool(
         run_in_sandbox,
+        annotations=_RUN,
         description=(
             "Deploy an artifact (by digest) to the SANDBOX environment under a name and run "
             "it once, waiting for the end; returns the run id, status, exit code and the "
@@ -362,6 +376,7 @@ def _add_run_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
 
     server.add_tool(
         run_deployment,
+        annotations=_RUN,
         description=(
             "Start one run of an existing job deployment and wait for its end: one that "
             "run_in_sandbox made, or a production deployment a person made after your "
@@ -390,23 +405,27 @@ def _add_run_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
                 "stdout_tail": _tail(stdout), "stderr_tail": _tail(stderr),
             }  # fmt: skip
             try:
-                lines = client.events(t, run=rid, limit=1000)
+                # The newest calls, and the refusals from the first: each its own read,
+                # so a long run's refusals are not lost behind its allowed calls.
+                newest = client.events(t, run=rid, limit=MAX_CALLS + 2, newest=True)
+                denied = client.events(t, run=rid, decision="deny", limit=MAX_CALLS)
             except ControlDenied as exc:
                 answer["calls"] = []
                 answer["refusals"] = []
                 answer["calls_note"] = one_line(exc)
                 return answer
-        events = [json.loads(line) for line in lines]
-        calls = [_event_row(e) for e in events if e.get("action") not in ("run.start", "run.end")]
-        refusals = [c for c in calls if c.get("decision") == "deny"]
+        calls = [_event_row(json.loads(line)) for line in newest]
+        calls = sorted((c for c in calls if c.get("action") not in ("run.start", "run.end")),
+                       key=lambda c: int(c.get("seq", 0)))  # fmt: skip
         answer["calls"] = calls[-MAX_CALLS:]
-        answer["refusals"] = refusals[:MAX_CALLS]
-        if len(calls) > MAX_CALLS:
-            answer["calls_note"] = f"{len(calls)} calls; the newest {MAX_CALLS} are listed"
+        answer["refusals"] = [_event_row(json.loads(line)) for line in denied]
+        if len(newest) > MAX_CALLS:
+            answer["calls_note"] = f"the newest {MAX_CALLS} calls are listed"
         return answer
 
     server.add_tool(
         show_run,
+        annotations=_READ,
         description=(
             "One of your runs: status, exit code, the end of stdout and stderr, every call "
             "it made at the broker (seq, action, resource, decision) and each refusal with "
@@ -431,6 +450,7 @@ def _add_approval_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         suggest_manifest,
+        annotations=_READ,
         description=(
             "From one run's recorded calls and refusals (a sandbox run, usually), the "
             "least-privilege manifest that would have allowed exactly them: the tables and "
@@ -471,6 +491,7 @@ def _add_approval_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         request_approval,
+        annotations=_ASK,
         description=(
             "Ask your tenant's approvers to approve an artifact (by digest) for production, "
             "with a comment for them. It approves nothing: a person who is not its author "
@@ -491,6 +512,7 @@ def _add_approval_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> N
 
     server.add_tool(
         approval_state,
+        annotations=_READ,
         description=(
             "Where an artifact's approval stands: who asked and when, the approvals and "
             "rejections in force and by whom, which of them count, the quorum your tenant "
@@ -526,6 +548,7 @@ def _add_ask_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
 
     server.add_tool(
         asked_calls,
+        annotations=_READ,
         description=(
             "The calls your runs made of a capability the manifest marks ask = true (a "
             "write to a production bucket, a host, a table's write access): each waits for "
