@@ -43,7 +43,7 @@ from proctor.governance._manifest import Manifest, egress_entry, parse_manifest
 from proctor.governance._runs import RunRecord, Runs
 from proctor.governance._subprocessors import FORBID_ID as SUBPROCESSOR_FORBID_ID
 from proctor.ledger import Action, EventFilter, iter_events
-from proctor.policy import EgressRule
+from proctor.policy import DATA_PLANE_ACTIONS, EgressRule
 
 #: The reason of a submitted line no call used.
 UNUSED = "no call of this run used it"
@@ -368,6 +368,12 @@ def _file(used: _Used, ev: Mapping[str, Any], manifest: Manifest) -> None:
               f"{_outcome(ev)}", int(ev["seq"]))  # fmt: skip
 
 
+def _the_runs(action: str) -> bool:
+    """Whether a refusal under ``action`` is one the run met (a call, its start, the
+    broker's bounds), not a person's refused request naming the run (an answer)."""
+    return action in DATA_PLANE_ACTIONS or action.startswith(("broker.", "run."))
+
+
 def collect(
     events: Iterable[Mapping[str, Any]], manifest: Manifest, allowed_ranges: Sequence[str] = ()
 ) -> _Used:
@@ -389,7 +395,7 @@ def collect(
             _file(used, ev, manifest)
         elif action == Action.HTTP_REQUEST:
             _http(used, ev, manifest, allowed_ranges)
-        elif ev.get("decision") == "deny":
+        elif ev.get("decision") == "deny" and _the_runs(str(action)):
             why = "not a capability a manifest grants"
             if action == Action.SECRET_USE:
                 why = (
