@@ -313,7 +313,7 @@ def test_a_revoked_token_is_refused_at_the_next_request_of_its_session(
 ) -> None:
     rt, op = served.gov.rt, served.gov.op
     name = f"dev-{how}"
-    _, token = rt.principals.create("acme", name, "user", ["developer"], op)
+    _, token = rt.principals.create("acme", name, "agent", [], op, responsible="acme/dev")
     seen: dict[str, Any] = {}
 
     async def go() -> None:
