@@ -62,6 +62,7 @@ ARGS: dict[str, list[str]] = {
     "approval revoke": ["{A}", "-t", "acme"],
     "approve": ["{D}", "-t", "acme", "--yes", "--token", "{TOKEN_bob}"],
     "artifact cat": ["-t", "acme", "{D}", "main.py"],
+    "ask list": ["-t", "acme"],
     "artifact diff": ["-t", "acme", "{D}", "{D2}"],
     "artifact download": ["-t", "acme", "{D}", "-o", "{TMP}/a.tar"],
     "artifact review": ["-t", "acme", "{D}"],
@@ -133,6 +134,9 @@ NOT_WALKED = {
     "witness serve": "serves until stopped (its --json is one line): tests/integration/test_witness",
     "hold remove": "needs the id hold add made: tests/e2e/test_retention_cli.py runs it with --json",
     "backup verify": "needs a backup: tests/integration/test_backup.py runs it with --json",
+    "ask show": "needs an asked call: tests/integration/test_api_asks.py runs it with --json",
+    "ask approve": "needs an asked call: tests/integration/test_api_asks.py runs it",
+    "ask deny": "needs an asked call: tests/integration/test_api_asks.py runs it",
     "restore": "needs a backup and a new home: tests/integration/test_backup.py runs it with --json",
 }
 
