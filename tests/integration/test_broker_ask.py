@@ -431,3 +431,24 @@ def test_an_approved_call_whose_guest_went_away_is_not_made(world: World) -> Non
     assert call["decision"] == "deny" and "closed its connection" in call["reason"]
     assert call["details"]["ask"]["answer"] == "approved"
     assert world.seen == []
+
+
+def test_a_run_cannot_bury_its_approvers_in_asks(world: World) -> None:
+    _, _, channel = world.open("q9")
+    gate = world.broker._runs["q9"].scope.asks
+    assert gate is not None
+    gate.max_waiting = 2
+    try:
+        waiting = [_in_thread(lambda i=i: world.get(channel, f"/asked/b{i}")) for i in range(2)]
+        asks = world.pending("q9", 2)
+        status, _, body = world.get(channel, "/asked/one-too-many")  # answered at once
+        assert status.startswith("HTTP/1.1 403")
+        assert "wait for an answer already (at most 2)" in json.loads(body)["message"]
+        for ask in asks:
+            world.asks.answer("acme", ask.id, False, actor=ALICE.actor, principal=ALICE,
+                              trust_domain="test.local")  # fmt: skip
+        assert all(w.result(timeout=30)[0].startswith("HTTP/1.1 403") for w in waiting)
+    finally:
+        world.broker.close_run("q9")
+    assert len([e for e in world.events() if e["action"] == "call.ask"]) == 2
+    assert world.seen == []

@@ -60,6 +60,8 @@ LONGEST_POLL = 1.0
 _ANSWER_SEQ_GRACE = 2.0
 #: The most of a SQL statement an ask's row keeps (its SHA-256 covers it whole).
 MAX_STATEMENT = 8192
+#: The most calls of one run that wait for an answer at once.
+MAX_WAITING = 16
 #: The most of a plain-HTTP request's target an ask names.
 MAX_TARGET = 2048
 
@@ -161,12 +163,16 @@ class Asked:
     private: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass
 class AskGate:
-    """What the broker needs to ask (set on the run's scope by the supervisor)."""
+    """What the broker needs to ask (set on the run's scope by the supervisor), and how
+    many of the run's calls wait now: at most ``max_waiting`` at once, so that a run
+    cannot bury its approvers (nor the log) in asks; past it a call is refused at once."""
 
     rules: AskRules
     store: Store
+    max_waiting: int = MAX_WAITING
+    waiting: int = field(default=0, init=False)
 
 
 def _iso(at: datetime) -> str:
@@ -176,6 +182,26 @@ def _iso(at: datetime) -> str:
 async def wait_for_answer(scope: RunScope, gate: AskGate, ruling: Ruling, asked: Asked) -> None:
     """Record the ask, wait for its one answer; on approval ``ruling`` goes on naming
     the chain, otherwise it becomes the refusal its record stage records."""
+    if gate.waiting >= gate.max_waiting:
+        why = (f"{gate.waiting} calls of the run wait for an answer already"
+               f" (at most {gate.max_waiting})")  # fmt: skip
+        _refuse(scope, ruling, why)
+        return
+    gate.waiting += 1
+    try:
+        await _asked(scope, gate, ruling, asked)
+    finally:
+        gate.waiting -= 1
+
+
+def _refuse(scope: RunScope, ruling: Ruling, why: str) -> None:
+    ruling.decision = Decision(False, (ASK_RULE,), scope.policies.version)
+    ruling.reason = clip(f"refused: {why}", 2048)
+    ruling.refusal = CallDenied(f"{ruling.action} on {ruling.resource} refused: {why}",
+                                policies=(ASK_RULE,))  # fmt: skip
+
+
+async def _asked(scope: RunScope, gate: AskGate, ruling: Ruling, asked: Asked) -> None:
     now = datetime.now(UTC)
     ask = Ask(
         id="ask_" + os.urandom(8).hex(), tenant=scope.tenant, run=scope.run_id,
@@ -217,10 +243,7 @@ async def wait_for_answer(scope: RunScope, gate: AskGate, ruling: Ruling, asked:
     by = f" by {answered.answered_by}" if answered.state == "denied" else ""
     why = (f"asked call {state}{by} (ask event {ask.ask_seq},"
            f" answer event {answered.answer_seq})")  # fmt: skip
-    ruling.decision = Decision(False, (ASK_RULE,), scope.policies.version)
-    ruling.reason = clip(f"refused: {why}", 2048)
-    ruling.refusal = CallDenied(f"{ruling.action} on {ruling.resource} refused: {why}",
-                                policies=(ASK_RULE,))  # fmt: skip
+    _refuse(scope, ruling, why)
 
 
 def gone_while_waiting(
@@ -230,11 +253,7 @@ def gone_while_waiting(
     nobody would receive its answer, and the approver approved a call someone waited on."""
     if ruling.refusal is not None or reader is None or not reader.at_eof():
         return
-    why = "the guest closed its connection while the call waited for its answer"
-    ruling.decision = Decision(False, (ASK_RULE,), scope.policies.version)
-    ruling.reason = f"refused: {why}"
-    ruling.refusal = CallDenied(f"{ruling.action} on {ruling.resource} refused: {why}",
-                                policies=(ASK_RULE,))  # fmt: skip
+    _refuse(scope, ruling, "the guest closed its connection while the call waited for its answer")
 
 
 def _with(ask: Ask, **changes: Any) -> Ask:
