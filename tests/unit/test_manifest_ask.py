@@ -60,3 +60,22 @@ def test_bad_ask_is_refused_naming_the_key(ask: str, message: str) -> None:
     with pytest.raises(UsageError) as info:
         parse_manifest(BASE + "[ask]\n" + ask + "\n")
     assert message in info.value.message
+
+
+def test_an_approver_reads_which_calls_ask_and_a_dropped_ask_widens() -> None:
+    from proctor.governance._artifact_diff import capability_words, manifest_changes
+
+    asked = parse_manifest(BASE + '[ask]\negress = ["api.example.com"]\nbuckets = ["reports"]\n')
+    words = capability_words(asked.capabilities)
+    assert "each call to api.example.com:443 waits for a person's answer (at most 300 s)" in words
+    assert "each write to bucket reports waits for a person's answer (at most 300 s)" in words
+    dropped = manifest_changes(asked, parse_manifest(BASE + '[ask]\nbuckets = ["reports"]\n'))
+    assert [(c.area, c.subject, c.widens, c.text) for c in dropped] == [
+        ("ask", "api.example.com:443", True,
+         "no longer asks a person before calls to api.example.com:443"),
+    ]  # fmt: skip
+    added = manifest_changes(parse_manifest(BASE), asked)
+    assert {(c.text, c.widens) for c in added} == {
+        ("asks a person before calls to api.example.com:443", False),
+        ("asks a person before writes to bucket reports", False),
+    }

@@ -224,9 +224,25 @@ def manifest_changes(a: Manifest, b: Manifest) -> list[CapabilityChange]:
     _rule_changes(a.capabilities.get("egress_rules", {}),
                   b.capabilities.get("egress_rules", {}), add)  # fmt: skip
     _bucket_changes(a.capabilities["buckets"], b.capabilities["buckets"], add)
+    _ask_changes(a.capabilities.get("ask") or {}, b.capabilities.get("ask") or {}, add)
     _limit_changes(a.limits.to_json(), b.limits.to_json(), add)
     _lifecycle_changes(a.lifecycle.to_json(), b.lifecycle.to_json(), add)
     return out
+
+
+def _ask_changes(a: dict[str, Any], b: dict[str, Any], add: _Add) -> None:
+    """Calls that ask a person (``ask``): no longer asking lets the code act without
+    one (widens); asking more only holds it back."""
+    for key, noun in (("egress", "calls to"), ("buckets", "writes to bucket"),
+                      ("tables", "writes to table")):  # fmt: skip
+        sa, sb = set(a.get(key, ())), set(b.get(key, ()))
+        for item in sorted(sb - sa):
+            add("ask", item, None, item, False, f"asks a person before {noun} {item}")
+        for item in sorted(sa - sb):
+            add("ask", item, item, None, True, f"no longer asks a person before {noun} {item}")
+    ta, tb = a.get("timeout_seconds"), b.get("timeout_seconds")
+    if ta is not None and tb is not None and ta != tb:
+        add("ask", "timeout", ta, tb, False, f"changes the ask timeout from {ta} s to {tb} s")
 
 
 def _rule_changes(a: dict[str, Any], b: dict[str, Any], add: _Add) -> None:
@@ -417,6 +433,11 @@ def capability_words(capabilities: dict[str, Any]) -> list[str]:
     lines += [f"the secret {name} injected into its calls" for name in capabilities["secrets"]]
     lines += [f"{_ACCESS[access]} of bucket {name}"
               for name, access in sorted(capabilities["buckets"].items())]  # fmt: skip
+    ask = capabilities.get("ask") or {}
+    for key, noun in (("egress", "each call to"), ("buckets", "each write to bucket"),
+                      ("tables", "each write to table")):  # fmt: skip
+        lines += [f"{noun} {item} waits for a person's answer (at most"
+                  f" {ask['timeout_seconds']} s)" for item in ask.get(key, ())]  # fmt: skip
     return lines or ["nothing: the code can reach nothing outside its sandbox"]
 
 
