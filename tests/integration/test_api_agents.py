@@ -403,6 +403,13 @@ def test_an_agent_runs_in_the_sandbox_and_a_persons_production_deployment(
     with pytest.raises(ControlDenied):
         coder.events("acme", run=other["id"])
     assert _denials(env, "run.events.read")
+    # Nor its output, which holds what the production run wrote (its data); the
+    # production run the agent started is its own to read.
+    assert b"".join(coder.run_logs("acme", prod["id"])) == b"hello\n"
+    with pytest.raises(ControlDenied):
+        b"".join(coder.run_logs("acme", other["id"]))
+    assert _denials(env, "run.output.read")
+    assert b"".join(dev.run_logs("acme", other["id"])) == b"hello\n"
 
 
 def test_an_approval_recorded_as_an_agents_never_counts(env: ApiEnv, tmp_path: Path) -> None:

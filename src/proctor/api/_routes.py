@@ -777,6 +777,22 @@ def get_run(ctx: CtxDep, tenant: str, run_id: str) -> RunOut:
     return _run(Runs(ctx.rt).get(tenant, run_id))
 
 
+def _authorize_output(ctx: Ctx, runs: Any, tenant: str, run_id: str) -> Any:
+    """Decide a read of a run's output (``run.output.read``: what the run wrote may
+    hold its data; an agent reads only its own runs'), recorded; the run's record."""
+    from proctor.governance import run_events_context
+
+    if ctx.principal.tenant != tenant:
+        # Refused and recorded before any run of another tenant is looked up.
+        ctx.authorize(Action.RUN_OUTPUT_READ, tenant, f"run/{run_id}", _runs_ref(ctx, tenant),
+                      {"principal_is_creator": False})  # fmt: skip
+    record = runs.get(tenant, run_id)
+    context = run_events_context(ctx.rt.deployments, ctx.principal, record, ctx.rt.ledger)
+    ctx.authorize(Action.RUN_OUTPUT_READ, tenant, f"run/{record.id}",
+                  EntityRef.workload(record.workload), context)  # fmt: skip
+    return record
+
+
 _TEXT: dict[int | str, dict[str, Any]] = {
     200: {
         "content": {"text/plain": {"schema": {"type": "string"}}},
@@ -802,11 +818,8 @@ async def run_logs(
     principal may follow a few logs at once (429 beyond)."""
     from proctor.lifecycle import Runs
 
-    await run_in_threadpool(
-        ctx.authorize, Action.RUN_READ, tenant, f"run/{run_id}", _runs_ref(ctx, tenant)
-    )
     runs = Runs(ctx.rt)
-    record = await run_in_threadpool(runs.get, tenant, run_id)
+    record = await run_in_threadpool(_authorize_output, ctx, runs, tenant, run_id)
     path = ctx.rt.home / "runs" / record.id / f"{stream}.log"
     release = ctx.state.principals.follow(ctx.principal) if follow else None
 

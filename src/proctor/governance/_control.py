@@ -45,6 +45,7 @@ _ROLE_ACTIONS = {
         Action.DEPLOYMENT_ROLLBACK,
         Action.RUN_START,
         Action.RUN_READ,
+        Action.RUN_OUTPUT_READ,
         Action.RUN_STOP,
         Action.TENANT_READ,
     ),
@@ -56,6 +57,7 @@ _ROLE_ACTIONS = {
         Action.ARTIFACT_READ,
         Action.DEPLOYMENT_READ,
         Action.RUN_READ,
+        Action.RUN_OUTPUT_READ,
         Action.TENANT_READ,
     ),
     "auditor": (
@@ -66,6 +68,7 @@ _ROLE_ACTIONS = {
         Action.ARTIFACT_READ,
         Action.DEPLOYMENT_READ,
         Action.RUN_READ,
+        Action.RUN_OUTPUT_READ,
         Action.POLICY_READ,
         Action.RETENTION_READ,
         Action.TENANT_READ,
@@ -174,12 +177,13 @@ def role_policy(tenant: str) -> str:
         f' resource in Proctor::Tenant::"{tenant}")'
         " when { context.principal_is_creator };"
     )
-    # An agent reads the events of the runs it started (of a production deployment a
-    # person made, too) and of the sandbox deployments it made.
+    # An agent reads the events and the output of the runs it started (of a
+    # production deployment a person made, too) and of the sandbox deployments it
+    # made; another run's output may hold data no approval let it see.
     parts.append(
         f'@id("control:agent-own-run-events")\n'
         f'permit(principal in Proctor::Role::"{tenant}/{AGENT_ROLE}",'
-        f' action == Proctor::Action::"run.events.read",'
+        ' action in [Proctor::Action::"run.events.read", Proctor::Action::"run.output.read"],'
         f' resource in Proctor::Tenant::"{tenant}")'
         " when { context.principal_is_creator ||"
         " (context has principal_started_run && context.principal_started_run) };"

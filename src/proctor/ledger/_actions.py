@@ -42,6 +42,8 @@ class Action(StrEnum):
     RUN_STOP = "run.stop"
     RUN_READ = "run.read"
     RUN_EVENTS_READ = "run.events.read"
+    #: A run's stdout and stderr (data the run wrote): an agent's own runs only.
+    RUN_OUTPUT_READ = "run.output.read"
     SANDBOX_RUN = "sandbox.run"
     #: A call of a capability marked ``ask``, waiting for a person's answer (its
     #: exact arguments), and the answer (approved, denied, timed out, abandoned).

@@ -55,6 +55,7 @@ CONTROL_PLANE_ACTIONS: frozenset[str] = frozenset(
         "run.read",
         "run.stop",
         "run.events.read",
+        "run.output.read",
         "policy.set",
         "policy.read",
         "audit.read",
