@@ -143,6 +143,15 @@ def test_an_asked_call_in_a_real_run_waits_for_the_approver(
     assert asked["seq"] < answered["seq"] < call["seq"]
     assert call["details"]["ask"]["seq"] == asked["seq"]
     assert call["details"]["ask"]["answer_seq"] == answered["seq"]
+    # runs show shows the chain: the ask, its answer, the call that followed.
+    shown = run_cli("runs", "show", record.id, "-t", "acme", home=gov.home).out
+    assert (
+        f"asked {ask.id} (event {asked['seq']}): http.request {call['resource']}: approved"
+        f" by acme/alice (event {answered['seq']}), then event {call['seq']}"
+    ) in shown
+    doc = json.loads(run_cli("runs", "show", record.id, "-t", "acme", "--json", home=gov.home).out)
+    (shown_call,) = [c for c in doc["calls"] if c["seq"] == call["seq"]]
+    assert shown_call["ask"]["answer_seq"] == answered["seq"]
     # The evidence pack holds the chain, and verifies (the answer's role policy with it).
     pack = gov.home.parent / "asked-pack.zip"
     run_cli("evidence", "export", "-t", "acme", "--from", "2000-01-01", "--to", "2100-01-01",

@@ -621,6 +621,10 @@ class RunCalls:
     total: dict[str, int] = field(default_factory=lambda: {"allow": 0, "deny": 0, "failed": 0})
     #: The completion event (seq, error) of each allowed call that failed, by decision seq.
     failures: dict[int, tuple[int, str]] = field(default_factory=dict)
+    #: The run's asked calls (capabilities marked ask): call.ask and call.answer events
+    #: by ask id; a call's own event names its ask (``details.ask``).
+    asks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def collect(cls, found: Iterable[bytes], limit: int) -> RunCalls:
@@ -630,6 +634,11 @@ class RunCalls:
             action = str(ev.get("action", ""))
             if action == Action.HTTP_REQUEST_END:
                 calls._completion(ev)
+                continue
+            if action in (Action.CALL_ASK, Action.CALL_ANSWER):
+                kept_by = calls.asks if action == Action.CALL_ASK else calls.answers
+                if ev.get("decision") == "allow" or action == Action.CALL_ASK:
+                    kept_by[str((ev.get("details") or {}).get("ask"))] = ev
                 continue
             if action not in DATA_PLANE_ACTIONS and not action.startswith("broker."):
                 continue  # the run's start and end: not decisions
@@ -673,6 +682,7 @@ class RunCalls:
             highlight=False,
         )
         if not (self.denied or self.allowed):
+            self._print_asks()
             return
         if wide:
             table = Table("seq", "action", "resource", "decision", "reason / policies")
@@ -700,12 +710,38 @@ class RunCalls:
                 table.add_row(str(call["seq"]), f"{escape(call['action'])}\n{decision}",
                               escape(f"{call['resource']}\n{why}"))  # fmt: skip
         print_table(table, wide)
+        self._print_asks()
         for kind, kept in (("deny", self.denied), ("allow", self.allowed)):
             if self.total[kind] > len(kept):
                 console.print(f"({self.total[kind] - len(kept)} more {kind} not shown: --limit)")
 
+    def _print_asks(self) -> None:
+        """Each asked call: its request, its answer, and the call's event that followed."""
+        decided = {str(c["ask"]["id"]): c["seq"] for c in self.as_json() if "ask" in c}
+        for ask_id, asked in self.asks.items():
+            answer = self.answers.get(ask_id)
+            state = "waiting for an answer"
+            if answer is not None:
+                d = answer.get("details") or {}
+                state = (f"{d.get('answer')} by {answer['actor']['id']}"
+                         f" (event {answer['seq']})")  # fmt: skip
+            then = f", then event {decided[ask_id]}" if ask_id in decided else ""
+            call = str((asked.get("details") or {}).get("call", ""))
+            console.print(
+                f"asked {escape(ask_id)} (event {asked['seq']}): {escape(call)}"
+                f" {escape(str(asked['resource']))}: {escape(state)}{then}",
+                highlight=False, soft_wrap=True,
+            )  # fmt: skip
+
 
 def _call_json(ev: dict[str, Any]) -> dict[str, Any]:
+    ask = (ev.get("details") or {}).get("ask")
+    if isinstance(ask, dict):
+        return {**_plain_call_json(ev), "ask": ask}
+    return _plain_call_json(ev)
+
+
+def _plain_call_json(ev: dict[str, Any]) -> dict[str, Any]:
     return {
         "seq": ev["seq"],
         "time": ev["time"],
