@@ -254,9 +254,10 @@ def test_the_loop_over_streamable_http(home: Home, serve: str) -> None:
     # Each API request a tool made names the MCP client (all but the endpoint's own
     # authentication of each request, GET /whoami, made before the session is known),
     # and so do the agent's own actions that carry it (asking, describing).
-    through_mcp = [e for e in mine if e["decision"] == "allow" and (
-        e["action"] in ("approval.request", "dataset.describe")
-        or (e["action"] == "api.request" and e["details"]["path"] != "/whoami"))]  # fmt: skip
+    through_mcp = [e for e in mine if e["decision"] == "allow" and not (
+        e["action"] == "api.request" and e["details"]["path"] == "/whoami")]  # fmt: skip
+    assert {"artifact.submit", "deployment.create", "run.start", "run.end"} <= {
+        e["action"] for e in through_mcp}  # fmt: skip
     assert len(through_mcp) > 15
     lacking = [(e["action"], e["details"].get("path")) for e in through_mcp
                if e["details"].get("client") != CLIENT]  # fmt: skip
