@@ -159,3 +159,22 @@ def test_the_cli_and_the_api_racing_exactly_one_answer_counts(env: ApiEnv) -> No
                     home=env.home, check=False)  # fmt: skip
     assert again.code == 5 and "already answered" in again.err
     assert len(_answers(env, ask)) == 1
+
+
+def test_an_ask_whose_run_ended_takes_no_answer_and_is_closed(env: ApiEnv) -> None:
+    """A run recorded ended (its owner killed, swept by a process that is not serve)
+    leaves its ask pending in the store: the next answer closes it instead of counting."""
+    ask = _ask(env, "r-api4")
+    with env.rt.store.write() as conn:
+        conn.execute(
+            "INSERT INTO runs (id, tenant, deployment, version, digest, environment, workload,"
+            " approvals, backend, status, attempt, limits, started_at) VALUES"
+            " ('r-api4', 'acme', 'asker', 1, ?, 'sandbox', 'w', '', 'bubblewrap', 'interrupted',"
+            " 1, '{}', '2026-12-05T10:00:00.000Z')",
+            (env.__dict__["digest"],),
+        )
+    with pytest.raises(AlreadyAnswered, match=r"already answered: abandoned \(event \d+\)"):
+        _client(env, "alice").answer_call("acme", ask.id, True)
+    (closed,) = _answers(env, ask)
+    assert closed["details"]["answer"] == "abandoned" and "interrupted" in closed["reason"]
+    assert closed["actor"] == {"type": "runtime", "id": "asks"}

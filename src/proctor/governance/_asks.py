@@ -54,6 +54,8 @@ AUTHOR_RULE = "proctor:ask:not-the-author"
 MAX_COMMENT_BYTES = 2048
 #: The runtime's actor for an ask that timed out (the broker decided it).
 TIMEOUT_ACTOR = Actor("runtime", "broker")
+#: The runtime's actor for an ask closed because its run had ended, found on an answer.
+SWEEP_ACTOR = Actor("runtime", "asks")
 
 _COLUMNS = (
     "id, tenant, run_id, deployment, artifact, action, resource, arguments, state,"
@@ -187,7 +189,8 @@ def answer_draft(
 
 def already(ask: Ask, current: Ask | None) -> AlreadyAnswered:
     state = current.state if current is not None else "answered"
-    who = f" by {current.answered_by}" if current is not None and current.answered_by else ""
+    person = current is not None and current.state in ("approved", "denied")
+    who = f" by {current.answered_by}" if person and current and current.answered_by else ""
     seq = (
         f" (event {current.answer_seq})"
         if current is not None and current.answer_seq is not None
@@ -281,6 +284,11 @@ class Asks:
             raise NotFound(f"no ask {ask_id!r} in tenant {tenant!r}")
         return ask
 
+    def _run_status(self, ask: Ask) -> str | None:
+        with self._store.read() as conn:
+            row = conn.query_one("SELECT status FROM runs WHERE id = ?", (ask.run,))
+        return None if row is None else str(row[0])
+
     def _author(self, ask: Ask) -> str | None:
         if ask.artifact is None:
             return None
@@ -318,6 +326,13 @@ class Asks:
         ask = self.get(tenant, ask_id)
         if ask.state != "pending":
             raise already(ask, ask)
+        status = self._run_status(ask)
+        if status is not None and status != "running":
+            # Its run ended and no sweep closed the ask yet (a killed owner, found by a
+            # process that is not serve): close it now; no answer counts for a call
+            # nobody waits on.
+            self.abandon_run(tenant, ask.run, SWEEP_ACTOR, f"its run is {status}")
+            raise already(ask, self.get(tenant, ask_id))
         if principal is not None and principal.kind == "agent":
             # The instruction to act on personal data comes from a person (Art. 28(3)(a)).
             raise self._refuse(ask, actor, PEOPLE_ANSWER_RULE, "an agent never answers asked calls")
