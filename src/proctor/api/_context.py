@@ -92,15 +92,22 @@ class ApiState:
     def get_supervisor(self) -> Any:
         with self.lock:
             if self.supervisor is None:
-                self.own_broker = self.rt.make_broker().start()
-                self.supervisor = self.rt.supervisor(self.own_broker, self.backend)
+                broker = self.rt.make_broker().start()
+                try:
+                    supervisor = self.rt.supervisor(broker, self.backend)
+                except BaseException:
+                    # No sandbox on this host (or no such backend): the broker goes
+                    # too, so the next run tries afresh and close has nothing half-made.
+                    broker.stop()
+                    raise
+                self.own_broker, self.supervisor = broker, supervisor
             return self.supervisor
 
     def stop_own_runs(self) -> None:
         """End the runs of the API's own supervisor (there is no `serve` around it),
         each recorded: a run's stream then ends, and the server need not wait for it."""
         with self.lock:
-            if self.own_broker is not None:
+            if self.supervisor is not None:
                 self.supervisor.shutdown()
 
     def close(self) -> None:

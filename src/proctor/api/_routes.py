@@ -647,6 +647,9 @@ async def start_run(ctx: CtxDep, tenant: str, name: str) -> StreamingResponse:
     await run_in_threadpool(
         ctx.authorize, Action.RUN_START, tenant, f"deployment/{name}", _deployment_ref(tenant, name)
     )
+    # A deployment that is not there is "not found", whether or not this host can
+    # start a sandbox (the supervisor is made on the first run).
+    await run_in_threadpool(ctx.rt.deployments.get, tenant, name)
     sup = await run_in_threadpool(ctx.state.get_supervisor)
     actor = ctx.principal.actor
     # Refusals (frozen tenant, stopped deployment, no quorum) are answered as errors,
