@@ -452,3 +452,34 @@ def test_a_run_cannot_bury_its_approvers_in_asks(world: World) -> None:
         world.broker.close_run("q9")
     assert len([e for e in world.events() if e["action"] == "call.ask"]) == 2
     assert world.seen == []
+
+
+def test_a_tunnel_is_asked_by_host_and_port_and_opened_only_once_approved(world: World) -> None:
+    _, _, channel = world.open("q10")
+
+    def tunnel() -> tuple[bytes, bytes]:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(60)
+            s.connect(str(channel.socket))
+            s.sendall(f"CONNECT {world.entry} HTTP/1.1\r\nHost: {world.entry}\r\n"
+                      f"{TOKEN_HEADER}: {channel.token}\r\n\r\n".encode())  # fmt: skip
+            f = s.makefile("rb")
+            status = f.readline()
+            while f.readline() not in (b"\r\n", b""):
+                pass
+            s.sendall(b"GET /through HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return status, f.read()
+
+    try:
+        answer = _in_thread(tunnel)
+        (ask,) = world.pending("q10")
+        assert ask.arguments == {"host": "127.0.0.1", "port": world.port, "method": "CONNECT",
+                                 "address": "127.0.0.1"}  # fmt: skip
+        assert world.seen == []
+        world.asks.answer("acme", ask.id, True, actor=ALICE.actor, principal=ALICE,
+                          trust_domain="test.local")  # fmt: skip
+        status, body = answer.result(timeout=30)
+    finally:
+        world.broker.close_run("q10")
+    assert status.startswith(b"HTTP/1.1 200") and body.endswith(b"got /through")
+    assert world.seen == ["/through"]
