@@ -307,6 +307,11 @@ class Runtime:
         rt.store_outside = outside
         try:
             rt.close_orphaned_runs()
+            # The asked calls of the runs just closed (or closed by anyone since):
+            # none is left waiting on a run that is over.
+            from proctor.governance import Asks
+
+            Asks(rt.store, rt.ledger, rt.control).abandon_orphans(rt.operator)
         except (ProctorError, OSError) as exc:
             # Opening must not fail for it: the next process to open the home tries again.
             why = exc.message if isinstance(exc, ProctorError) else str(exc)

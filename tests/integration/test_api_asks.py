@@ -9,6 +9,7 @@ broker itself, tests/e2e/test_asked_call_run.py a real run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,9 @@ import pytest
 
 from proctor.client import Client
 from proctor.errors import AlreadyAnswered, ControlDenied, NotFound
-from proctor.governance import Ask, insert_pending
+from proctor.governance import Ask, Runs, insert_pending
 from proctor.ledger import Action, Actor, EventDraft
+from proctor.sandbox import process_start_time
 from tests.conftest import PROCTOR, run_cli
 from tests.integration.test_api_support import ApiEnv, artifact_dir, build_env
 
@@ -59,6 +61,12 @@ def _ask(env: ApiEnv, run: str, path: str = "/v1/report") -> Ask:
     )  # fmt: skip
     with env.rt.store.write() as conn:
         conn.execute("UPDATE asks SET ask_seq = ? WHERE id = ?", (appended.seq, ask.id))
+        # Its run, running in this (live) process: a home opened meanwhile (the CLI's)
+        # closes the asks of runs that are over, never of one still running.
+        owner = f"{os.uname().nodename}:{os.getpid()}:{process_start_time(os.getpid())}"
+        Runs.insert(conn, (run, "acme", "asker", 1, digest, "production",
+                           str(workload.id), "[]", "gvisor", "", "running", None, None, 1,
+                           "{}", None, ask.created_at, None), owner)  # fmt: skip
     return ask
 
 
@@ -166,15 +174,23 @@ def test_an_ask_whose_run_ended_takes_no_answer_and_is_closed(env: ApiEnv) -> No
     leaves its ask pending in the store: the next answer closes it instead of counting."""
     ask = _ask(env, "r-api4")
     with env.rt.store.write() as conn:
-        conn.execute(
-            "INSERT INTO runs (id, tenant, deployment, version, digest, environment, workload,"
-            " approvals, backend, status, attempt, limits, started_at) VALUES"
-            " ('r-api4', 'acme', 'asker', 1, ?, 'sandbox', 'w', '', 'bubblewrap', 'interrupted',"
-            " 1, '{}', '2026-12-05T10:00:00.000Z')",
-            (env.__dict__["digest"],),
-        )
+        conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = 'r-api4'")
     with pytest.raises(AlreadyAnswered, match=r"already answered: abandoned \(event \d+\)"):
         _client(env, "alice").answer_call("acme", ask.id, True)
     (closed,) = _answers(env, ask)
     assert closed["details"]["answer"] == "abandoned" and "interrupted" in closed["reason"]
     assert closed["actor"] == {"type": "runtime", "id": "asks"}
+
+
+def test_opening_the_home_closes_the_asks_of_runs_that_are_over(env: ApiEnv) -> None:
+    """Any process that opens the home (a CLI command, not only serve) closes the asks
+    of runs that are over, each with its event; a running run's ask is left waiting."""
+    over, running = _ask(env, "r-api5"), _ask(env, "r-api6")
+    with env.rt.store.write() as conn:
+        conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = 'r-api5'")
+    shown = run_cli("ask", "show", over.id, "-t", "acme", "--json", home=env.home)
+    assert json.loads(shown.out)["state"] == "abandoned"
+    (closed,) = _answers(env, over)
+    assert closed["details"]["answer"] == "abandoned"
+    still = run_cli("ask", "show", running.id, "-t", "acme", "--json", home=env.home)
+    assert json.loads(still.out)["state"] == "pending" and _answers(env, running) == []
