@@ -136,12 +136,16 @@ def _back_to_12(env: LedgerEnv) -> None:
         conn.execute("DROP INDEX ledger_entries_ref")
         conn.execute("ALTER TABLE ledger_entries DROP COLUMN ref")
         conn.execute(migrations[6][1])
-        # The migrations after 13 only add tables: undone, they are applied again.
+        # The migrations after 13 only add tables and columns: undone, they are
+        # applied again.
         for later in migrations[13:]:
             for statement in later:
                 made = re.match(r"\s*CREATE TABLE (\w+)", statement)
                 if made:
                     conn.execute(f"DROP TABLE {made.group(1)}")
+                added = re.match(r"\s*ALTER TABLE (\w+) ADD COLUMN (\w+)", statement)
+                if added:
+                    conn.execute(f"ALTER TABLE {added.group(1)} DROP COLUMN {added.group(2)}")
         conn.execute("DELETE FROM schema_migrations WHERE version >= 13")
 
 

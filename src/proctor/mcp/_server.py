@@ -414,8 +414,11 @@ def _add_run_tools(server: MCPServer, call: Call, guarded: Guard[Any]) -> None:
                 answer["refusals"] = []
                 answer["calls_note"] = one_line(exc)
                 return answer
-        calls = [_event_row(json.loads(line)) for line in newest]
-        calls = sorted((c for c in calls if c.get("action") not in ("run.start", "run.end")),
+        # A run's calls are its workload's events (the run's start and end are its
+        # starter's and the runtime's): told apart by who acted, not by action names.
+        docs = [json.loads(line) for line in newest]
+        calls = sorted((_event_row(d) for d in docs
+                        if (d.get("actor") or {}).get("type") == "workload"),
                        key=lambda c: int(c.get("seq", 0)))  # fmt: skip
         answer["calls"] = calls[-MAX_CALLS:]
         answer["refusals"] = [_event_row(json.loads(line)) for line in denied]
