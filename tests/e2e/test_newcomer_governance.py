@@ -275,17 +275,18 @@ def test_runs_list_filters_by_status_time_and_who_started_them(acme: Acme) -> No
         def listed(*args: str, how: Any = how) -> list[str]:
             return _ids(how("runs", "list", "-t", "acme", "--json", *args))
 
-        assert listed("--status", "succeeded") == every
-        assert listed("--status", "failed") == []
-        # Each spelling is parsed by test_relative_times_parse_against_one_now: two here.
-        for recent in ("1h", "yesterday"):
-            assert listed("--since", recent) == every, recent
-        assert listed("--since", "0s") == []  # now: every run started before it
         assert listed("--since", started[every[1]]) == every[1:]  # an ISO time, inclusive
-        assert listed("--since", "2100-01-01") == []
         assert listed("--status", "succeeded", "--since", "1h", "--deployment", "churn") == [
             r for r in every if r != every[0]
         ]
+        if how is acme.remote:
+            continue  # the API's filters are the library's: the rest once, locally
+        assert listed("--status", "succeeded") == every
+        assert listed("--status", "failed") == []
+        # Each spelling is parsed by test_relative_times_parse_against_one_now.
+        assert listed("--since", "yesterday") == every
+        assert listed("--since", "0s") == []  # now: every run started before it
+        assert listed("--since", "2100-01-01") == []
     # --mine: the runs the acting principal started, from their signed run.start events.
     assert _ids(acme.cli("runs", "list", "-t", "acme", "--json", "--mine")) == [acme.operator_run]
     mine = ("runs", "list", "-t", "acme", "--json", "--mine")

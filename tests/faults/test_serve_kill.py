@@ -50,7 +50,7 @@ from tests.sandbox_conftest_helpers import SANDBOXES, any_backend, working
 pytestmark = pytest.mark.sandbox
 
 SOAK = os.environ.get("PROCTOR_SOAK") == "1"
-KILLS = 40 if SOAK else 12
+KILLS = 40 if SOAK else 6
 WORKING = working()
 SETTLE_SECONDS = 30.0
 
