@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from proctor.errors import AlreadyExists, NotInitialized, ProctorError, UsageError
+from proctor.errors import AlreadyExists, NotFound, NotInitialized, ProctorError, UsageError
 from proctor.governance import (
     Approvals,
     Artifacts,
@@ -492,6 +492,40 @@ class Runtime:
         if tenant != SYSTEM_LOG:
             self.tenants.get(tenant)
         return tenant
+
+    def describe_dataset(
+        self, tenant: str, name: str, actor: Actor, log: str, details: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """``tenant``'s dataset ``name`` described from its own catalog by its kind's
+        connector (tables, columns, types; never a row, never its location), once the
+        caller has decided the read; recorded as a ``dataset.describe`` event in
+        ``log`` (the actor's tenant's) with ``details`` (request id, client): how many
+        tables, never which."""
+        from proctor.broker import describe_dataset
+
+        found = next((d for d in self.resources.datasets(tenant) if d.name == name), None)
+        if found is None:
+            raise NotFound(f"no dataset {name!r} in tenant {tenant!r}",
+                           hint=f"proctor dataset list -t {tenant}")  # fmt: skip
+        tables = describe_dataset(found.kind, found.location)
+        self.ledger.append(
+            log,
+            EventDraft(actor, Action.DATASET_DESCRIBE, f"dataset/{name}",
+                       reason="described (tables, columns, types; no rows)",
+                       details={**details, "tables": len(tables)}),
+        )  # fmt: skip
+        return {
+            "name": found.name,
+            "kind": str(found.kind),
+            "synthetic": found.synthetic,
+            "twin_of": found.twin_of,
+            "tables": [
+                {"name": t.name, "kind": t.kind,
+                 "columns": [{"name": c.name, "type": c.type, "nullable": c.nullable,
+                              "primary_key": c.primary_key} for c in t.columns]}
+                for t in tables
+            ],
+        }  # fmt: skip
 
     def undeploy(self, tenant: str, name: str, actor: Actor, reason: str) -> None:
         """Stop a deployment and revoke what it was granted outside Proctor (the

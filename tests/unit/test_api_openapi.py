@@ -47,7 +47,7 @@ def test_tlog_paths_are_served() -> None:
 def test_public_surfaces() -> None:
     assert sorted(proctor.api.__all__) == sorted(
         ["DEFAULT_HOST", "DEFAULT_PORT", "ApiServer", "Limits", "OIDCIssuer", "check_tls",
-         "create_app", "describe_dataset", "load_oidc_config", "openapi_document", "serve_api"]
+         "create_app", "load_oidc_config", "openapi_document", "serve_api"]
     )  # fmt: skip
     assert sorted(proctor.client.__all__) == sorted(
         ["Client", "RemoteError", "error_from_response", "pack_directory"]

@@ -10,7 +10,6 @@ ledger. See docs/api.md.
 from proctor.api._app import create_app, openapi_document
 from proctor.api._auth import OIDCIssuer, load_oidc_config
 from proctor.api._context import Limits
-from proctor.api._describe import describe_recorded as describe_dataset
 from proctor.api._server import DEFAULT_HOST, DEFAULT_PORT, ApiServer, check_tls, serve_api
 
 __all__ = [
@@ -21,7 +20,6 @@ __all__ = [
     "OIDCIssuer",
     "check_tls",
     "create_app",
-    "describe_dataset",
     "load_oidc_config",
     "openapi_document",
     "serve_api",

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from proctor.api._context import Ctx, bound
-from proctor.api._describe import describe_recorded
 from proctor.api._errors import ERROR_RESPONSES
 from proctor.api._models import Strict
 from proctor.errors import ProctorError
@@ -88,5 +87,5 @@ def describe_dataset(ctx: CtxDep, tenant: str, name: str) -> dict[str, Any]:
         ref = EntityRef.dataset(tenant, name)
     ctx.authorize(Action.DATASET_DESCRIBE, tenant, f"dataset/{name}", ref)
     details = {"request_id": ctx.request_id, **ctx.event_details()}
-    return describe_recorded(ctx.rt, tenant, name, ctx.principal.actor, ctx.principal.tenant,
-                             details)  # fmt: skip
+    return ctx.rt.describe_dataset(tenant, name, ctx.principal.actor, ctx.principal.tenant,
+                                   details)  # fmt: skip

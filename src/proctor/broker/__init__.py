@@ -10,12 +10,13 @@ itself (whoami, malformed requests, unknown endpoints, refused tokens).
 from proctor.broker._ask import AskGate, AskRules
 from proctor.broker._connectors import (
     dataset_connector,
+    describe_dataset,
     handle_sql,
     locate_dataset,
     missing_in_dataset,
     revoke_run_grants,
 )
-from proctor.broker._datasets import DatasetConnector, StatementTimeout
+from proctor.broker._datasets import ColumnShape, DatasetConnector, StatementTimeout, TableShape
 from proctor.broker._egress import SPECIAL_ADDRESS_RULE, EgressDenied, UpstreamFailed
 from proctor.broker._exposure import exposed_in_dataset
 from proctor.broker._factory import broker_socket_root, make_broker, reap_broker_sockets
@@ -58,6 +59,7 @@ __all__ = [
     "CAError",
     "CallDenied",
     "CallRefused",
+    "ColumnShape",
     "DatasetBinding",
     "DatasetConnector",
     "EgressDenied",
@@ -71,11 +73,13 @@ __all__ = [
     "RunScope",
     "SecretBinding",
     "StatementTimeout",
+    "TableShape",
     "TenantCA",
     "UpstreamFailed",
     "approved_rules",
     "broker_socket_root",
     "dataset_connector",
+    "describe_dataset",
     "exposed_in_dataset",
     "handle_sql",
     "locate_dataset",

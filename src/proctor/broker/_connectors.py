@@ -18,6 +18,7 @@ from proctor.broker._datasets import (
     DatasetConnector,
     SqlCall,
     Statement,
+    TableShape,
     act,
     event_base,
     parse_request,
@@ -25,6 +26,7 @@ from proctor.broker._datasets import (
 )
 from proctor.broker._http import read_body
 from proctor.broker._scope import BadCall, BrokerError, CallDenied, DatasetBinding, RunScope
+from proctor.errors import UsageError
 from proctor.governance import DatasetKind
 from proctor.ledger import Action
 from proctor.policy import Decision
@@ -77,6 +79,15 @@ def missing_in_dataset(kind: DatasetKind, location: str, tables: Mapping[str, An
     if load is None:
         return [f"datasets of kind {kind!r} are not supported"]
     return load().missing(location, tables)
+
+
+def describe_dataset(kind: DatasetKind, location: str) -> list[TableShape]:
+    """The tables of the dataset at ``location``, from its catalog; never a row.
+    Raises :class:`~proctor.errors.UsageError` if it cannot be read."""
+    load = _CONNECTORS.get(kind)
+    if load is None:
+        raise UsageError(f"datasets of kind {kind!r} cannot be described")
+    return load().describe(location)
 
 
 def revoke_run_grants(

@@ -231,6 +231,30 @@ class SqlCall(NamedTuple):
     params: tuple[Any, ...] | dict[str, Any]
 
 
+#: At most this many tables, and columns per table, are described (the answer stays small).
+DESCRIBED_TABLES = 500
+DESCRIBED_COLUMNS = 500
+
+
+@dataclass(frozen=True)
+class ColumnShape:
+    """A column as its dataset's catalog declares it: never a value of it."""
+
+    name: str
+    type: str
+    nullable: bool
+    primary_key: bool
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """A table or view of a dataset, named as a manifest names it."""
+
+    name: str
+    kind: str  # "table" | "view"
+    columns: tuple[ColumnShape, ...]
+
+
 class DatasetConnector(Protocol):
     """One kind of dataset. Implementations are registered in ``_connectors.py``."""
 
@@ -250,6 +274,11 @@ class DatasetConnector(Protocol):
         """What of ``tables`` (a manifest's ``datasets.<name>.tables``) the dataset
         does not have, as sentences ("no table 'x'", "no column 'y' in 'x'"); read
         with the runtime's own access, at deploy, never for a run."""
+        ...
+
+    def describe(self, location: str) -> list[TableShape]:
+        """The dataset's tables and views with their columns and declared types, read
+        from its own catalog with the runtime's own access; never a row."""
         ...
 
     def grant(

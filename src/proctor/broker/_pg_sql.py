@@ -96,8 +96,11 @@ from psycopg import sql as pgsql
 
 from proctor.broker import _datasets as budgets
 from proctor.broker._datasets import (
+    DESCRIBED_COLUMNS,
+    DESCRIBED_TABLES,
     Accesses,
     AnswerBudget,
+    ColumnShape,
     DatabaseRefused,
     Failed,
     IdleConnections,
@@ -105,6 +108,7 @@ from proctor.broker._datasets import (
     Refused,
     SqlCall,
     Statement,
+    TableShape,
     TimedOut,
     TooLarge,
     column_permitted,
@@ -1482,6 +1486,23 @@ def public_objects(conn: psycopg.Connection[Any]) -> list[str]:
     return [str(r[0]) for r in conn.execute(_PUBLIC_OBJECTS).fetchall()]
 
 
+#: Every column of every table and view outside the system schemas, with its declared
+#: type, nullability and whether the primary key holds it.
+_DESCRIBE = """
+SELECT n.nspname, c.relname, c.relkind, a.attname,
+       format_type(a.atttypid, a.atttypmod), a.attnotnull,
+       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary
+               AND a.attnum = ANY (i.indkey))
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+WHERE c.relkind IN ('r', 'v', 'm', 'p', 'f')
+  AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+  AND n.nspname NOT LIKE 'pg\\_toast%%' AND n.nspname NOT LIKE 'pg\\_temp%%'
+ORDER BY n.nspname, c.relname, a.attnum
+"""
+
+
 class PostgresConnector:
     """PostgreSQL datasets: the database enforces the approved columns too, through
     a role per deployment and dataset that every guest statement runs as."""
@@ -1553,6 +1574,31 @@ class PostgresConnector:
             found += [f"no column {c!r} in {table!r}"
                       for c in tables[table].get("columns", ()) if str(c) not in have]  # fmt: skip
         return found
+
+    def describe(self, location: str) -> list[TableShape]:
+        # The catalog, as missing() reads it: information_schema shows only what the
+        # DSN's role may use. A read-only transaction; no table's contents.
+        try:
+            with psycopg.connect(location, connect_timeout=10) as conn:
+                conn.read_only = True
+                rows = conn.execute(_DESCRIBE).fetchall()
+        except psycopg.Error as exc:
+            # The DSN may hold a password: never echo it.
+            raise UsageError(
+                f"the PostgreSQL dataset cannot be reached: {type(exc).__name__}"
+            ) from exc
+        tables: dict[str, tuple[str, list[ColumnShape]]] = {}
+        for schema, rel, relkind, col, typ, notnull, pk in rows:
+            # A table of the public schema is named as a manifest names it (no schema).
+            name = str(rel) if schema == "public" else f"{schema}.{rel}"
+            if name not in tables:
+                if len(tables) >= DESCRIBED_TABLES:
+                    continue
+                tables[name] = ("view" if relkind in ("v", "m") else "table", [])
+            cols = tables[name][1]
+            if len(cols) < DESCRIBED_COLUMNS:
+                cols.append(ColumnShape(str(col), str(typ), not bool(notnull), bool(pk)))
+        return [TableShape(n, k, tuple(c)) for n, (k, c) in tables.items()]
 
     def grant(
         self, binding: DatasetBinding, tenant: str, deployment: str, tables: Mapping[str, Any]

@@ -48,16 +48,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from proctor.broker._datasets import (
+    DESCRIBED_COLUMNS,
+    DESCRIBED_TABLES,
     MAX_SQL_LENGTH,
     Accesses,
+    ColumnShape,
     Failed,
     IdleConnections,
     Outcome,
     Refused,
     SqlCall,
     Statement,
+    TableShape,
     TimedOut,
 )
 from proctor.broker._fair import run_blocking
@@ -1077,6 +1082,35 @@ class SQLiteConnector:
                 columns = [str(c) for c in grant.get("columns", ())]
                 found += [f"no column {c!r} in {table!r}" for c in columns if c.lower() not in have]
             return found
+        except sqlite3.Error as exc:
+            raise UsageError(f"the SQLite dataset cannot be read: {exc}") from exc
+        finally:
+            db.close()
+
+    def describe(self, location: str) -> list[TableShape]:
+        try:
+            # Read-only, and the path quoted: no URI parameter comes from the path.
+            db = sqlite3.connect(f"file:{quote(location)}?mode=ro", uri=True)
+        except sqlite3.Error as exc:
+            raise UsageError(f"the SQLite dataset cannot be read: {exc}") from exc
+        try:
+            db.execute("PRAGMA query_only = ON")
+            names = db.execute(
+                "SELECT name, type FROM sqlite_schema WHERE type IN ('table', 'view')"
+                " AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name LIMIT ?",
+                (DESCRIBED_TABLES,),
+            ).fetchall()
+            out = []
+            for name, kind in names:
+                rows = db.execute(
+                    'SELECT name, type, "notnull", pk FROM pragma_table_info(?)'
+                    " ORDER BY cid LIMIT ?",
+                    (name, DESCRIBED_COLUMNS),
+                ).fetchall()
+                cols = tuple(ColumnShape(str(r[0]), str(r[1] or ""), not bool(r[2]), bool(r[3]))
+                             for r in rows)  # fmt: skip
+                out.append(TableShape(str(name), str(kind), cols))
+            return out
         except sqlite3.Error as exc:
             raise UsageError(f"the SQLite dataset cannot be read: {exc}") from exc
         finally:

@@ -293,7 +293,6 @@ def dataset_describe(
 ) -> None:
     """A dataset's tables and views, their columns and types, from the database's own
     catalog: what a manifest names. Never a row, never where the dataset is."""
-    from proctor.api import describe_dataset
     from proctor.cli._common import acting
     from proctor.policy import EntityRef
 
@@ -309,7 +308,7 @@ def dataset_describe(
                                      event_resource=f"dataset/{name}")  # fmt: skip
                 log = principal.tenant
             rt.tenants.get(tenant)
-            doc = describe_dataset(rt, tenant, name, actor, log, {})
+            doc = rt.describe_dataset(tenant, name, actor, log, {})
     if as_json:
         emit_json(doc)
         return
