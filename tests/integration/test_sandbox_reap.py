@@ -40,8 +40,20 @@ def test_sandboxes_of_a_dead_owner_are_killed_and_removed(backend: str, tmp_path
         assert time.monotonic() < deadline, "the sandbox never registered"
         time.sleep(0.05)
     (entry,) = mine
-    cgroups = [p for p in Path("/sys/fs/cgroup").glob(f"*/{entry.name}") if p.is_dir()]
-    time.sleep(0.5)  # let the guest start
+
+    def run_cgroups() -> list[Path]:
+        return [p for p in Path("/sys/fs/cgroup").glob(f"*/{entry.name}") if p.is_dir()]
+
+    def started() -> bool:
+        # The guest runs once its cgroups hold its processes (the registry entry comes
+        # first: on a loaded machine, the cgroups and the guest some while after).
+        return any((c / "cgroup.procs").exists() and (c / "cgroup.procs").read_text().split()
+                   for c in run_cgroups())  # fmt: skip
+
+    while not started():
+        assert time.monotonic() < deadline, "the sandbox's guest never started"
+        time.sleep(0.05)
+    cgroups = run_cgroups()
     assert reap_orphans() == [] or entry.exists(), "a live owner's sandbox is never reaped"
     owner.send_signal(signal.SIGKILL)
     owner.wait()

@@ -40,9 +40,9 @@ def _outside_home(exc: Exception) -> Path | None:
 
 
 def main() -> None:
-    from proctor.cli._app import app
+    from proctor.cli._app import for_command
 
-    guarded(app)
+    guarded(for_command(sys.argv[1:]))
 
 
 def guarded(entry: Callable[[], object]) -> None:
