@@ -50,7 +50,15 @@ def test_public_surfaces() -> None:
          "create_app", "load_oidc_config", "openapi_document", "serve_api"]
     )  # fmt: skip
     assert sorted(proctor.client.__all__) == sorted(
-        ["Client", "RemoteError", "error_from_response", "pack_directory"]
+        [
+            "IN_PROCESS_BASE",
+            "ASGIApp",
+            "Client",
+            "InProcessTransport",
+            "RemoteError",
+            "error_from_response",
+            "pack_directory",
+        ]
     )
     for module in (proctor.api, proctor.client):
         for name in module.__all__:

@@ -6,5 +6,14 @@ stable error code.
 """
 
 from proctor.client._client import Client, RemoteError, error_from_response, pack_directory
+from proctor.client._in_process import IN_PROCESS_BASE, ASGIApp, InProcessTransport
 
-__all__ = ["Client", "RemoteError", "error_from_response", "pack_directory"]
+__all__ = [
+    "IN_PROCESS_BASE",
+    "ASGIApp",
+    "Client",
+    "InProcessTransport",
+    "RemoteError",
+    "error_from_response",
+    "pack_directory",
+]

@@ -24,9 +24,8 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context
 from mcp.server.transport_security import TransportSecuritySettings
 
-from proctor.client import Client
+from proctor.client import IN_PROCESS_BASE, ASGIApp, Client, InProcessTransport
 from proctor.errors import AuthenticationFailed, ProctorError
-from proctor.mcp._bridge import BASE, ASGIApp, InProcess
 from proctor.mcp._server import Json, build_server, one_line
 
 Scope = MutableMapping[str, Any]
@@ -53,8 +52,8 @@ def _open(api: ASGIApp, scope: Scope, token: str, headers: dict[str, str]) -> Cl
     rid = (scope.get("state") or {}).get("request_id")
     if isinstance(rid, str):
         h["X-Request-Id"] = rid
-    return Client(BASE, token, transport=InProcess(api, _address(scope)), headers=h,
-                  timeout=120.0)  # fmt: skip
+    transport = InProcessTransport(api, _address(scope))
+    return Client(IN_PROCESS_BASE, token, transport=transport, headers=h, timeout=120.0)
 
 
 class _HttpGateway:

@@ -13,9 +13,8 @@ import threading
 import anyio.to_thread
 from mcp.server.mcpserver import Context
 
-from proctor.client import Client
+from proctor.client import IN_PROCESS_BASE, ASGIApp, Client, InProcessTransport
 from proctor.errors import UsageError
-from proctor.mcp._bridge import BASE, ASGIApp, InProcess
 from proctor.mcp._server import Json, build_server
 
 #: The address the API records for a local agent served in this process.
@@ -43,7 +42,8 @@ class LocalGateway:
     def _open(self, headers: dict[str, str]) -> Client:
         h = {"User-Agent": "proctor-mcp", **headers}
         if self._app is not None:
-            return Client(BASE, self._token, transport=InProcess(self._app, LOCAL), headers=h,
+            transport = InProcessTransport(self._app, LOCAL)
+            return Client(IN_PROCESS_BASE, self._token, transport=transport, headers=h,
                           timeout=120.0)  # fmt: skip
         assert self._url is not None
         return Client(self._url, self._token, verify=self._verify, headers=h)

@@ -1,12 +1,13 @@
-"""The MCP server's way to an API application in this process: the SDK's own
-``Client`` over a transport that hands each request to the application, as the
-console does (the layering keeps the console's module out of reach, so this is its
-own copy of the same few lines).
+"""The SDK's way to an API application in the same process (the web console and the
+MCP server): ``Client(IN_PROCESS_BASE, credential, transport=InProcessTransport(app,
+address))`` makes every call through the application's own middleware, authentication,
+decisions and events, as over the network.
 
-Tools run in worker threads (the SDK is synchronous); each request is carried back
+Callers run in worker threads (the SDK is synchronous); each request is carried back
 onto the event loop that serves the application with ``anyio.from_thread.run`` and
-answered by ``httpx.ASGITransport``. The whole answer is read before it is returned
-(a run's stream ends with the run).
+answered by ``httpx.ASGITransport``. The whole answer is read before it is returned,
+so a caller never asks for a stream that does not end (a log's ``follow``; a run's
+stream ends with the run).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import anyio.from_thread
 import httpx
 
 ASGIApp = Callable[
@@ -23,14 +23,19 @@ ASGIApp = Callable[
 ]
 
 #: The base URL an in-process client is given; nothing is resolved or dialled.
-BASE = "http://proctor-api.internal"
+IN_PROCESS_BASE = "http://proctor-api.internal"
 
 
-class InProcess(httpx.BaseTransport):
+class InProcessTransport(httpx.BaseTransport):
+    """Hands each request to ``app`` on its event loop, as from ``client`` (an address)."""
+
     def __init__(self, app: ASGIApp, client: tuple[str, int]) -> None:
         self._inner = httpx.ASGITransport(app=app, client=client)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        # Imported here: a program using the SDK over the network never loads it.
+        import anyio.from_thread
+
         body = request.read()
         forwarded = httpx.Request(request.method, request.url, headers=request.headers,
                                   content=body)  # fmt: skip
@@ -38,6 +43,7 @@ class InProcess(httpx.BaseTransport):
         async def call() -> tuple[int, httpx.Headers, bytes]:
             resp = await self._inner.handle_async_request(forwarded)
             assert isinstance(resp.stream, httpx.AsyncByteStream)
+            # The raw bytes, still encoded as the headers say: the SDK's client decodes.
             raw = b"".join([chunk async for chunk in resp.stream])
             await resp.stream.aclose()
             return resp.status_code, resp.headers, raw
