@@ -31,6 +31,7 @@ from proctor.errors import AlreadyExists, NotFound, NotInitialized, ProctorError
 from proctor.governance import (
     Approvals,
     Artifacts,
+    Asks,
     ControlPlane,
     DatasetKind,
     Deployments,
@@ -281,6 +282,7 @@ class Runtime:
         self.control = ControlPlane(self.ledger)
         self.artifacts = Artifacts(store, self.ledger, home / "blobs")
         self.approvals = Approvals(store, self.ledger, self.control, self.artifacts.get)
+        self.asks = Asks(store, self.ledger, self.control)
         self.deployments = Deployments(store, self.ledger, self.approvals, self.resources)
         self.subprocessors = Subprocessors(store, self.ledger)
         self.egress = EgressRanges(store, self.ledger)
@@ -309,9 +311,7 @@ class Runtime:
             rt.close_orphaned_runs()
             # The asked calls of the runs just closed (or closed by anyone since):
             # none is left waiting on a run that is over.
-            from proctor.governance import Asks
-
-            Asks(rt.store, rt.ledger, rt.control).abandon_orphans(rt.operator)
+            rt.asks.abandon_orphans(rt.operator)
         except (ProctorError, OSError) as exc:
             # Opening must not fail for it: the next process to open the home tries again.
             why = exc.message if isinstance(exc, ProctorError) else str(exc)

@@ -53,7 +53,7 @@ class AnswerIn(Strict):
 
 
 def _asks(ctx: Ctx) -> Asks:
-    return Asks(ctx.rt.store, ctx.rt.ledger, ctx.rt.control)
+    return ctx.rt.asks
 
 
 def _runs_ref(ctx: Ctx, tenant: str) -> EntityRef:

@@ -25,7 +25,6 @@ from proctor.cli._common import (
 )
 from proctor.errors import UsageError
 from proctor.governance import ASK_STATES as STATES
-from proctor.governance import Asks
 from proctor.ledger import Action
 
 ask_app = typer.Typer(
@@ -64,7 +63,7 @@ def ask_list(
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, Action.RUN_READ)
             rt.tenants.get(tenant)
-            asks = Asks(rt.store, rt.ledger, rt.control).find(tenant, run=run, state=state)
+            asks = rt.asks.find(tenant, run=run, state=state)
             docs = [a.to_json() for a in asks]
     if as_json:
         emit_json(docs)
@@ -94,7 +93,7 @@ def ask_show(
     else:
         with open_runtime(home) as rt:
             authorize_read(rt, token, tenant, Action.RUN_READ)
-            doc = Asks(rt.store, rt.ledger, rt.control).get(tenant, ask_id).to_json()
+            doc = rt.asks.get(tenant, ask_id).to_json()
     if as_json:
         emit_json(doc)
         return
@@ -128,7 +127,7 @@ def _answer(
             actor, principal = acting(rt, token)
             if principal is None:
                 rt.tenants.get(tenant)
-            ask = Asks(rt.store, rt.ledger, rt.control).answer(
+            ask = rt.asks.answer(
                 tenant, ask_id, approve, actor=actor, principal=principal, comment=comment,
                 trust_domain=rt.config.trust_domain,
             )  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from proctor.governance._approvals import Approvals
 from proctor.governance._artifacts import Artifacts
+from proctor.governance._asks import Asks
 from proctor.governance._deployments import Deployments
 from proctor.governance._egress import EgressRanges
 from proctor.governance._keys import KeyRing
@@ -54,6 +55,8 @@ class Home(Protocol):
     def artifacts(self) -> Artifacts: ...
     @property
     def approvals(self) -> Approvals: ...
+    @property
+    def asks(self) -> Asks: ...
     @property
     def deployments(self) -> Deployments: ...
     @property

@@ -35,7 +35,7 @@ from datetime import UTC, datetime, timedelta
 
 from proctor.broker import reap_broker_sockets
 from proctor.errors import ProctorError
-from proctor.governance import Asks, ControlPlane, Deployment, Home, Retention, RunRecord
+from proctor.governance import Deployment, Home, Retention, RunRecord
 from proctor.ledger import Actor
 from proctor.lifecycle._jsonlog import log_event
 from proctor.lifecycle._lock import ServeLock
@@ -173,8 +173,7 @@ class Server:
         """Close every ask whose run no longer runs (its serve was killed while a call
         waited): abandoned, recorded, never left waiting on nobody."""
         try:
-            asks = Asks(self.rt.store, self.rt.ledger, ControlPlane(self.rt.ledger))
-            closed = asks.abandon_orphans(self.actor)
+            closed = self.rt.asks.abandon_orphans(self.actor)
         except ProctorError as exc:
             log.warning("proctor serve: asks of ended runs not closed yet: %s", exc.message)
             return

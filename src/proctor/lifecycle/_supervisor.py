@@ -38,8 +38,6 @@ from proctor.broker import (
 from proctor.errors import ProctorError, RunRefused
 from proctor.governance import (
     ApprovalRequired,
-    Asks,
-    ControlPlane,
     Deployment,
     Home,
     RunRecord,
@@ -625,9 +623,7 @@ class Supervisor:
         is recorded all the same, and the next sweep closes them)."""
         actor = Actor("runtime", f"supervisor:{self.supervisor_id}")
         try:
-            Asks(self.rt.store, self.rt.ledger, ControlPlane(self.rt.ledger)).abandon_run(
-                tenant, run_id, actor, why
-            )
+            self.rt.asks.abandon_run(tenant, run_id, actor, why)
         except ProctorError as exc:
             _log.warning("run %s: its asks were not closed: %s", run_id, exc.message)
 
